@@ -1,0 +1,58 @@
+"""Command-line entry point ``offpolicy-moe``.
+
+Each subcommand lives in its own module under :mod:`offpolicy_moe.commands` and exposes
+``add_arguments(parser)`` and ``run(args) -> int``.  Modules are imported lazily so that
+``offpolicy-moe --help`` stays fast and a broken optional dependency only affects its command.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = {
+    "train": "Train a policy from a YAML config (plus key=value overrides).",
+    "demo": "The embedded CPU demo: SFT warm start, then stale off-policy RL with TIS + R3.",
+    "presets": "List algorithm presets, or print one resolved.",
+    "sweep": "Run a grid of runs (algorithm x staleness x seed) into one sweep folder.",
+    "table": "Aggregate a sweep folder into a table (mean +- std across seeds).",
+    "plot": "Plot metric curves (mean and band across seeds) from a sweep folder.",
+    "env": "Print versions, threads and devices (paste it into bug reports).",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="offpolicy-moe",
+        description="RL for Mixture-of-Experts LLMs on stale, off-policy data.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            mod = importlib.import_module(f"offpolicy_moe.commands.{name}")
+        except ModuleNotFoundError as exc:  # command not built yet / optional dependency missing
+            if exc.name and exc.name.startswith("offpolicy_moe.commands"):
+                p.set_defaults(_unavailable=name)
+                continue
+            raise
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "_unavailable", None):
+        print(f"offpolicy-moe: command '{args.command}' is not available in this build", file=sys.stderr)
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of ``offpolicy-moe``; each module exposes ``add_arguments`` and ``run``."""

@@ -1,0 +1,23 @@
+import subprocess
+import sys
+
+from offpolicy_moe.cli import main
+
+
+def test_help_lists_commands(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    for cmd in ("train", "demo", "sweep", "table", "plot", "presets", "env"):
+        assert cmd in out
+
+
+def test_env_command_json(capsys):
+    assert main(["env", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"torch"' in out and '"transformers"' in out
+
+
+def test_module_entry_point():
+    r = subprocess.run([sys.executable, "-m", "offpolicy_moe", "env"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "torch_threads" in r.stdout
