@@ -1,0 +1,193 @@
+"""Build a policy from a preset or load a local Hugging Face checkpoint offline, and check it fits.
+
+``load_policy(cfg)`` returns ``(model, tokenizer)``:
+
+* ``cfg.path`` set → ``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` and
+  ``AutoTokenizer.from_pretrained(cfg.tokenizer_path or path, local_files_only=True)`` (or the
+  ``tokenizer`` argument); nothing is fetched from the network;
+* otherwise ``cfg.preset`` is built from config with the char tokenizer's vocabulary.
+
+:func:`check_compatibility` raises ``ValueError`` with a message naming both sides when the
+tokenizer does not fit the embedding, or the MoE shape (experts, top-k) is not the expected one.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .presets import PRESETS, build_preset, resolve_dtype
+
+_EXPERT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
+_TOPK_ATTRS = ("num_experts_per_tok", "moe_topk", "top_k")
+
+
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """``model.path`` / ``model.tokenizer_path`` is missing or not a Hugging Face directory."""
+
+
+@dataclass(frozen=True)
+class MoEInfo:
+    """MoE shape of a model: routed experts per layer, experts per token, MoE layers found."""
+
+    num_experts: Optional[int]
+    top_k: Optional[int]
+    num_moe_layers: int
+
+
+def _cfg_int(config, names) -> Optional[int]:
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def moe_info(model) -> MoEInfo:
+    """Experts and top-k from the model config; MoE layers = modules holding both ``experts`` and a
+    router (``gate`` or ``router``), the layout of every transformers 5.x MoE family."""
+    config = getattr(model, "config", None)
+    layers = sum(1 for m in model.modules()
+                 if hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router")))
+    return MoEInfo(_cfg_int(config, _EXPERT_ATTRS), _cfg_int(config, _TOPK_ATTRS), layers)
+
+
+def is_moe(model) -> bool:
+    """True when the model has at least one routed-experts layer."""
+    return moe_info(model).num_moe_layers > 0
+
+
+def _embedding_rows(model) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and hasattr(emb, "num_embeddings"):
+        return int(emb.num_embeddings)
+    return int(model.config.vocab_size)
+
+
+def check_compatibility(model, tok, *, num_experts: Optional[int] = None, top_k: Optional[int] = None,
+                        require_moe: bool = False, task=None) -> MoEInfo:
+    """Check that ``model`` and ``tok`` (and optionally ``task``) can be trained together.
+
+    Raises ``ValueError`` when: the tokenizer has more tokens than the embedding has rows (or a
+    special id falls outside it); eos/pad ids are missing; ``require_moe`` and the model has no MoE
+    layer; the model's experts or top-k differ from ``num_experts``/``top_k``; a character of the
+    task's prompts/answers cannot be encoded.  Returns the model's :class:`MoEInfo`.
+    """
+    rows = _embedding_rows(model)
+    n_tok = len(tok)
+    if n_tok > rows:
+        raise ValueError(f"tokenizer has {n_tok} tokens but the model embedding has {rows} rows "
+                         f"(model.config.vocab_size={model.config.vocab_size}); the tokenizer does not match the checkpoint")
+    for name in ("eos_token_id", "pad_token_id"):
+        tid = getattr(tok, name, None)
+        if tid is None:
+            raise ValueError(f"tokenizer has no {name}; generation and SFT need it")
+        if not 0 <= tid < rows:
+            raise ValueError(f"tokenizer {name}={tid} is outside the model embedding (0..{rows - 1})")
+    info = moe_info(model)
+    if require_moe and info.num_moe_layers == 0:
+        raise ValueError(f"{type(model).__name__} has no Mixture-of-Experts layer; this run needs an MoE policy "
+                         "(routing replay / routing metrics)")
+    if num_experts is not None and info.num_experts != num_experts:
+        raise ValueError(f"expected {num_experts} experts per MoE layer but {type(model).__name__} has "
+                         f"{info.num_experts} (config vs checkpoint mismatch: set model.num_experts={info.num_experts})")
+    if top_k is not None and info.top_k != top_k:
+        raise ValueError(f"expected top_k={top_k} but {type(model).__name__} routes to {info.top_k} experts per token "
+                         f"(set model.top_k={info.top_k})")
+    if task is not None:
+        from ..tasks.tokenizer import encode_texts
+
+        sample = sorted(task.alphabet)
+        try:
+            encode_texts(tok, ["".join(sample)])
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise ValueError(f"the task uses characters the tokenizer cannot encode: {exc}") from exc
+    return info
+
+
+def _require_dir(path: str, what: str) -> str:
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{what}={path!r} is not an existing directory (local checkpoints only; "
+                                      "nothing is downloaded)")
+    return path
+
+
+def load_tokenizer(path: str):
+    """``AutoTokenizer`` from a local directory (offline); sets ``pad_token = eos_token`` if it has none."""
+    from transformers import AutoTokenizer
+
+    path = _require_dir(path, "model.tokenizer_path")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CheckpointNotFoundError(f"no usable tokenizer in {path!r}: {exc}") from exc
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def _supports_experts_impl(config) -> bool:
+    return _cfg_int(config, _EXPERT_ATTRS) is not None
+
+
+def load_checkpoint(path: str, *, dtype="float32", experts_implementation: Optional[str] = "grouped_mm"):
+    """``AutoModelForCausalLM`` from a local directory with ``local_files_only=True``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _require_dir(path, "model.path")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointNotFoundError(f"model.path={path!r} has no config.json: not a Hugging Face checkpoint")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    kwargs = {"dtype": resolve_dtype(dtype), "local_files_only": True}
+    if experts_implementation and _supports_experts_impl(config):
+        kwargs["experts_implementation"] = experts_implementation
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def build_model(cfg, tok, *, seed: Optional[int] = None):
+    """Model for ``cfg`` (a ``ModelConfig``): the local checkpoint at ``cfg.path`` or a preset sized
+    for ``tok`` (vocabulary and pad/bos/eos ids)."""
+    if getattr(cfg, "path", None):
+        return load_checkpoint(cfg.path, dtype=cfg.dtype, experts_implementation=cfg.experts_implementation)
+    preset = getattr(cfg, "preset", "tiny-qwen3-moe")
+    if preset == "path":
+        raise ValueError("model.preset='path' needs model.path (a local Hugging Face checkpoint directory)")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model.preset={preset!r}; expected one of {sorted(PRESETS)} or set model.path")
+    special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    return build_preset(preset, len(tok), num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                        num_experts=cfg.num_experts, top_k=cfg.top_k, special_ids=special, dtype=cfg.dtype,
+                        experts_implementation=cfg.experts_implementation, seed=seed)
+
+
+def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_experts: Optional[int] = None,
+                expected_top_k: Optional[int] = None, require_moe: bool = False, task=None):
+    """``(model, tokenizer)`` for a ``ModelConfig``, checked with :func:`check_compatibility`.
+
+    Tokenizer: the ``tokenizer`` argument, else ``cfg.tokenizer_path``, else (checkpoint) ``cfg.path``,
+    else (preset) the built-in char tokenizer.  For a preset, its experts and top-k are checked against
+    ``cfg``; for a checkpoint only against ``expected_num_experts``/``expected_top_k`` when given (the
+    preset-size fields of ``cfg`` describe presets, not checkpoints).  ``seed`` fixes a preset's init.
+    """
+    if tokenizer is None:
+        tok_path = getattr(cfg, "tokenizer_path", None) or getattr(cfg, "path", None)
+        if tok_path:
+            tokenizer = load_tokenizer(tok_path)
+        else:
+            from ..tasks.tokenizer import build_char_tokenizer
+
+            tokenizer = build_char_tokenizer()
+    model = build_model(cfg, tokenizer, seed=seed)
+    if getattr(cfg, "path", None):
+        n_exp, k = expected_num_experts, expected_top_k
+    else:
+        is_moe_preset = getattr(cfg, "preset", "tiny-qwen3-moe") != "tiny-dense"
+        n_exp = cfg.num_experts if is_moe_preset else None
+        k = cfg.top_k if is_moe_preset else None
+    check_compatibility(model, tokenizer, num_experts=n_exp, top_k=k, require_moe=require_moe, task=task)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,65 @@
+"""A local prompt/answer dataset on disk: one JSON object ``{"prompt": ..., "answer": ...}`` per line.
+
+Selected with ``task.name="jsonl:<path>"``.  The evaluation split holds out ``eval_size`` distinct
+prompts chosen by a seeded shuffle; every record whose prompt is held out is removed from training, so
+the splits are disjoint.  Reading is strict: a bad line raises ``ValueError`` naming the file and line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Optional
+
+import numpy as np
+
+from .base import PromptAnswerTask
+
+
+def read_jsonl_records(path: str) -> list[tuple[str, str]]:
+    """``(prompt, answer)`` of every non-blank line of ``path``; both fields must be strings."""
+    if not os.path.isfile(path):
+        raise ValueError(f"task file {path!r} does not exist (task.name='jsonl:<path>')")
+    rows: list[tuple[str, str]] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("answer"), str):
+                raise ValueError(f"{path}:{lineno}: expected an object with string fields 'prompt' and 'answer'")
+            rows.append((rec["prompt"], rec["answer"]))
+    if not rows:
+        raise ValueError(f"task file {path!r} has no records")
+    return rows
+
+
+class JsonlTask(PromptAnswerTask):
+    """Prompt/answer records from a local JSONL file, split into disjoint train/eval by prompt."""
+
+    def __init__(self, path: str, cfg: Optional[object] = None, **overrides) -> None:
+        fields = {"reward": getattr(cfg, "reward", "exact"), "eval_size": getattr(cfg, "eval_size", 128),
+                  "seed": getattr(cfg, "seed", 1234)}
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise TypeError(f"unknown JsonlTask option(s): {sorted(unknown)}")
+        fields.update(overrides)
+        self.path = path
+        rows = read_jsonl_records(path)
+        prompts = sorted({p for p, _ in rows})
+        n_eval = int(fields["eval_size"])
+        if n_eval > len(prompts) // 2:
+            n_eval = len(prompts) // 2
+            warnings.warn(f"{path} has {len(prompts)} distinct prompts; eval split capped at {n_eval}", stacklevel=2)
+        order = np.random.default_rng([int(fields["seed"]), 0x150E]).permutation(len(prompts))
+        held_out = {prompts[i] for i in order[:n_eval]}
+        eval_rows, seen = [], set()
+        for p, a in rows:
+            if p in held_out and p not in seen:
+                seen.add(p)
+                eval_rows.append((p, a))
+        train_rows = [(p, a) for p, a in rows if p not in held_out]
+        super().__init__(train_rows, eval_rows, reward=fields["reward"], seed=int(fields["seed"]))
