@@ -1,0 +1,66 @@
+"""Per-token estimators of KL(pi_theta || pi_ref) for an optional reference-KL penalty.
+
+Estimators from J. Schulman, "Approximating KL divergence" (2020); the straight-through "k3+"
+(value of k3, gradient of k2) follows the observation that only k2's gradient is the unbiased
+gradient of the sampled KL (see e.g. arXiv 2510.01555).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._validate import (
+    as_bool_mask,
+    check_choice,
+    check_float,
+    check_same_shape,
+    check_tensor,
+    check_values,
+    clamp_log_ratio,
+)
+
+KL_KINDS = ("k1", "k2", "k3", "k3+")
+
+
+def kl_penalty(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    kind: str = "k3",
+    *,
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-token KL estimate (same shape as ``logp``); ``ref_logp`` is treated as a constant.
+
+    With ``d = logp - ref_logp``:
+    ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = exp(-d') + d' - 1`` with ``d' = clamp(d, +-20)``;
+    ``k3+ = k2 - sg[k2] + sg[k3]`` (value k3, gradient k2).  With ``mask``, masked positions are 0.
+    Aggregate the result with :func:`aggregate` like any per-token loss.
+    """
+    check_tensor("logp", logp)
+    check_tensor("ref_logp", ref_logp)
+    check_float("logp", logp)
+    check_same_shape("logp", logp, "ref_logp", ref_logp)
+    check_choice("kind", kind, KL_KINDS)
+    if mask is not None:
+        check_tensor("mask", mask)
+        check_same_shape("logp", logp, "mask", mask)
+        check_values(mask, [("logp", logp), ("ref_logp", ref_logp)])
+        m = as_bool_mask(mask)
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        d = torch.where(m, logp - ref_logp.detach().to(logp.dtype), zero)
+    else:
+        d = logp - ref_logp.detach().to(logp.dtype)
+    if kind == "k1":
+        return d
+    k2 = 0.5 * d * d
+    if kind == "k2":
+        return k2
+    dc = clamp_log_ratio(d)
+    k3 = torch.exp(-dc) + dc - 1.0
+    if kind == "k3":
+        return k3
+    return k2 - k2.detach() + k3.detach()
+
+
+__all__ = ["kl_penalty", "KL_KINDS"]

@@ -1,0 +1,208 @@
+"""Clipped and unclipped policy-gradient objectives: GRPO/PPO, GSPO(-token), no trust region.
+
+Every objective has the same calling convention (see :mod:`offpolicy_moe.losses.registry`)::
+
+    loss, metrics = fn(logp, old_logp, advantages, mask, *, agg=None, weights=None,
+                       num_tokens=None, num_seqs=None, norm_length=None, **own_options)
+
+``logp`` [B, T] carries the gradient; ``old_logp`` [B, T] is treated as a constant; ``advantages``
+is [B] (broadcast over tokens) or [B, T]; ``mask`` [B, T] is bool or 0/1; ``weights`` [B, T] are
+per-token correction weights (detached, e.g. from :func:`correction_weights`) multiplied onto the
+per-token loss before aggregation.  ``agg=None`` picks the objective's default aggregation mode.
+Metrics are detached float32 0-d tensors (no host sync); use :func:`metrics_to_floats` to log them.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from ._common import Metrics, apply_weights, check_clip, frac, masked_max, masked_mean, prepare
+from ._validate import LOG_RATIO_BOUND
+from .aggregation import Count, aggregate
+
+GRPO_CLIP = (0.2, 0.2)
+GSPO_CLIP = (3e-4, 4e-4)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``max(-A r, -A clip(r, 1-lo, 1+hi))`` with the unclipped branch kept on ties.
+
+    Returns the per-token loss and the masks of lower/upper clip activity.
+    """
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    use_clipped = clipped > unclipped
+    loss = torch.where(use_clipped, clipped, unclipped)
+    low = use_clipped & (adv < 0)
+    high = use_clipped & (adv > 0)
+    return loss, low, high
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg: Optional[str] = None,
+    weights: Optional[torch.Tensor] = None,
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+    norm_length: Optional[float] = None,
+    clip_low: Optional[float] = None,
+    clip_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """PPO/GRPO clipped surrogate (PPO arXiv 1707.06347; GRPO arXiv 2402.03300; DAPO clip-higher 2503.14476).
+
+    ``r = exp(clamp(logp - old_logp, +-20))``,
+    ``l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c > 1``
+    (arXiv 1912.09729) tokens with ``A < 0`` get ``l = min(l, -A c)``.  ``l *= weights``; then
+    :func:`aggregate` (default ``token-mean``).  Defaults ``clip_low = clip_high = 0.2``.
+
+    Metrics: ``actor/clipfrac`` (clipped branch active), ``actor/clipfrac_low`` (A<0, r<1-lo),
+    ``actor/clipfrac_high`` (A>0, r>1+hi), ``actor/dual_clipfrac``, ``actor/ppo_kl``
+    (masked mean of ``old_logp - logp``), ``actor/ratio_mean``, ``actor/ratio_max``.
+    """
+    agg = "token-mean" if agg is None else agg
+    lo = check_clip("clip_low", GRPO_CLIP[0] if clip_low is None else clip_low)
+    hi = check_clip("clip_high", GRPO_CLIP[1] if clip_high is None else clip_high)
+    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
+        raise ValueError(f"dual_clip must be a number > 1 (or None), got {dual_clip!r}")
+    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    ratio = torch.exp(x.log_ratio)
+    loss_mat, low, high = _clipped_surrogate(ratio, x.adv, lo, hi)
+    dual_active = torch.zeros_like(x.mask)
+    if dual_clip is not None:
+        cap = -x.adv * float(dual_clip)
+        dual_active = (x.adv < 0) & (cap < loss_mat)
+        loss_mat = torch.where(dual_active, cap, loss_mat)
+    loss = aggregate(
+        apply_weights(loss_mat, x.weights), x.mask, agg,
+        num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+    )
+    metrics: Metrics = {
+        "actor/clipfrac": frac(low | high, x.mask),
+        "actor/clipfrac_low": frac(low, x.mask),
+        "actor/clipfrac_high": frac(high, x.mask),
+        "actor/dual_clipfrac": frac(dual_active, x.mask),
+        "actor/ppo_kl": masked_mean(-x.log_ratio, x.mask),
+        "actor/ratio_mean": masked_mean(ratio, x.mask),
+        "actor/ratio_max": masked_max(ratio, x.mask),
+    }
+    return loss, metrics
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg: Optional[str] = None,
+    weights: Optional[torch.Tensor] = None,
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+    norm_length: Optional[float] = None,
+    clip_low: Optional[float] = None,
+    clip_high: Optional[float] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """GSPO, token form (Group Sequence Policy Optimization, arXiv 2507.18071).
+
+    ``log s_i = sum_t m (logp - old_logp) / max(sum_t m, 1)`` (clamped to +-20), and per token
+    ``log s_{i,t} = logp - sg[logp] + sg[log s_i]``: value ``s_i``, gradient ``s_i grad logp``.
+    ``l = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))`` (defaults 3e-4 / 4e-4), times
+    ``weights``, aggregated with ``agg`` (default ``seq-mean-token-mean``, which makes the gradient
+    equal to sequence-level GSPO's when A is per sequence).  Token-sum modes are honoured but warn,
+    because they weight each sequence by its length.
+
+    Metrics: ``actor/clipfrac`` (fraction of valid tokens whose sequence ratio is clipped),
+    ``actor/clipfrac_low``, ``actor/clipfrac_high``, ``actor/ppo_kl``, ``gspo/seq_ratio_mean``
+    (mean of s_i over non-empty sequences), ``gspo/seq_clipfrac``.
+    """
+    agg = "seq-mean-token-mean" if agg is None else agg
+    lo = check_clip("clip_low", GSPO_CLIP[0] if clip_low is None else clip_low)
+    hi = check_clip("clip_high", GSPO_CLIP[1] if clip_high is None else clip_high)
+    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    if agg in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        warnings.warn(
+            f"gspo_loss with agg={agg!r} weights each sequence by its length; GSPO's objective is "
+            "'seq-mean-token-mean'",
+            stacklevel=2,
+        )
+    n_tok = x.mask.sum(-1)
+    seq_log = (x.raw_log_ratio.detach().sum(-1) / n_tok.clamp(min=1).to(logp.dtype)).clamp(
+        -LOG_RATIO_BOUND, LOG_RATIO_BOUND
+    )
+    log_s = x.logp - x.logp.detach() + seq_log.unsqueeze(-1)
+    s = torch.exp(log_s)
+    loss_mat, low, high = _clipped_surrogate(s, x.adv, lo, hi)
+    loss = aggregate(
+        apply_weights(loss_mat, x.weights), x.mask, agg,
+        num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+    )
+    has_tok = n_tok > 0
+    seq_s = torch.exp(seq_log)
+    seq_clipped = ((seq_s < 1.0 - lo) | (seq_s > 1.0 + hi)) & has_tok
+    metrics: Metrics = {
+        "actor/clipfrac": frac(low | high, x.mask),
+        "actor/clipfrac_low": frac(low, x.mask),
+        "actor/clipfrac_high": frac(high, x.mask),
+        "actor/ppo_kl": masked_mean(-x.log_ratio, x.mask),
+        "gspo/seq_ratio_mean": masked_mean(seq_s, has_tok),
+        "gspo/seq_clipfrac": frac(seq_clipped, has_tok),
+    }
+    return loss, metrics
+
+
+def unclipped_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg: Optional[str] = None,
+    weights: Optional[torch.Tensor] = None,
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+    norm_length: Optional[float] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Importance-weighted policy gradient with no trust region: ``l = -A r`` (times ``weights``).
+
+    ``r = exp(clamp(logp - old_logp, +-20))``.  The "no TR" baseline of M2PO (arXiv 2510.01161),
+    which trains well until it collapses at high staleness.  Default aggregation ``token-mean``.
+    Metrics: ``actor/ppo_kl``, ``actor/ratio_mean``, ``actor/ratio_max``.
+    """
+    agg = "token-mean" if agg is None else agg
+    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    ratio = torch.exp(x.log_ratio)
+    loss = aggregate(
+        apply_weights(-x.adv * ratio, x.weights), x.mask, agg,
+        num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+    )
+    metrics: Metrics = {
+        "actor/ppo_kl": masked_mean(-x.log_ratio, x.mask),
+        "actor/ratio_mean": masked_mean(ratio, x.mask),
+        "actor/ratio_max": masked_max(ratio, x.mask),
+    }
+    return loss, metrics
+
+
+def metrics_to_floats(metrics: dict) -> dict[str, float]:
+    """Convert a metrics dict of 0-d tensors / numbers to Python floats with a single host sync."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        ts = [metrics[k].detach().to(torch.float64).reshape(()) for k in keys]
+        if len({t.device for t in ts}) > 1:
+            ts = [t.cpu() for t in ts]
+        vals = torch.stack(ts).tolist()
+        out.update(zip(keys, vals))
+    return {k: out[k] for k in metrics}
+
+
+__all__ = ["grpo_loss", "gspo_loss", "unclipped_loss", "metrics_to_floats", "GRPO_CLIP", "GSPO_CLIP"]
