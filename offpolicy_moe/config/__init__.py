@@ -1,0 +1,37 @@
+"""Run configuration: typed schema (``schema``), loading with presets and overrides (``load``), cross-field
+validation (``validate``)."""
+from offpolicy_moe.config.load import (
+    PRESETS_ENV,
+    available_presets,
+    config_get,
+    expand_presets,
+    load_config,
+    load_config_dict,
+    preset_description,
+    preset_dirs,
+    preset_path,
+    save_resolved,
+    to_dict,
+    to_yaml,
+)
+from offpolicy_moe.config.schema import TrainConfig
+from offpolicy_moe.config.validate import ConfigError, infer_model_is_moe, validate
+
+__all__ = [
+    "ConfigError",
+    "PRESETS_ENV",
+    "TrainConfig",
+    "available_presets",
+    "config_get",
+    "expand_presets",
+    "infer_model_is_moe",
+    "load_config",
+    "load_config_dict",
+    "preset_description",
+    "preset_dirs",
+    "preset_path",
+    "save_resolved",
+    "to_dict",
+    "to_yaml",
+    "validate",
+]

@@ -1,0 +1,124 @@
+"""Every invalid combination is refused with a message naming its keys; warnings name theirs."""
+import json
+
+import pytest
+
+from offpolicy_moe.config import ConfigError, load_config, validate
+from offpolicy_moe.config.validate import infer_model_is_moe
+
+
+def _err(overrides, presets=(), moe=True):
+    cfg = load_config(overrides=overrides, presets=presets)
+    with pytest.raises(ConfigError) as ei:
+        validate(cfg, model_is_moe=moe)
+    return str(ei.value)
+
+
+def test_defaults_and_all_algorithm_combinations_valid():
+    assert validate(load_config(), model_is_moe=True) == []
+    for loss in ("grpo", "gspo", "m2po", "unclipped"):
+        for corr in ((), ("tis",), ("mis",), ("icepop",)):
+            for route in ((), ("r3",), ("pr2",)):
+                validate(load_config(presets=[loss, *corr, *route], overrides=["trainer.updates_per_step=4"]),
+                         model_is_moe=True)
+
+
+@pytest.mark.parametrize(
+    "overrides,presets,moe,keys",
+    [
+        (["algo.old_logp_source=engine"], ["tis"], True, ["algo.correction.mode", "algo.old_logp_source"]),
+        (["algo.old_logp_source=engine"], ["icepop"], True, ["algo.correction.mode", "algo.old_logp_source"]),
+        (["algo.old_logp_source=engine"], ["r2"], True, ["algo.routing.replay=r2", "algo.old_logp_source"]),
+        ([], ["r3"], False, ["algo.routing.replay=r3", "model"]),
+        ([], ["r2"], False, ["algo.routing.replay=r2"]),
+        ([], ["pr2"], False, ["algo.routing.replay=pr2"]),
+        (["algo.loss.m2po_tau=0"], ["m2po"], True, ["algo.loss.m2po_tau"]),
+        (["algo.loss.m2po_tau=-0.1"], [], True, ["algo.loss.m2po_tau"]),
+        (["buffer.staleness=-1"], [], True, ["buffer.staleness"]),
+        (["algo.loss.name=ppo2"], [], True, ["algo.loss.name", "ppo2"]),
+        (["algo.routing.replay=r4"], [], True, ["algo.routing.replay", "r4"]),
+        (["algo.correction.mode=clip"], [], True, ["algo.correction.mode"]),
+        (["algo.correction.level=batch"], [], True, ["algo.correction.level"]),
+        (["algo.old_logp_source=rollout"], [], True, ["algo.old_logp_source"]),
+        (["buffer.mode=async"], [], True, ["buffer.mode"]),
+        (["algo.loss.agg=token-sum-mean"], [], True, ["algo.loss.agg"]),
+        (["algo.loss.clip_low=-0.1"], [], True, ["algo.loss.clip_low"]),
+        (["algo.loss.clip_high=-0.2"], [], True, ["algo.loss.clip_high"]),
+        (["algo.loss.clip_low=1.0"], [], True, ["algo.loss.clip_low"]),
+        (["algo.loss.dual_clip=0.5"], [], True, ["algo.loss.dual_clip"]),
+        (["algo.correction.high=0"], [], True, ["algo.correction.high"]),
+        (["algo.correction.low=3", "algo.correction.high=2"], [], True, ["algo.correction.low", "algo.correction.high"]),
+        (["rollout.group_size=0"], [], True, ["rollout.group_size"]),
+        (["rollout.temperature=0"], [], True, ["rollout.temperature"]),
+        (["rollout.top_p=1.5"], [], True, ["rollout.top_p"]),
+        (["trainer.updates_per_step=0"], [], True, ["trainer.updates_per_step"]),
+        (["trainer.updates_per_step=64", "trainer.grad_accum=4"], [], True, ["trainer.updates_per_step", "trainer.grad_accum"]),
+        (["optim.lr=0"], [], True, ["optim.lr"]),
+        (["optim.betas=[0.9,1.5]"], [], True, ["optim.betas"]),
+        (["algo.kl.coef=-1"], [], True, ["algo.kl.coef"]),
+        (["algo.kl.kind=k9"], [], True, ["algo.kl.kind"]),
+        (["model.top_k=9"], [], True, ["model.top_k"]),
+        (["task.operators=/"], [], True, ["task.operators"]),
+        (["task.name=gsm8k"], [], True, ["task.name"]),
+        (["model.path=/path/to/Qwen3-30B-A3B"], [], None, ["model.path", "placeholder"]),
+        (["logging.loggers=[console,tensorboard]"], [], True, ["logging.loggers"]),
+        (["algo.routing.pr2_feature_sample_rate=0"], [], True, ["algo.routing.pr2_feature_sample_rate"]),
+        (["rollout.dtype=int8"], [], True, ["rollout.dtype"]),
+    ],
+)
+def test_invalid_combination_refused_naming_keys(overrides, presets, moe, keys):
+    msg = _err(overrides, presets, moe)
+    for k in keys:
+        assert k in msg, (k, msg)
+
+
+def test_all_errors_reported_at_once():
+    msg = _err(["buffer.staleness=-1", "algo.loss.m2po_tau=0"])
+    assert "2 problems" in msg and "buffer.staleness" in msg and "algo.loss.m2po_tau" in msg
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "overrides,presets,keys",
+    [
+        (["algo.loss.agg=seq-mean-token-sum"], ["gspo"], ["algo.loss.agg", "gspo"]),
+        (["algo.loss.agg=token-mean"], ["gspo"], ["algo.loss.agg", "gspo"]),
+        (["rollout.group_size=1"], [], ["rollout.group_size", "adv_norm"]),
+        (["algo.loss.clip_low=0.2"], ["m2po"], ["clip_low", "m2po"]),
+        ([], ["r2"], ["r2", "trainer.updates_per_step"]),
+        (["trainer.updates_per_step=3"], [], ["trainer.updates_per_step"]),
+        (["buffer.staleness=10", "trainer.steps=10"], [], ["buffer.staleness", "trainer.steps"]),
+        (["algo.correction.high=0.5"], ["tis"], ["algo.correction.high"]),
+    ],
+)
+def test_warnings_name_keys(overrides, presets, keys):
+    warnings = validate(load_config(overrides=overrides, presets=presets), model_is_moe=True)
+    assert len(warnings) == 1, warnings
+    for k in keys:
+        assert k in warnings[0], (k, warnings)
+
+
+def test_gspo_default_agg_has_no_warning():
+    assert validate(load_config(presets=["gspo"], overrides=["trainer.updates_per_step=4"]), model_is_moe=True) == []
+
+
+def test_infer_model_is_moe(tmp_path):
+    assert infer_model_is_moe(load_config()) is True
+    assert infer_model_is_moe(load_config(overrides=["model.preset=tiny-dense"])) is False
+    assert infer_model_is_moe(load_config(overrides=[f"model.path={tmp_path}/missing"])) is None
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({"num_experts": 128, "num_experts_per_tok": 8}))
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    assert infer_model_is_moe(load_config(overrides=[f"model.path={tmp_path}/moe"])) is True
+    assert infer_model_is_moe(load_config(overrides=[f"model.path={tmp_path}/dense"])) is False
+    # inferred dense -> replay refused without passing model_is_moe
+    cfg = load_config(presets=["r3"], overrides=[f"model.path={tmp_path}/dense"])
+    with pytest.raises(ConfigError, match="algo.routing.replay=r3"):
+        validate(cfg)
+    cfg = load_config(presets=["r3"], overrides=["model.preset=tiny-dense"])
+    with pytest.raises(ConfigError, match="dense"):
+        validate(cfg)
