@@ -1,0 +1,99 @@
+"""Routing metrics between two route traces (e.g. rollout engine vs the trainer's own routing).
+
+Definitions (R3 paper, arXiv:2510.11370, section 2; PR2, arXiv:2606.00395, section 5):
+  * decision mismatch: fraction of (token, MoE layer) pairs whose expert SET differs;
+  * token mismatch: fraction of tokens with at least one differing layer (the R3 paper's "94%");
+  * top-k agreement: mean ``|A ∩ B| / K``;
+  * coverage gap (needs router probabilities ``p`` of the B side): mean ``1 − Σ_{j∈A} p_j``.
+Only (token, layer) pairs recorded in both traces (and inside ``mask``) count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .trace import RouteTrace
+
+__all__ = ["RouteComparison", "compare_traces", "routing_metrics"]
+
+
+@dataclass
+class RouteComparison:
+    """Per-(token, layer) comparison of two traces.
+
+    Attributes:
+        overlap: ``[B, S, L]`` int64 ``|A ∩ B|``.
+        valid: ``[B, S]`` bool, tokens compared (recorded in both, inside the mask).
+        top_k: K.
+        coverage: ``[B, S, L]`` float ``Σ_{j∈A} p_j`` or None.
+    """
+
+    overlap: torch.Tensor
+    valid: torch.Tensor
+    top_k: int
+    coverage: torch.Tensor | None = None
+
+    @property
+    def differs(self) -> torch.Tensor:
+        """``[B, S, L]`` bool: the expert sets differ (only meaningful where ``valid``)."""
+        return self.overlap < self.top_k
+
+    def metrics(self, per_layer: bool = False, prefix: str = "routing/") -> dict[str, float]:
+        """Scalar metrics; ``prefix + "decision_mismatch"`` etc. Zero tokens -> zeros (``n_tokens`` = 0)."""
+        v = self.valid
+        n = int(v.sum())
+        out = {f"{prefix}n_tokens": float(n)}
+        if n == 0:
+            out.update({f"{prefix}decision_mismatch": 0.0, f"{prefix}token_mismatch": 0.0,
+                        f"{prefix}topk_agreement": 1.0})
+            if self.coverage is not None:
+                out[f"{prefix}coverage_gap"] = 0.0
+            return out
+        d = self.differs[v].float()  # [n, L]
+        out[f"{prefix}decision_mismatch"] = float(d.mean())
+        out[f"{prefix}token_mismatch"] = float(d.amax(-1).mean())
+        out[f"{prefix}topk_agreement"] = float((self.overlap[v].float() / self.top_k).mean())
+        if self.coverage is not None:
+            out[f"{prefix}coverage_gap"] = float((1.0 - self.coverage[v].float()).mean())
+        if per_layer:
+            for layer, val in enumerate(d.mean(0).tolist()):
+                out[f"{prefix}decision_mismatch/layer_{layer}"] = val
+        return out
+
+
+def compare_traces(trace_a: RouteTrace, trace_b: RouteTrace, mask: torch.Tensor | None = None,
+                   probs_b: torch.Tensor | None = None) -> RouteComparison:
+    """Compare the expert sets of two traces of the same sequences.
+
+    ``mask[B, S]`` restricts the tokens (e.g. response mask); ``probs_b[B, S, L, E]`` are the router probabilities
+    of the B side (e.g. softmax of the trainer's current logits) for the coverage gap of A's sets under B's router.
+    """
+    if trace_a.ids.shape != trace_b.ids.shape:
+        raise ValueError(f"trace shapes differ: {tuple(trace_a.ids.shape)} vs {tuple(trace_b.ids.shape)}")
+    if trace_a.num_experts != trace_b.num_experts:
+        raise ValueError(f"num_experts differ: {trace_a.num_experts} vs {trace_b.num_experts}")
+    a = trace_a.long_ids()
+    b = trace_b.long_ids().to(a.device)
+    valid = trace_a.recorded_mask() & trace_b.recorded_mask().to(a.device)
+    if mask is not None:
+        if tuple(mask.shape) != tuple(a.shape[:2]):
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not match the traces' [B, S] = {tuple(a.shape[:2])}")
+        valid = valid & mask.to(a.device).bool()
+    overlap = (a[..., :, None] == b[..., None, :]).any(-1).sum(-1)
+    coverage = None
+    if probs_b is not None:
+        want = tuple(a.shape[:3]) + (trace_a.num_experts,)
+        if tuple(probs_b.shape) != want:
+            raise ValueError(f"probs_b shape {tuple(probs_b.shape)} does not match [B, S, L, E] = {want}")
+        coverage = probs_b.to(a.device).float().gather(-1, a.clamp_min(0)).sum(-1)
+    return RouteComparison(overlap, valid, trace_a.top_k, coverage)
+
+
+def routing_metrics(trace_a: RouteTrace, trace_b: RouteTrace, mask: torch.Tensor | None = None,
+                    probs_b: torch.Tensor | None = None, per_layer: bool = False,
+                    prefix: str = "routing/") -> dict[str, float]:
+    """``routing/decision_mismatch``, ``routing/token_mismatch``, ``routing/topk_agreement``,
+    ``routing/coverage_gap`` (with ``probs_b``), ``routing/n_tokens`` and, with ``per_layer``,
+    ``routing/decision_mismatch/layer_{l}``. See :func:`compare_traces`."""
+    return compare_traces(trace_a, trace_b, mask, probs_b).metrics(per_layer=per_layer, prefix=prefix)
