@@ -62,6 +62,7 @@ class BufferConfig:
 
     staleness: int = 0                # k: a batch generated at step v is consumed at step v + k
     mode: str = "fixed"               # fixed (exact delay line) | bounded (drop batches older than k)
+    max_delay: Optional[int] = None   # bounded mode: simulated arrival latency ~ U{0..max_delay} (None = k)
 
 
 @dataclass
@@ -141,6 +142,10 @@ class TrainerConfig:
     on_nan: str = "skip"              # skip (count in actor/nan_skipped) | stop
     deterministic: bool = True
     threads: int = 0                  # 0 = torch default
+    keep_checkpoints: int = 2         # newest checkpoints kept (0 = all)
+    min_free_mb: float = 50.0         # free disk space required in the run folder at start
+    mismatch_metrics: bool = True     # recompute trainer log-probs for mismatch/* even in bypass mode
+    eval_batch_size: int = 128
 
 
 @dataclass

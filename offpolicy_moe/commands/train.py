@@ -1,0 +1,47 @@
+"""``offpolicy-moe train CONFIG.yaml [key=value ...] [--resume] [--run-dir DIR]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default=None, help="YAML config (omit to use the defaults)")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. buffer.staleness=4")
+    p.add_argument("--resume", action="store_true", help="continue the run in the run folder from its last checkpoint")
+    p.add_argument("--run-dir", default=None, help="run folder (overrides run_dir)")
+    p.add_argument("--preset", action="append", default=[], help="algorithm preset to add (repeatable)")
+
+
+def build_config(config: str | None, overrides: list[str], run_dir: str | None = None, presets=()):
+    """Resolve the config: defaults < presets < YAML < key=value (< --run-dir)."""
+    from offpolicy_moe.config.load import load_config
+
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        overrides = [config] + list(overrides)   # no YAML given, only overrides
+        config = None
+    overrides = [o[1:] if o.startswith("+") else o for o in overrides]
+    cfg = load_config(config, overrides, presets=list(presets))
+    if run_dir is not None:
+        cfg.run_dir = run_dir
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from offpolicy_moe.config.validate import ConfigError
+    from offpolicy_moe.engine.checkpoint import CheckpointError
+    from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError
+
+    try:
+        cfg = build_config(args.config, args.overrides, args.run_dir, getattr(args, "preset", []))
+        from offpolicy_moe.engine.trainer import train
+
+        summary = train(cfg, resume=args.resume)
+    except (ConfigError, RunDirError, CheckpointError, NonFiniteLossError, ValueError, FileNotFoundError) as exc:
+        print(f"offpolicy-moe train: error: {exc}", file=sys.stderr)
+        return 1
+    final = summary.get("final", {})
+    acc = final.get("eval/accuracy")
+    print(f"{summary['status']}: {summary['steps']} steps in {summary['wall_time_s']:.1f}s"
+          + (f", eval/accuracy={acc:.3f}" if acc is not None else "") + f" -> {summary['run_dir']}")
+    return 0 if summary["status"] == "completed" else 1

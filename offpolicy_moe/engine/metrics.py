@@ -1,0 +1,69 @@
+"""The documented keys of ``metrics.jsonl`` (stable names: tables and plots key on them).
+
+Every record has an integer ``step`` (trained steps so far; 0 = the evaluation before RL) and float metrics from
+the families below.  :data:`DOCUMENTED_KEYS` maps each key to its meaning; :data:`DOCUMENTED_PREFIXES` lists
+families whose exact keys depend on the objective (e.g. ``actor/clipfrac_low`` exists only for clipped losses).
+A test checks that every key a run writes is documented here.
+"""
+from __future__ import annotations
+
+DOCUMENTED_KEYS: dict[str, str] = {
+    # reward (computed when the batch is consumed)
+    "reward/mean": "mean reward of the consumed batch",
+    "reward/std": "std of the rewards of the consumed batch",
+    "reward/frac_zero_std": "fraction of groups whose rewards are all equal (advantage 0)",
+    "reward/response_len": "mean response length in tokens (EOS included)",
+    "reward/adv_abs_mean": "mean |advantage| over sequences",
+    # actor (averaged over the step's micro-batches)
+    "actor/loss": "policy loss (sum of micro-batch shares, averaged over mini-batches)",
+    "actor/grad_norm": "gradient norm before clipping (mean over the step's optimizer updates)",
+    "actor/clipfrac": "fraction of tokens where the clipped branch is active",
+    "actor/ppo_kl": "masked mean of old_logp - logp",
+    "actor/ratio_mean": "masked mean of r = pi_theta / pi_old",
+    "actor/lr": "learning rate of the policy parameter group",
+    "actor/nan_skipped": "cumulative number of optimizer updates skipped for a non-finite loss or gradient",
+    "actor/updates": "cumulative optimizer updates applied",
+    "actor/kl_ref": "reference-KL penalty value (when algo.kl.coef > 0)",
+    # train/inference mismatch between engine behav_logp and trainer old_logp (algorithms.md)
+    "mismatch/k3_kl": "k3 KL between the trainer's old_logp (as used) and the engine's behav_logp",
+    "mismatch/extreme_frac": "fraction of tokens with max(rho, 1/rho) > 2",
+    "mismatch/k3_kl_r3": "k3 KL when the trainer replays the engine's routes (R3)",
+    "mismatch/k3_kl_no_r3": "k3 KL when the trainer routes by itself (no replay)",
+    "mismatch/extreme_frac_r3": "extreme-token fraction with R3 replay",
+    "mismatch/extreme_frac_no_r3": "extreme-token fraction without replay",
+    # routing (engine routes vs the trainer's own top-k on the same tokens; MoE models)
+    "routing/decision_mismatch": "fraction of (token, layer) whose expert set differs engine vs trainer",
+    "routing/token_mismatch": "fraction of tokens with >= 1 differing layer",
+    # off-policyness
+    "offpolicy/staleness_steps": "policy version lag (trainer version - batch version) of the consumed batch",
+    "offpolicy/staleness_updates": "staleness in optimizer updates = staleness_steps x updates_per_step",
+    "offpolicy/batch_version": "policy version that generated the consumed batch",
+    "offpolicy/generated_at": "trainer iteration that generated the consumed batch (no batch lost or reused)",
+    "offpolicy/dropped": "cumulative batches dropped by the bounded buffer",
+    "offpolicy/buffer_size": "batches waiting in the buffer after the step",
+    # performance
+    "perf/gen_tokens_per_s": "generated response tokens per second (this iteration's generation)",
+    "perf/update_tokens_per_s": "tokens (prompt + response) per second through the update forward/backward",
+    "perf/time_generate_s": "seconds in generation",
+    "perf/time_old_logp_s": "seconds recomputing old log-probs (and mismatch/routing measurements)",
+    "perf/time_update_s": "seconds in the optimizer updates",
+    "perf/time_eval_s": "seconds in evaluation",
+    "perf/time_step_s": "seconds of the whole iteration",
+    # evaluation
+    "eval/accuracy": "greedy exact-match accuracy on the held-out split",
+    "eval/partial": "greedy per-digit partial credit on the held-out split",
+}
+
+#: families whose keys vary with the objective or mechanism (documented in the losses/routing modules)
+DOCUMENTED_PREFIXES: tuple[str, ...] = (
+    "actor/",      # objective-specific: clipfrac_low/high, dual_clipfrac, ratio_max, seq_ratio_*, ...
+    "mismatch/",   # correction-specific: is_mean, is_max, is_min, ess, clipped_frac, masked_frac, ...
+    "m2po/",       # m2_before, m2_after, masked_frac, trust_region_frac, log_ratio_bound
+    "pr2/",        # pred_kl, topk_agreement, coverage_gap, zero_dev_frac, bias_ratio, loss
+    "routing/",
+)
+
+
+def is_documented(key: str) -> bool:
+    """True iff ``key`` is ``step``, a documented key, or in a documented family."""
+    return key == "step" or key in DOCUMENTED_KEYS or key.startswith(DOCUMENTED_PREFIXES)

@@ -1,0 +1,216 @@
+"""Rollout engines: the policy copy that samples responses (behaviour policy μ).
+
+:class:`RolloutEngine` is the interface a vLLM / SGLang engine would implement; :class:`HFRolloutEngine` is the
+built-in one.  It holds its OWN copy of the policy in its own precision (bf16 by default, the realistic source of
+train/inference mismatch; optional Gaussian router-logit noise), at an integer version, and samples ``G``
+responses per prompt with ``model.generate`` (KV cache, temperature, top-p; top-k disabled).
+
+Behaviour log-probs are EXACT for the distribution sampled from: ``generate(output_scores=True)`` returns, for
+every decode step, the scores after all logits processors (temperature division, top-p masking to -inf, ...) —
+the very tensor that ``softmax`` + ``multinomial`` sampled from — so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.
+They are computed in float32 from the engine's (bf16) logits.
+
+When routing is recorded (R3 / PR2 / routing metrics) the engine's expert choices for every processed token come
+back as a route trace aligned with the sequences; with PR2 the predictors' logit offsets shape the engine's routing
+and the sampled features come back too.
+"""
+from __future__ import annotations
+
+import abc
+import copy
+import time
+from contextlib import ExitStack
+from typing import Any, Optional, Sequence
+
+import torch
+
+from offpolicy_moe.engine.batch import RolloutBatch
+
+__all__ = ["RolloutEngine", "HFRolloutEngine", "resolve_dtype"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16`` (also fp32/bf16/fp16 spellings); ValueError otherwise."""
+    try:
+        return _DTYPES[str(name)]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+class RolloutEngine(abc.ABC):
+    """What the trainer needs from a rollout engine."""
+
+    version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
+                 iteration: int = 0, group_offset: int = 0) -> RolloutBatch:
+        """Sample ``group_size`` responses per prompt; return a :class:`RolloutBatch` at ``self.version``."""
+
+    @abc.abstractmethod
+    def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
+        """Load new policy weights (and PR2 predictor weights) and set the version."""
+
+
+def _encode(tokenizer: Any, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(input_ids, attention_mask)`` via the task helper's ``encode_prompts`` when available."""
+    try:
+        from offpolicy_moe.tasks import encode_prompts  # type: ignore
+    except ImportError:
+        encode_prompts = None
+    if encode_prompts is not None:
+        enc = encode_prompts(tokenizer, list(prompts))
+    else:
+        tokenizer.padding_side = "left"
+        enc = tokenizer(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
+    if isinstance(enc, tuple):
+        return enc[0], enc[1]
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _cat_traces(traces: list) -> Any:
+    """Concatenate per-chunk route traces along the batch dimension (chunks are padded to a common length)."""
+    if len(traces) == 1:
+        return traces[0]
+    cls = type(traces[0])
+    if hasattr(cls, "cat"):
+        return cls.cat(traces)
+    if isinstance(traces[0], torch.Tensor):
+        return torch.cat(traces, 0)
+    raise TypeError(f"cannot concatenate route traces of type {cls.__name__}; generate in one chunk "
+                    "(rollout.batch_size >= prompts_per_step * group_size)")
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Hugging Face ``generate``-based engine with its own copy of the policy (see module docstring)."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, *, dtype: str = "bfloat16",
+                 max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128,
+                 record_routes: bool = False, router_noise: float = 0.0, pr2_predictors: Any = None,
+                 pr2_in_weights: bool = True, pr2_feature_sample_rate: float = 0.125,
+                 device: Optional[torch.device] = None):
+        if temperature <= 0:
+            raise ValueError(f"rollout.temperature must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {top_p}")
+        if max_new_tokens < 1 or batch_size < 1:
+            raise ValueError(f"rollout.max_new_tokens ({max_new_tokens}) and rollout.batch_size ({batch_size}) "
+                             "must be >= 1")
+        self.dtype = resolve_dtype(dtype)
+        self.model = copy.deepcopy(policy).to(dtype=self.dtype)
+        if device is not None:
+            self.model.to(device)
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.max_new_tokens = int(max_new_tokens)
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.batch_size = int(batch_size)
+        self.record_routes = bool(record_routes)
+        self.router_noise = float(router_noise)
+        self.pr2_predictors = copy.deepcopy(pr2_predictors) if pr2_predictors is not None else None
+        self.pr2_in_weights = pr2_in_weights
+        self.pr2_feature_sample_rate = pr2_feature_sample_rate
+        self.version = 0
+        self.last_generate_seconds = 0.0
+        self.controller = None
+        if self.record_routes or self.router_noise > 0 or self.pr2_predictors is not None:
+            from offpolicy_moe.routing import RoutingController
+
+            self.controller = RoutingController(self.model)
+        if self.pr2_predictors is not None:
+            self.pr2_predictors.to(dtype=torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
+        """Copy the trainer's weights (cast to the engine dtype) and set the version."""
+        self.model.load_state_dict(state_dict)
+        if predictors is not None and self.pr2_predictors is not None:
+            self.pr2_predictors.load_state_dict(predictors)
+        self.version = int(version)
+
+    # ------------------------------------------------------------------ sampling
+    def _generation_kwargs(self) -> dict:
+        tok = self.tokenizer
+        return dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0,
+                    max_new_tokens=self.max_new_tokens, min_new_tokens=0,
+                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                    return_dict_in_generate=True, output_scores=True, num_beams=1)
+
+    @torch.no_grad()
+    def _generate_chunk(self, ids: torch.Tensor, am: torch.Tensor, feature_cache: Any):
+        with ExitStack() as stack:
+            rec = None
+            if self.controller is not None:
+                if self.router_noise > 0:
+                    stack.enter_context(self.controller.logit_noise(self.router_noise))
+                if self.pr2_predictors is not None:
+                    stack.enter_context(self.controller.offsets(self.pr2_predictors, in_weights=self.pr2_in_weights,
+                                                                feature_cache=feature_cache))
+                if self.record_routes or self.pr2_predictors is not None:
+                    rec = stack.enter_context(self.controller.record())
+            out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs())
+        trace = rec.trace() if rec is not None else None
+        scores = torch.stack(out.scores, dim=1).float()                  # [b, T', V] processed scores
+        resp = out.sequences[:, ids.shape[1]:]
+        logp = scores.gather(-1, resp.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+        return out.sequences, logp, trace
+
+    def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
+                 iteration: int = 0, group_offset: int = 0) -> RolloutBatch:
+        """``len(prompts) * group_size`` sequences; sequence ``i`` answers prompt ``i // group_size``.
+
+        Sampling is seeded with ``seed`` (``torch.manual_seed``) so a resumed run regenerates the same batch.
+        """
+        if len(prompts) != len(answers):
+            raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        t0 = time.perf_counter()
+        p_ids, p_am = _encode(self.tokenizer, prompts)
+        p_ids = p_ids.repeat_interleave(group_size, 0).to(self.device)
+        p_am = p_am.repeat_interleave(group_size, 0).to(self.device)
+        P = p_ids.shape[1]
+        torch.manual_seed(seed)
+        feature_cache = None
+        if self.pr2_predictors is not None:
+            from offpolicy_moe.routing import FeatureCache
+
+            feature_cache = FeatureCache(sample_rate=self.pr2_feature_sample_rate, seed=seed)
+        seqs, logps, traces = [], [], []
+        for start in range(0, p_ids.shape[0], self.batch_size):
+            s, lp, tr = self._generate_chunk(p_ids[start:start + self.batch_size],
+                                             p_am[start:start + self.batch_size], feature_cache)
+            seqs.append(s); logps.append(lp); traces.append(tr)
+        T = max(s.shape[1] for s in seqs) - P
+        pad = self.tokenizer.pad_token_id
+        seq = torch.cat([torch.nn.functional.pad(s, (0, P + T - s.shape[1]), value=pad) for s in seqs], 0)
+        behav = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp in logps], 0)
+        resp = seq[:, P:]
+        # response mask: tokens up to and including the first EOS (generate pads after it)
+        is_eos = resp == self.tokenizer.eos_token_id
+        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+        in_chunk = torch.cat([torch.arange(T, device=seq.device).unsqueeze(0).expand(s.shape[0], T)
+                              < (s.shape[1] - P) for s in seqs], 0)
+        response_mask = (~after_eos & in_chunk).long()
+        attention_mask = torch.cat([p_am, response_mask], dim=1)
+        behav = torch.where(response_mask.bool(), behav, torch.zeros_like(behav))   # -inf*0 would be NaN
+        routes = _cat_traces(traces) if traces[0] is not None else None
+        completions = self.tokenizer.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(resp.cpu(), response_mask.cpu())], skip_special_tokens=True)
+        groups = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
+        answers_rep = [a for a in answers for _ in range(group_size)]
+        self.last_generate_seconds = time.perf_counter() - t0
+        return RolloutBatch(input_ids=seq.cpu(), attention_mask=attention_mask.cpu(),
+                            response_mask=response_mask.cpu(), behav_logp=behav.cpu(), group_ids=groups,
+                            answers=answers_rep, completions=list(completions), prompt_len=P,
+                            version=self.version, generated_at=iteration, routes=routes,
+                            pr2_features=feature_cache)

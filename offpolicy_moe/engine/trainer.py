@@ -1,0 +1,767 @@
+"""The Accelerate training loop (architecture.md, "Data flow of one training step").
+
+One iteration ``i`` of :meth:`Trainer.run`:
+
+1. the engine (weights of policy version ``v``, its own precision) samples ``G`` responses for this process's share
+   of ``rollout.prompts_per_step`` prompts (prompts and sampling seeded by ``(seed, i)``: a resumed run regenerates
+   the same batch);
+2. the trainer recomputes ``old_logp`` under the same weights θ_v (R3/PR2: replaying the engine's routes; R2:
+   recording its own routes), and measures the train/inference mismatch and routing mismatch (with and without
+   replay, when the model is MoE and ``algo.routing.metrics``);
+3. the batch enters the staleness buffer, which releases the batch to train on (exact delay ``k`` or bounded);
+4. rewards and group advantages of the released batch; ``trainer.updates_per_step`` optimizer updates over
+   contiguous mini-batches, each with ``trainer.grad_accum`` micro-batches; loss denominators are the GLOBAL counts
+   of the mini-batch (all micro-batches, all processes); M2PO's selection is global per mini-batch;
+5. every forward replays routes as configured; objective × correction weights → backward → clip → step
+   (PR2: predictor loss in its own parameter group); NaN/Inf → skip-and-count or stop (``trainer.on_nan``);
+6. the engine is synced (version v+1), metrics are logged, checkpoints written every ``trainer.checkpoint_every``.
+
+``trainer.steps`` counts TRAINED steps; with staleness ``k`` the first ``k`` iterations only generate.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.buffer import StalenessBuffer
+from offpolicy_moe.engine.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, rng_state,
+                                             save_checkpoint, set_rng_state)
+from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError, check_run_dir, is_finite
+from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger, clean_metrics
+from offpolicy_moe.engine.logprobs import response_logprobs
+from offpolicy_moe.engine.rollout import HFRolloutEngine
+
+__all__ = ["Trainer", "train", "TrainingStopped"]
+
+_REPLAY_ENGINE = ("r3", "pr2")
+
+
+class TrainingStopped(RuntimeError):
+    """The run was stopped (e.g. a test hook or a signal) after a clean checkpoint."""
+
+
+def _cfg_dict(cfg: Any) -> dict:
+    try:
+        from offpolicy_moe.config.load import to_dict
+
+        return to_dict(cfg)
+    except Exception:  # noqa: BLE001 - fallback for partial configs
+        return asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+
+
+def _cfg_yaml(cfg: Any) -> str:
+    try:
+        from offpolicy_moe.config.load import to_yaml
+
+        return to_yaml(cfg)
+    except ImportError:  # pragma: no cover
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _float_metrics(metrics: dict) -> dict[str, float]:
+    return {k: v for k, v in clean_metrics(metrics).items() if v is not None}
+
+
+def _mean_dicts(dicts: list[dict]) -> dict[str, float]:
+    acc: dict[str, list[float]] = {}
+    for d in dicts:
+        for k, v in _float_metrics(d).items():
+            acc.setdefault(k, []).append(v)
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+def _lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    """Multiplier of the base lr after ``n`` optimizer updates: linear warm-up then constant/cosine/linear decay."""
+    if kind not in ("constant", "cosine", "linear"):
+        raise ValueError(f"optim.scheduler must be constant, cosine or linear, got {kind!r}")
+
+    def f(n: int) -> float:
+        if warmup > 0 and n < warmup:
+            return (n + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        frac = min(max(n - warmup, 0) / max(total - warmup, 1), 1.0)
+        return 0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1.0 - frac
+
+    return f
+
+
+class Trainer:
+    """Builds everything a run needs from a :class:`~offpolicy_moe.config.schema.TrainConfig` and runs it.
+
+    ``hooks`` (tests, experiments): optional callables ``on_step_end(trainer, step, metrics)`` and
+    ``on_batch(trainer, batch)`` (called on every consumed batch before the update).
+    """
+
+    def __init__(self, cfg: Any, *, resume: bool = False, hooks: Optional[dict] = None):
+        self.cfg = cfg
+        self.hooks = hooks or {}
+        self.resume = resume
+        tc = cfg.trainer
+        self.run_dir = check_run_dir(cfg.run_dir, tc.min_free_mb)       # fail fast: unwritable / full disk
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.ckpt_root = self.run_dir / "checkpoints"
+        if not resume and (self.metrics_path.exists() and self.metrics_path.stat().st_size > 0
+                           or latest_checkpoint(self.ckpt_root) is not None):
+            raise RunDirError(f"run folder {str(self.run_dir)!r} already holds a run (metrics.jsonl/checkpoints); "
+                              "pass --resume to continue it or choose another --run-dir")
+        if tc.threads and tc.threads > 0:
+            torch.set_num_threads(int(tc.threads))
+        self._validate_config()
+
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+        self.world = self.accelerator.num_processes
+        self.rank = self.accelerator.process_index
+        self._seed_everything(cfg.seed)
+
+        from offpolicy_moe.models import is_moe, load_policy
+        from offpolicy_moe.tasks import make_task
+
+        self.task = make_task(cfg.task)
+        model, self.tok = load_policy(cfg.model, seed=cfg.seed, task=self.task)
+        self.is_moe = bool(is_moe(model))
+        rt = cfg.algo.routing
+        if not self.is_moe and rt.replay != "none":
+            raise ValueError(f"algo.routing.replay={rt.replay!r} needs a Mixture-of-Experts model, but "
+                             f"{type(model).__name__} has no MoE layer (model.preset={cfg.model.preset!r})")
+        self.measure_routing = self.is_moe and bool(rt.metrics)
+        model.train()
+        if cfg.model.gradient_checkpointing:
+            gc_kwargs: dict = {"use_reentrant": False}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+        self.model = model
+        self.controller = None
+        if self.is_moe and (rt.replay != "none" or self.measure_routing):
+            from offpolicy_moe.routing import RoutingController
+
+            self.controller = RoutingController(model)
+            if cfg.model.gradient_checkpointing and hasattr(self.controller, "checkpoint_context_fn"):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                    "use_reentrant": False, "context_fn": self.controller.checkpoint_context_fn})
+        self.predictors = None
+        if rt.replay == "pr2":
+            from offpolicy_moe.routing import PR2Predictors
+
+            self.predictors = PR2Predictors(model)
+        self.ref_model = None   # created after the SFT warm start when algo.kl.coef > 0
+
+        params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
+        if self.predictors is not None:
+            from offpolicy_moe.routing import pr2_param_group
+
+            params.append(pr2_param_group(self.predictors, cfg.optim.lr, rt.pr2_lr_mult))
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           weight_decay=cfg.optim.weight_decay)
+        total_updates = tc.steps * tc.updates_per_step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(cfg.optim.scheduler, cfg.optim.warmup_steps, total_updates))
+        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        if self.predictors is not None:
+            self.predictors.to(self.accelerator.device)
+
+        from offpolicy_moe.losses import get_policy_loss
+
+        self.loss_fn = get_policy_loss(cfg.algo.loss.name)
+        self.loss_params = set(inspect.signature(self.loss_fn).parameters)
+        self.buffer = StalenessBuffer(cfg.buffer.staleness, cfg.buffer.mode, max_delay=cfg.buffer.max_delay,
+                                      seed=cfg.seed)
+        ro = cfg.rollout
+        self.engine = HFRolloutEngine(
+            self.unwrapped, self.tok, dtype=ro.dtype, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+            top_p=ro.top_p, batch_size=ro.batch_size,
+            record_routes=self.is_moe and (rt.replay in _REPLAY_ENGINE or self.measure_routing),
+            router_noise=ro.router_noise, pr2_predictors=self.predictors, pr2_in_weights=rt.pr2_bias_in_weights,
+            pr2_feature_sample_rate=rt.pr2_feature_sample_rate, device=self.accelerator.device)
+        # counters (all checkpointed)
+        self.iteration = 0          # generation iterations done
+        self.step = 0               # trained steps done = policy version
+        self.updates = 0            # optimizer updates applied
+        self.nan_skipped = 0
+        self.sft_done = False
+        self.last_metrics: dict[str, float] = {}
+        self.logger: Optional[MultiLogger] = None
+        self.console: Optional[ConsoleLogger] = None
+        self.jsonl: Optional[JsonlLogger] = None
+
+    # ------------------------------------------------------------------ set-up helpers
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def _validate_config(self) -> None:
+        cfg = self.cfg
+        try:
+            from offpolicy_moe.config.validate import validate
+        except ImportError:  # pragma: no cover
+            validate = None
+        if validate is not None:
+            for w in validate(cfg):
+                print(f"offpolicy-moe: warning: {w}", file=sys.stderr)
+        tc, ro = cfg.trainer, cfg.rollout
+        if tc.steps < 1:
+            raise ValueError(f"trainer.steps must be >= 1, got {tc.steps}")
+        if tc.updates_per_step < 1 or tc.grad_accum < 1:
+            raise ValueError(f"trainer.updates_per_step ({tc.updates_per_step}) and trainer.grad_accum "
+                             f"({tc.grad_accum}) must be >= 1")
+        if tc.on_nan not in ("skip", "stop"):
+            raise ValueError(f"trainer.on_nan must be 'skip' or 'stop', got {tc.on_nan!r}")
+        if cfg.algo.old_logp_source not in ("trainer", "engine", "proximal"):
+            raise ValueError("algo.old_logp_source must be trainer, engine or proximal, got "
+                             f"{cfg.algo.old_logp_source!r}")
+        if cfg.algo.old_logp_source == "engine" and cfg.algo.correction.mode != "none":
+            raise ValueError("algo.correction.mode must be 'none' with algo.old_logp_source=engine (bypass): the "
+                             "PPO ratio is already pi_theta/mu, correction weights would be exp(0)=1")
+        if cfg.algo.routing.replay not in ("none", "r2", "r3", "pr2"):
+            raise ValueError(f"algo.routing.replay must be none, r2, r3 or pr2, got {cfg.algo.routing.replay!r}")
+        n_seq = ro.prompts_per_step * ro.group_size
+        if n_seq < tc.updates_per_step * tc.grad_accum:
+            raise ValueError(f"rollout.prompts_per_step x rollout.group_size = {n_seq} sequences cannot fill "
+                             f"trainer.updates_per_step x trainer.grad_accum = "
+                             f"{tc.updates_per_step * tc.grad_accum} micro-batches")
+
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def _iter_seed(self, iteration: int, salt: int = 0) -> int:
+        """Seed of iteration ``i`` on this process (pure function: resumable)."""
+        return int(np.random.SeedSequence([self.cfg.seed, iteration, self.rank, salt]).generate_state(1)[0])
+
+    # ------------------------------------------------------------------ routing contexts
+    def _replay_ctx(self, routes: Any):
+        if routes is None or self.controller is None:
+            return contextlib.nullcontext()
+        return self.controller.replay(routes)
+
+    def _routes_for_update(self, batch: RolloutBatch) -> Any:
+        replay = self.cfg.algo.routing.replay
+        if replay in _REPLAY_ENGINE:
+            return batch.routes
+        if replay == "r2":
+            return batch.trainer_routes
+        return None
+
+    def _logp(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any) -> torch.Tensor:
+        dev = self.accelerator.device
+        with self._replay_ctx(routes.to(dev) if routes is not None and hasattr(routes, "to") else routes):
+            return response_logprobs(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.prompt_len,
+                                     temperature=self.cfg.rollout.temperature,
+                                     response_mask=batch.response_mask.to(dev))
+
+    # ------------------------------------------------------------------ generation + old log-probs
+    def _generate(self, iteration: int) -> RolloutBatch:
+        ro = self.cfg.rollout
+        rows = self.task.sample_prompts(iteration, ro.prompts_per_step)
+        mine = list(range(self.rank, ro.prompts_per_step, self.world))
+        if not mine:
+            raise ValueError(f"rollout.prompts_per_step={ro.prompts_per_step} < number of processes {self.world}")
+        prompts = [rows[j]["prompt"] for j in mine]
+        answers = [rows[j]["answer"] for j in mine]
+        batch = self.engine.generate(prompts, answers, group_size=ro.group_size, seed=self._iter_seed(iteration),
+                                     iteration=iteration)
+        # globally unique group ids: (iteration, prompt index within the step)
+        batch.group_ids = (iteration * ro.prompts_per_step
+                           + torch.tensor(mine, dtype=torch.long).repeat_interleave(ro.group_size))
+        return batch
+
+    @torch.no_grad()
+    def _prepare(self, batch: RolloutBatch) -> None:
+        """old_logp (per ``algo.old_logp_source``), R2 routes, mismatch and routing measurements → ``batch.extras``."""
+        cfg = self.cfg
+        src, replay = cfg.algo.old_logp_source, cfg.algo.routing.replay
+        model = self.unwrapped
+        was_training = model.training
+        model.eval()
+        mask = batch.response_mask
+        extras: dict[str, float] = {}
+        try:
+            engine_replay = self.is_moe and replay in _REPLAY_ENGINE
+            need_own = (src == "trainer" and not engine_replay) or self.measure_routing \
+                or (src == "engine" and cfg.trainer.mismatch_metrics)
+            need_r3 = self.is_moe and batch.routes is not None and (
+                (src == "trainer" and replay in _REPLAY_ENGINE) or self.measure_routing)
+            lp_own = lp_r3 = None
+            if need_own:
+                if self.controller is not None and (self.measure_routing or replay == "r2"):
+                    with self.controller.record() as rec:
+                        lp_own = self._logp(model, batch, None).cpu()
+                    own_routes = rec.trace()
+                    if hasattr(own_routes, "to"):
+                        own_routes = own_routes.to("cpu")
+                    if replay == "r2":
+                        batch.trainer_routes = own_routes
+                    if self.measure_routing and batch.routes is not None:
+                        from offpolicy_moe.routing import routing_metrics
+
+                        extras.update(_float_metrics(routing_metrics(batch.routes, own_routes,
+                                                                     batch.attention_mask)))
+                else:
+                    lp_own = self._logp(model, batch, None).cpu()
+            if need_r3:
+                lp_r3 = self._logp(model, batch, batch.routes).cpu()
+            if src == "trainer":
+                batch.old_logp = lp_r3 if (replay in _REPLAY_ENGINE and self.is_moe) else lp_own
+            elif src == "engine":
+                batch.old_logp = batch.behav_logp.clone()
+            # src == proximal: old_logp computed at consumption
+            from offpolicy_moe.losses import mismatch_metrics
+
+            if batch.old_logp is not None and src == "trainer":
+                extras.update(_float_metrics(mismatch_metrics(batch.old_logp, batch.behav_logp, mask)))
+            elif src == "engine" and cfg.trainer.mismatch_metrics:
+                ref = lp_r3 if (replay in _REPLAY_ENGINE and lp_r3 is not None) else lp_own
+                if ref is not None:
+                    extras.update(_float_metrics(mismatch_metrics(ref, batch.behav_logp, mask)))
+            for name, lp in (("r3", lp_r3), ("no_r3", lp_own)):
+                if lp is not None and self.is_moe:
+                    mm = _float_metrics(mismatch_metrics(lp, batch.behav_logp, mask))
+                    extras[f"mismatch/k3_kl_{name}"] = mm["mismatch/k3_kl"]
+                    extras[f"mismatch/extreme_frac_{name}"] = mm["mismatch/extreme_frac"]
+        finally:
+            model.train(was_training)
+        batch.extras = extras
+
+    # ------------------------------------------------------------------ the update
+    def _loss_options(self) -> dict:
+        lc = self.cfg.algo.loss
+        opts = {"clip_low": lc.clip_low, "clip_high": lc.clip_high, "dual_clip": lc.dual_clip,
+                "tau": lc.m2po_tau, "variant": lc.m2po_variant, "scope": lc.m2po_scope}
+        out = {k: v for k, v in opts.items() if k in self.loss_params and v is not None}
+        if "process_group" in self.loss_params and self.world > 1:
+            out["process_group"] = torch.distributed.group.WORLD
+        return out
+
+    def _process_group(self):
+        return torch.distributed.group.WORLD if self.world > 1 else None
+
+    def _check_finite(self, value: torch.Tensor, what: str) -> bool:
+        ok = is_finite(value)
+        if self.world > 1:
+            flag = torch.tensor([0.0 if ok else 1.0], device=self.accelerator.device)
+            ok = float(self.accelerator.reduce(flag, "sum").item()) == 0.0
+        if not ok and self.cfg.trainer.on_nan == "stop":
+            raise NonFiniteLossError(f"non-finite {what} at step {self.step + 1} (iteration {self.iteration}); "
+                                     "stopping (trainer.on_nan=stop). Set trainer.on_nan=skip to skip such updates.")
+        return ok
+
+    def _train_on(self, batch: RolloutBatch) -> dict[str, float]:
+        cfg, tc = self.cfg, self.cfg.trainer
+        acc = self.accelerator
+        dev = acc.device
+        from offpolicy_moe.losses import correction_weights, global_counts, group_advantages, kl_penalty
+
+        rewards = torch.tensor(self.task.reward(batch.completions, batch.answers), dtype=torch.float32)
+        adv, rmetrics = group_advantages(rewards, batch.group_ids, norm=cfg.algo.loss.adv_norm, return_metrics=True)
+        metrics: dict[str, float] = _float_metrics(rmetrics)
+        metrics["reward/std"] = float(rewards.std(unbiased=False)) if rewards.numel() > 1 else 0.0
+        metrics["reward/response_len"] = float(batch.response_mask.sum(-1).float().mean())
+        metrics["reward/adv_abs_mean"] = float(adv.abs().mean())
+        routes = self._routes_for_update(batch)
+        src = cfg.algo.old_logp_source
+        if src == "proximal":
+            model = self.unwrapped
+            was = model.training
+            model.eval()
+            with torch.no_grad():
+                batch.old_logp = self._logp(model, batch, routes).cpu()
+            model.train(was)
+            from offpolicy_moe.losses import mismatch_metrics
+
+            metrics.update(_float_metrics(mismatch_metrics(batch.old_logp, batch.behav_logp, batch.response_mask)))
+        weights = None
+        corr = cfg.algo.correction
+        if src == "trainer" and corr.mode != "none":
+            weights, wm = correction_weights(batch.old_logp, batch.behav_logp, batch.response_mask, level=corr.level,
+                                             mode=corr.mode, high=corr.high, low=corr.low)
+            metrics.update(_float_metrics(wm))
+        elif src == "proximal":
+            if corr.mode != "none":
+                weights, wm = correction_weights(batch.old_logp, batch.behav_logp, batch.response_mask,
+                                                 level=corr.level, mode=corr.mode, high=corr.high, low=corr.low)
+                metrics.update(_float_metrics(wm))
+            else:   # AReaL decoupled PPO: plain pi_prox / mu behaviour weight
+                lw = (batch.old_logp - batch.behav_logp).clamp(-20, 20)
+                weights = torch.where(batch.response_mask.bool(), lw.exp(), torch.zeros_like(lw))
+        ref_logp_all = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logp_all = self._logp(self.ref_model, batch, routes).cpu()
+        norm_length = cfg.algo.loss.norm_length or cfg.rollout.max_new_tokens
+        opts = self._loss_options()
+        mini_metrics: list[dict] = []
+        grad_norms: list[float] = []
+        t_tokens = int(batch.attention_mask.sum())
+        n_micro = tc.grad_accum
+        for mb_idx in torch.arange(batch.size).tensor_split(tc.updates_per_step):
+            micro_idx = [m for m in mb_idx.tensor_split(n_micro) if m.numel() > 0]
+            parts = [batch.index_select(m) for m in micro_idx]
+            part_routes = [routes.index_select(m) if routes is not None else None for m in micro_idx]
+            n_tok, n_seq = global_counts([p.response_mask.to(dev) for p in parts], self._process_group())
+            extra_opts: dict = {}
+            if cfg.algo.loss.name == "m2po" and cfg.algo.loss.m2po_scope == "global" \
+                    and (len(parts) > 1 or self.world > 1):
+                extra_opts = self._m2po_global(parts, part_routes, micro_idx, adv, dev)
+            losses: list[float] = []
+            ok = True
+            for j, (p, m_idx) in enumerate(zip(parts, micro_idx)):
+                sync_ctx = acc.no_sync(self.model) if (j < len(parts) - 1 and self.world > 1) \
+                    else contextlib.nullcontext()
+                with sync_ctx:
+                    logp = self._logp(self.model, p, part_routes[j])
+                    kw = dict(agg=cfg.algo.loss.agg, num_tokens=n_tok, num_seqs=n_seq, norm_length=norm_length,
+                              weights=weights.index_select(0, m_idx).to(dev) if weights is not None else None,
+                              **opts)
+                    if "m2po_keep" in extra_opts:
+                        kw["m2po_keep"] = extra_opts["m2po_keep"][j]
+                    if "m2po_cap" in extra_opts:
+                        kw["m2po_cap"] = extra_opts["m2po_cap"]
+                    loss, lm = self.loss_fn(logp, p.old_logp.to(dev), adv.index_select(0, m_idx).to(dev),
+                                            p.response_mask.to(dev), **kw)
+                    if ref_logp_all is not None and cfg.algo.kl.coef > 0:
+                        from offpolicy_moe.losses import aggregate
+
+                        kl_tok = kl_penalty(logp, ref_logp_all.index_select(0, m_idx).to(dev), cfg.algo.kl.kind,
+                                            mask=p.response_mask.to(dev))
+                        kl = aggregate(kl_tok, p.response_mask.to(dev), cfg.algo.loss.agg or "token-mean",
+                                       num_tokens=n_tok, num_seqs=n_seq, norm_length=norm_length)
+                        loss = loss + cfg.algo.kl.coef * kl
+                        lm = dict(lm, **{"actor/kl_ref": kl.detach()})
+                    if not self._check_finite(loss.detach(), "loss"):
+                        ok = False
+                        break
+                    acc.backward(loss * self.world)    # DDP averages gradients over ranks; global counts already
+                losses.append(float(loss.detach()))
+                mini_metrics.append(lm)
+            if self.predictors is not None and ok:
+                mini_metrics.append(self._pr2_step(batch))
+            gn = None
+            if ok:
+                gn = acc.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 \
+                    else torch.sqrt(sum((q.grad.detach().float() ** 2).sum() for q in self.model.parameters()
+                                        if q.grad is not None))
+                ok = self._check_finite(torch.as_tensor(gn), "gradient norm")
+            if ok:
+                self.optimizer.step()
+                self.updates += 1
+                grad_norms.append(float(gn))
+                mini_metrics.append({"actor/loss": sum(losses)})
+            else:
+                self.nan_skipped += 1
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(_mean_dicts(mini_metrics))
+        if grad_norms:
+            metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["actor/nan_skipped"] = float(self.nan_skipped)
+        metrics["actor/updates"] = float(self.updates)
+        metrics["_tokens"] = float(t_tokens)
+        return metrics
+
+    def _m2po_global(self, parts, part_routes, micro_idx, adv, dev) -> dict:
+        """One no-grad pass over the mini-batch's micro-batches → the M2PO selection (or cap) over all of them."""
+        from offpolicy_moe.losses import m2po_adaptive_cap, m2po_mask
+
+        model = self.unwrapped
+        with torch.no_grad():
+            lrs = [(self._logp(model, p, r) - p.old_logp.to(dev)) for p, r in zip(parts, part_routes)]
+        advs = [adv.index_select(0, m).to(dev) for m in micro_idx]
+        masks = [p.response_mask.to(dev) for p in parts]
+        lc = self.cfg.algo.loss
+        if lc.m2po_variant == "adaptive_clip":
+            return {"m2po_cap": m2po_adaptive_cap(lrs, advs, masks, tau=lc.m2po_tau,
+                                                  process_group=self._process_group())}
+        return {"m2po_keep": m2po_mask(lrs, advs, masks, tau=lc.m2po_tau, process_group=self._process_group())}
+
+    def _pr2_step(self, batch: RolloutBatch) -> dict:
+        """PR2 predictor loss on the batch's cached features (algorithms.md, PR2); gradient only into W_p."""
+        feats = batch.pr2_features
+        if feats is None or (batch.version == self.step and self.cfg.buffer.staleness == 0
+                             and self._pr2_first_minibatch):
+            self._pr2_first_minibatch = False
+            return {}
+        from offpolicy_moe.routing import pr2_predictor_loss
+
+        cur = self.controller.current_logits(self.unwrapped, feats) if hasattr(self.controller, "current_logits") \
+            else None
+        loss, m = pr2_predictor_loss(self.predictors, feats, cur)
+        self.accelerator.backward(loss * self.world)
+        return m
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        from offpolicy_moe.tasks import evaluate_greedy
+
+        model = self.unwrapped
+        return evaluate_greedy(model, self.tok, self.task.eval_dataset, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                               batch_size=self.cfg.trainer.eval_batch_size)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        return {
+            "format": "offpolicy_moe.trainer/1",
+            "iteration": self.iteration, "step": self.step, "updates": self.updates,
+            "nan_skipped": self.nan_skipped, "sft_done": self.sft_done,
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "buffer": self.buffer.state_dict(), "engine_version": self.engine.version,
+            "predictors": self.predictors.state_dict() if self.predictors is not None else None,
+            "ref_model": self.ref_model.state_dict() if self.ref_model is not None else None,
+            "rng": rng_state(), "metrics_offset": self.jsonl.offset() if self.jsonl is not None else 0,
+            "last_metrics": self.last_metrics,
+            "model_signature": self._model_signature(),
+            "world_size": self.world,
+        }
+
+    def _model_signature(self) -> dict:
+        cfg = self.unwrapped.config
+        return {"class": type(self.unwrapped).__name__, "vocab_size": int(getattr(cfg, "vocab_size", -1)),
+                "num_experts": getattr(cfg, "num_experts", getattr(cfg, "num_local_experts", None)),
+                "top_k": getattr(cfg, "num_experts_per_tok", None),
+                "num_layers": getattr(cfg, "num_hidden_layers", None),
+                "hidden_size": getattr(cfg, "hidden_size", None)}
+
+    def save(self) -> Optional[Path]:
+        """Checkpoint ``step_<step>`` (main process writes; all processes wait)."""
+        self.accelerator.wait_for_everyone()
+        path = None
+        if self.is_main:
+            path = save_checkpoint(self.ckpt_root, self.step, self.unwrapped.state_dict(), self._state(),
+                                   keep=self.cfg.trainer.keep_checkpoints)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def load(self, path: Path) -> None:
+        """Restore everything from a checkpoint folder; clear errors when it does not fit the configured model."""
+        model_state, st = load_checkpoint(path)
+        if st.get("format") != "offpolicy_moe.trainer/1":
+            raise CheckpointError(f"{str(path)!r} is not an offpolicy_moe trainer checkpoint")
+        mine, theirs = self._model_signature(), st.get("model_signature", {})
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
+            raise CheckpointError(f"checkpoint {str(path)!r} does not match the configured model ({desc})")
+        if st.get("world_size", 1) != self.world:
+            raise CheckpointError(f"checkpoint {str(path)!r} was written by {st.get('world_size')} processes; "
+                                  f"resume with the same number (now {self.world})")
+        try:
+            self.unwrapped.load_state_dict(model_state)
+        except RuntimeError as exc:
+            raise CheckpointError(f"checkpoint {str(path)!r} weights do not fit the configured model: {exc}") from exc
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.buffer.load_state_dict(st["buffer"])
+        if self.predictors is not None and st["predictors"] is not None:
+            self.predictors.load_state_dict(st["predictors"])
+        if st.get("ref_model") is not None:
+            self.ref_model = copy.deepcopy(self.unwrapped).eval()
+            self.ref_model.load_state_dict(st["ref_model"])
+        self.iteration, self.step, self.updates = st["iteration"], st["step"], st["updates"]
+        self.nan_skipped, self.sft_done = st["nan_skipped"], st["sft_done"]
+        self.last_metrics = dict(st.get("last_metrics", {}))
+        self._sync_engine(st["engine_version"])
+        set_rng_state(st["rng"])
+        if self.is_main:
+            JsonlLogger.truncate(self.metrics_path, st["metrics_offset"])
+
+    def _sync_engine(self, version: int) -> None:
+        self.engine.sync(self.unwrapped.state_dict(), version,
+                         self.predictors.state_dict() if self.predictors is not None else None)
+
+    # ------------------------------------------------------------------ logging
+    def _open_loggers(self) -> None:
+        lc = self.cfg.logging
+        loggers: list = []
+        self.console = ConsoleLogger(self.cfg.trainer.steps, initial=self.step, every=self.cfg.trainer.log_every,
+                                     progress=lc.progress and "console" in lc.loggers, is_main=self.is_main)
+        if self.is_main:
+            if "console" in lc.loggers:
+                loggers.append(self.console)
+            if "jsonl" in lc.loggers or True:   # metrics.jsonl is the run-folder contract: always written
+                self.jsonl = JsonlLogger(self.run_dir)
+                loggers.append(self.jsonl)
+            if "wandb" in lc.loggers and lc.wandb_mode != "disabled":
+                loggers.append(WandbLogger(self.run_dir, _cfg_dict(self.cfg), project=lc.wandb_project,
+                                           mode=lc.wandb_mode))
+        self.logger = MultiLogger(loggers)
+
+    def _reduce(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.world == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        t = self.accelerator.reduce(t, "mean")
+        return dict(zip(keys, t.tolist()))
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = self._reduce(metrics)
+        self.last_metrics.update(metrics)
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+
+    # ------------------------------------------------------------------ the loop
+    def _write_run_files(self) -> None:
+        if not self.is_main:
+            return
+        (self.run_dir / "config.yaml").write_text(_cfg_yaml(self.cfg))
+        try:
+            from offpolicy_moe.commands.env import environment_info
+
+            (self.run_dir / "env.json").write_text(json.dumps(environment_info(), indent=2))
+        except Exception as exc:  # noqa: BLE001 - env info is best effort
+            (self.run_dir / "env.json").write_text(json.dumps({"error": str(exc)}))
+
+    def _write_summary(self, status: str, wall: float, error: Optional[str] = None) -> dict:
+        summary = {"status": status, "steps": int(self.step), "iterations": int(self.iteration),
+                   "final": dict(self.last_metrics), "wall_time_s": wall, "run_dir": str(self.run_dir)}
+        if error:
+            summary["error"] = error
+        if self.is_main:
+            tmp = self.run_dir / ".summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
+            os.replace(tmp, self.run_dir / "summary.json")
+        return summary
+
+    def run(self) -> dict:
+        """Train to ``trainer.steps`` trained steps; always writes ``summary.json``; returns the summary."""
+        t_start = time.perf_counter()
+        status, error = "failed", None
+        try:
+            resumed_from = None
+            if self.resume:
+                ck = latest_checkpoint(self.ckpt_root)
+                if ck is not None:
+                    self.load(ck)
+                    resumed_from = ck
+                elif self.is_main and self.metrics_path.exists():
+                    JsonlLogger.truncate(self.metrics_path, 0)
+            self._write_run_files()
+            self._open_loggers()
+            if resumed_from is not None:
+                self.console.write(f"resumed from {resumed_from} (step {self.step}, iteration {self.iteration})")
+            else:
+                self._start()
+            self._loop()
+            status = "completed"
+        except KeyboardInterrupt:
+            status, error = "stopped", "interrupted"
+            raise
+        except TrainingStopped as exc:
+            status, error = "stopped", str(exc)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+            summary = self._write_summary(status, time.perf_counter() - t_start, error)
+        return summary
+
+    def _start(self) -> None:
+        cfg, tc = self.cfg, self.cfg.trainer
+        if tc.sft_warmup_steps > 0 and not self.sft_done:
+            from offpolicy_moe.engine.sft import sft_warm_start
+
+            self.console.write(f"SFT warm start: {tc.sft_warmup_steps} steps")
+            sft = sft_warm_start(self.unwrapped, self.tok, self.task, steps=tc.sft_warmup_steps, lr=tc.sft_lr,
+                                 batch_size=tc.sft_batch_size, seed=cfg.seed,
+                                 progress=cfg.logging.progress and self.is_main)
+            self.unwrapped.train()
+            self.sft_done = True
+            self._seed_everything(cfg.seed + 1)
+            self.console.write(f"SFT done: loss {sft.get('sft/loss', float('nan')):.4f}")
+        if cfg.algo.kl.coef > 0:
+            self.ref_model = copy.deepcopy(self.unwrapped).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self._sync_engine(0)
+        t0 = time.perf_counter()
+        ev = self.evaluate()
+        ev["perf/time_eval_s"] = time.perf_counter() - t0
+        self._log(0, ev)
+        if tc.checkpoint_every > 0:
+            self.save()
+
+    def _loop(self) -> None:
+        cfg, tc = self.cfg, self.cfg.trainer
+        max_iterations = tc.steps + cfg.buffer.staleness + 10 * tc.steps * (cfg.buffer.mode == "bounded")
+        while self.step < tc.steps:
+            if self.iteration >= max_iterations:
+                raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {self.step} "
+                                   "trained steps (every batch dropped?)")
+            t_it = time.perf_counter()
+            t0 = time.perf_counter()
+            batch = self._generate(self.iteration)
+            t_gen = time.perf_counter() - t0
+            n_gen = batch.num_tokens()
+            t0 = time.perf_counter()
+            self._prepare(batch)
+            t_old = time.perf_counter() - t0
+            self.buffer.push(batch, self.iteration)
+            consumed, _ = self.buffer.pop(self.iteration, self.step)
+            if consumed is None:   # warm-up (fixed) or nothing arrived yet (bounded)
+                self.iteration += 1
+                continue
+            if "on_batch" in self.hooks:
+                self.hooks["on_batch"](self, consumed)
+            t0 = time.perf_counter()
+            self._pr2_first_minibatch = True
+            m = self._train_on(consumed)
+            t_upd = time.perf_counter() - t0
+            lag = self.step - consumed.version
+            m.update(consumed.extras)
+            tokens = m.pop("_tokens")
+            m.update({
+                "offpolicy/staleness_steps": float(lag),
+                "offpolicy/staleness_updates": float(lag * tc.updates_per_step),
+                "offpolicy/batch_version": float(consumed.version),
+                "offpolicy/generated_at": float(consumed.generated_at),
+                "offpolicy/dropped": float(self.buffer.dropped),
+                "offpolicy/buffer_size": float(len(self.buffer)),
+                "perf/gen_tokens_per_s": n_gen / max(t_gen, 1e-9),
+                "perf/update_tokens_per_s": tokens / max(t_upd, 1e-9),
+                "perf/time_generate_s": t_gen, "perf/time_old_logp_s": t_old, "perf/time_update_s": t_upd,
+            })
+            self.step += 1
+            self.iteration += 1
+            self._sync_engine(self.step)
+            if (tc.eval_every > 0 and self.step % tc.eval_every == 0) or self.step == tc.steps:
+                t0 = time.perf_counter()
+                m.update(self.evaluate())
+                m["perf/time_eval_s"] = time.perf_counter() - t0
+            m["perf/time_step_s"] = time.perf_counter() - t_it
+            self._log(self.step, m)
+            if (tc.checkpoint_every > 0 and self.step % tc.checkpoint_every == 0) or self.step == tc.steps:
+                self.save()
+            if "on_step_end" in self.hooks:
+                self.hooks["on_step_end"](self, self.step, m)
+
+
+def train(cfg: Any, *, resume: bool = False, hooks: Optional[dict] = None) -> dict:
+    """Run one training run described by ``cfg`` (a ``TrainConfig``); returns the summary dict."""
+    return Trainer(cfg, resume=resume, hooks=hooks).run()
