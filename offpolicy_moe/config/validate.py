@@ -38,7 +38,7 @@ Rules (E = error, W = warning):
 | 26 | ``algo.kl.coef`` ≥ 0 | E |
 | 27 | ``model.top_k`` ∈ [1, ``model.num_experts``] for the built-in MoE preset | E |
 | 28 | ``task.operators`` a non-empty subset of ``+-*``; ``min_digits`` ≤ ``max_digits``, both ≥ 1; ``num_terms`` ≥ 2 | E |
-| 29 | ``task.name`` = arithmetic, ``jsonl:<path>`` or ``reasoning_gym:<name>``; ``model.path``/``task.name`` not a ``/path/to/`` placeholder | E |
+| 29 | ``task.name`` = arithmetic or ``jsonl:<path>``; ``model.preset`` a built-in preset unless ``model.path`` is set; ``model.path``/``task.name`` not a ``/path/to/`` placeholder | E |
 | 30 | ``logging.loggers`` ⊆ {console, jsonl, wandb} | E |
 | 31 | ``algo.routing.replay`` = pr2 with ``algo.loss.name`` = gspo | nothing: allowed (PR2 paper pairs it with GRPO; GSPO works too) |
 """
@@ -234,8 +234,10 @@ def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
             E(f"task.min_digits/task.max_digits: need 1 <= min_digits <= max_digits, got {t.min_digits}, {t.max_digits}")
         if t.num_terms < 2:
             E(f"task.num_terms: must be >= 2, got {t.num_terms}")
-    elif not (t.name.startswith("jsonl:") or t.name.startswith("reasoning_gym:")):
-        E(f"task.name: unknown task {t.name!r}; expected arithmetic, jsonl:<path> or reasoning_gym:<name>")
+    elif not t.name.startswith("jsonl:") or t.name == "jsonl:":
+        E(f"task.name: unknown task {t.name!r}; expected arithmetic or jsonl:<path>")
+    if m.path is None and m.preset not in ("tiny-qwen3-moe", "tiny-dense") and m.preset not in _model_presets():
+        E(f"model.preset: unknown preset {m.preset!r}; expected one of {', '.join(_model_presets())} or set model.path")
     for key, value in (("model.path", m.path), ("model.tokenizer_path", m.tokenizer_path), ("task.name", t.name)):
         if isinstance(value, str) and "/path/to/" in value:
             E(f"{key}: {value!r} is a placeholder; set it to a real path (e.g. {key}=...)")
@@ -278,6 +280,15 @@ def infer_model_is_moe(cfg: Any) -> Optional[bool]:
     if "dense" in str(m.preset):
         return False
     return m.num_experts > 1
+
+
+def _model_presets() -> tuple[str, ...]:
+    builtin = ("tiny-qwen3-moe", "tiny-dense")
+    try:
+        from offpolicy_moe.models.presets import PRESETS
+    except ImportError:
+        return builtin
+    return tuple(sorted(set(builtin) | set(PRESETS)))
 
 
 def _loss_is_registered(name: str) -> bool:

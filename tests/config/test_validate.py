@@ -16,11 +16,12 @@ def _err(overrides, presets=(), moe=True):
 
 def test_defaults_and_all_algorithm_combinations_valid():
     assert validate(load_config(), model_is_moe=True) == []
-    for loss in ("grpo", "gspo", "m2po", "unclipped"):
-        for corr in ((), ("tis",), ("mis",), ("icepop",)):
-            for route in ((), ("r3",), ("pr2",)):
-                validate(load_config(presets=[loss, *corr, *route], overrides=["trainer.updates_per_step=4"]),
-                         model_is_moe=True)
+    corrs, routes = ((), ("tis",), ("mis",), ("icepop",)), ((), ("r2",), ("r3",), ("pr2",))
+    for i, loss in enumerate(("grpo", "gspo", "m2po", "unclipped")):
+        for j, corr in enumerate(corrs):  # every loss x correction, routing mechanisms cycled through
+            presets = [loss, *corr, *routes[(i + j) % 4]]
+            assert validate(load_config(presets=presets, overrides=["trainer.updates_per_step=4"]),
+                            model_is_moe=True) == [], presets
 
 
 @pytest.mark.parametrize(
@@ -60,6 +61,7 @@ def test_defaults_and_all_algorithm_combinations_valid():
         (["model.top_k=9"], [], True, ["model.top_k"]),
         (["task.operators=/"], [], True, ["task.operators"]),
         (["task.name=gsm8k"], [], True, ["task.name"]),
+        (["model.preset=tiny-llama"], [], True, ["model.preset"]),
         (["model.path=/path/to/Qwen3-30B-A3B"], [], None, ["model.path", "placeholder"]),
         (["logging.loggers=[console,tensorboard]"], [], True, ["logging.loggers"]),
         (["algo.routing.pr2_feature_sample_rate=0"], [], True, ["algo.routing.pr2_feature_sample_rate"]),
