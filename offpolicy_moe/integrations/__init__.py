@@ -1,0 +1,1 @@
+"""Adapters that plug offpolicy_moe's losses into other RL frameworks (optional dependencies)."""
