@@ -1,0 +1,229 @@
+"""Experiment files: a base config, a grid of named axes, seeds -> a list of planned runs.
+
+Format (YAML)::
+
+    name: m2po_staleness          # sweep folder name (default: the file's stem)
+    description: one line
+    seeds: [0, 1, 2]              # --seeds on the command line replaces this
+    base:                         # a TrainConfig YAML dict (dotted keys allowed), may list `preset:`
+      preset: []
+      trainer: {steps: 60}
+    grid:                         # axes, in this order (the Cartesian product is taken)
+      algorithm:                  # mapping form: value label -> config fragment
+        grpo: {preset: [grpo]}
+        m2po: {preset: [m2po]}
+      staleness:                  # key form: one config key, a list of values
+        key: buffer.staleness
+        values: [0, 4, 16]
+      trainer.updates_per_step: [1, 4]   # shorthand: the axis is named after the key
+    exclude:                      # optional: drop grid points matching every listed axis label
+      - {algorithm: m2po, staleness: 0}
+    report:                       # optional: tables and plots that `offpolicy-moe table/plot SWEEP` render
+      tables: [{rows: algorithm, cols: staleness, metric: eval/accuracy, agg: "mean_last:3"}]
+      plots:  [{metrics: [reward/mean], by: algorithm}]
+
+Merging for one run: ``base`` < each axis's fragment (in grid order) < ``seed=<s>`` < command-line overrides.
+``preset`` lists CONCATENATE (base's first, then the axes'), every other key is replaced by the later layer.
+Run folders are named ``<axis>=<label>__...__seed=<s>`` (labels sanitised for file names).
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import yaml
+
+from offpolicy_moe.config.load import deep_merge, load_config_dict, nest_dotted
+from offpolicy_moe.config.schema import TrainConfig
+from offpolicy_moe.config.validate import ConfigError
+
+_LABEL_RE = re.compile(r"[^A-Za-z0-9._+\-]+")
+
+
+@dataclass
+class Axis:
+    """One grid axis: ordered value labels, each mapped to a config fragment (nested dict)."""
+
+    name: str
+    labels: list[str]
+    fragments: dict[str, dict]
+
+
+@dataclass
+class Experiment:
+    name: str
+    description: str
+    base: dict
+    axes: list[Axis]
+    seeds: list[int]
+    exclude: list[dict] = field(default_factory=list)
+    report: dict = field(default_factory=dict)
+    source: Optional[Path] = None
+    raw: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunSpec:
+    """A planned run: its folder name, axis labels, seed, the user-layer dict and the resolved config."""
+
+    name: str
+    axes: dict[str, str]
+    seed: int
+    data: dict
+    config: TrainConfig
+
+
+def sanitize_label(value: Any) -> str:
+    """A file-name-safe label for an axis value (``/`` and spaces become ``-``)."""
+    s = _LABEL_RE.sub("-", str(value)).strip("-")
+    return s or "_"
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Parse and check an experiment YAML file (see the module docstring). Errors name the file and the key."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"experiment file '{p}': not found")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"experiment file '{p}': cannot parse YAML: {exc}") from None
+    exp = parse_experiment(raw, source=str(p))
+    exp.source = p
+    if not raw.get("name"):
+        exp.name = p.stem
+    return exp
+
+
+def parse_experiment(raw: Mapping[str, Any], source: str = "<experiment>") -> Experiment:
+    """Build an :class:`Experiment` from a dict (the parsed YAML)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: expected a mapping at top level")
+    allowed = {"name", "description", "seeds", "base", "grid", "exclude", "report"}
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    base = raw.get("base") or {}
+    if not isinstance(base, Mapping):
+        raise ConfigError(f"{source}: 'base' must be a mapping of config keys")
+    seeds = raw.get("seeds", [0])
+    if isinstance(seeds, int):
+        seeds = [seeds]
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError(f"{source}: 'seeds' must be a non-empty list of integers, got {seeds!r}")
+    grid = raw.get("grid") or {}
+    if not isinstance(grid, Mapping):
+        raise ConfigError(f"{source}: 'grid' must be a mapping of axis name -> values")
+    axes = [_parse_axis(str(n), spec, source) for n, spec in grid.items()]
+    names = [a.name for a in axes]
+    if "seed" in names:
+        raise ConfigError(f"{source}: grid axis 'seed' is reserved; use 'seeds:'")
+    exclude = raw.get("exclude") or []
+    if not isinstance(exclude, list) or not all(isinstance(e, Mapping) for e in exclude):
+        raise ConfigError(f"{source}: 'exclude' must be a list of {{axis: label}} mappings")
+    for e in exclude:
+        for k, v in e.items():
+            ax = next((a for a in axes if a.name == k), None)
+            if ax is None:
+                raise ConfigError(f"{source}: exclude names unknown axis '{k}' (axes: {', '.join(names)})")
+            if sanitize_label(v) not in ax.labels:
+                raise ConfigError(f"{source}: exclude: axis '{k}' has no value '{v}' (values: {ax.labels})")
+    report = raw.get("report") or {}
+    if not isinstance(report, Mapping):
+        raise ConfigError(f"{source}: 'report' must be a mapping with 'tables' and/or 'plots'")
+    return Experiment(
+        name=str(raw.get("name") or "sweep"),
+        description=str(raw.get("description") or ""),
+        base=nest_dotted(base),
+        axes=axes,
+        seeds=list(seeds),
+        exclude=[{k: sanitize_label(v) for k, v in e.items()} for e in exclude],
+        report=dict(report),
+        raw=dict(raw),
+    )
+
+
+def _parse_axis(name: str, spec: Any, source: str) -> Axis:
+    where = f"{source}: grid axis '{name}'"
+    if isinstance(spec, Mapping) and set(spec) == {"key", "values"}:
+        key, values = spec["key"], spec["values"]
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{where}: 'values' must be a non-empty list")
+        return _list_axis(name, str(key), values, where)
+    if isinstance(spec, list):
+        if "." not in name and name not in TrainConfig.__dataclass_fields__:
+            raise ConfigError(
+                f"{where}: a plain list needs the axis to be named after a config key (e.g. buffer.staleness), "
+                "or use {key: ..., values: [...]} / a mapping of label -> fragment"
+            )
+        return _list_axis(name, name, spec, where)
+    if isinstance(spec, Mapping):
+        if not spec:
+            raise ConfigError(f"{where}: no values")
+        labels, frags = [], {}
+        for label, frag in spec.items():
+            lab = sanitize_label(label)
+            if lab in frags:
+                raise ConfigError(f"{where}: labels '{label}' collide after sanitising ('{lab}')")
+            if frag is None:
+                frag = {}
+            if not isinstance(frag, Mapping):
+                raise ConfigError(f"{where}: value '{label}' must map to a config fragment (a mapping), got {frag!r}")
+            labels.append(lab)
+            frags[lab] = nest_dotted(frag)
+        return Axis(name, labels, frags)
+    raise ConfigError(f"{where}: expected a list, {{key, values}} or a mapping of label -> fragment")
+
+
+def _list_axis(name: str, key: str, values: list, where: str) -> Axis:
+    labels, frags = [], {}
+    for v in values:
+        if isinstance(v, (dict, list)):
+            raise ConfigError(f"{where}: list values must be scalars, got {v!r}")
+        lab = sanitize_label(v)
+        if lab in frags:
+            raise ConfigError(f"{where}: duplicate value {v!r}")
+        labels.append(lab)
+        frags[lab] = nest_dotted({key: v})
+    return Axis(name, labels, frags)
+
+
+def merge_layers(layers: Sequence[Mapping]) -> dict:
+    """Merge user-layer dicts in order: ``preset`` lists concatenate, other keys are replaced by later layers."""
+    out: dict = {}
+    presets: list = []
+    for layer in layers:
+        layer = dict(layer)
+        p = layer.pop("preset", None)
+        if p:
+            presets.extend([p] if isinstance(p, str) else list(p))
+        out = deep_merge(out, layer)
+    if presets:
+        out["preset"] = presets
+    return out
+
+
+def plan_runs(
+    exp: Experiment,
+    seeds: Optional[Sequence[int]] = None,
+    overrides: Sequence[str] = (),
+) -> list[RunSpec]:
+    """Every (grid point x seed) not excluded, with its resolved config (unknown keys etc. raise ConfigError)."""
+    seeds = list(seeds) if seeds is not None else exp.seeds
+    runs: list[RunSpec] = []
+    for combo in itertools.product(*[a.labels for a in exp.axes]):
+        labels = {a.name: lab for a, lab in zip(exp.axes, combo)}
+        if any(all(labels.get(k) == v for k, v in e.items()) for e in exp.exclude):
+            continue
+        frags = [a.fragments[lab] for a, lab in zip(exp.axes, combo)]
+        for seed in seeds:
+            data = merge_layers([exp.base, *frags, {"seed": int(seed)}])
+            name = "__".join([f"{sanitize_label(k)}={v}" for k, v in labels.items()] + [f"seed={seed}"])
+            cfg = load_config_dict(data, overrides=overrides, source=f"experiment '{exp.name}', run {name}")
+            runs.append(RunSpec(name=name, axes=labels, seed=int(seed), data=data, config=cfg))
+    if not runs:
+        raise ConfigError(f"experiment '{exp.name}': the grid is empty (everything excluded?)")
+    return runs
