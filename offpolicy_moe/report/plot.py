@@ -109,7 +109,8 @@ def plot_curves(
             ax.set_xlabel("step")
             ax.set_title(title or m.name, fontsize=10)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
         axs[0][0].set_ylabel(m.name)
         sup = f"{m.name}: mean with {'± std' if band == 'std' else 'min–max' if band == 'minmax' else 'no'} band"
         if n_bad:
@@ -179,7 +180,8 @@ def plot_staleness(
             ax.set_xlabel(staleness_axis)
             ax.set_title(title or m.name, fontsize=10)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
         axs[0][0].set_ylabel(f"{m.name} ({agg})")
         sup = f"{m.name} ({agg}) vs {staleness_axis}: mean ± std over seeds"
         if n_bad:
