@@ -24,7 +24,8 @@ FAMILIES = {
 }
 
 
-def make_model(family: str, seed: int = 0, dtype=torch.float32, experts: str | None = None, **overrides):
+def make_model(family: str, seed: int = 0, dtype=torch.float32, experts: str | None = None,
+               router_std: float | None = 0.5, **overrides):
     """A tiny model of ``family`` with random weights (routers get non-trivial weights and, for DeepSeek-V3, a
     non-zero correction bias so that group selection matters)."""
     kw = dict(COMMON)
@@ -35,8 +36,9 @@ def make_model(family: str, seed: int = 0, dtype=torch.float32, experts: str | N
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         for n, m in model.named_modules():
-            if n.endswith(("mlp.gate", "mlp.router")) and hasattr(m, "weight") and m.weight.dim() == 2:
-                m.weight.normal_(0, 0.5)
+            if (router_std is not None and n.endswith(("mlp.gate", "mlp.router")) and hasattr(m, "weight")
+                    and m.weight.dim() == 2):
+                m.weight.normal_(0, router_std)
                 if getattr(m, "bias", None) is not None:
                     m.bias.normal_(0, 0.1)
                 if hasattr(m, "e_score_correction_bias"):
@@ -63,3 +65,42 @@ def batch(b: int = 3, s: int = 10, seed: int = 0, left_pad: bool = True):
     ids = ids.masked_fill(mask == 0, 0)
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     return ids, mask, pos
+
+
+def markov_batch(b: int, s: int, gen: torch.Generator, table: torch.Tensor) -> torch.Tensor:
+    """Sequences of an order-1 Markov language: each token has 4 allowed successors (``table[V, 4]``)."""
+    x = torch.empty(b, s, dtype=torch.long)
+    x[:, 0] = torch.randint(3, VOCAB, (b,), generator=gen)
+    for t in range(1, s):
+        choice = torch.randint(0, table.shape[1], (b,), generator=gen)
+        x[:, t] = table[x[:, t - 1], choice]
+    return x
+
+
+_TRAINED = {}
+
+
+def trained_qwen(steps: int = 60, seed: int = 0, num_experts: int = 8, lr: float = 3e-3):
+    """Tiny Qwen3-MoE (hidden 64, 3 layers, 8 experts, top-2) briefly trained on a Markov language so that
+    routers and experts matter (routing.md's protocol, scaled down). Cached per process; returns a fresh copy."""
+    key = (steps, seed, num_experts, lr)
+    if key not in _TRAINED:
+        model = make_model("qwen3_moe", seed=seed, router_std=None, num_experts=num_experts, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=3)
+        g = torch.Generator().manual_seed(seed)
+        table = torch.randint(3, VOCAB, (VOCAB, 4), generator=g)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        model.train()
+        for _ in range(steps):
+            x = markov_batch(16, 24, g, table)
+            loss = model(x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        _TRAINED[key] = ({k: v.clone() for k, v in model.state_dict().items()}, model.config, table)
+    state, cfg, table = _TRAINED[key]
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_config(cfg)
+    m.load_state_dict(state)
+    return m.eval(), table
