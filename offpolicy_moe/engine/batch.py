@@ -45,8 +45,10 @@ def _select(obj: Any, idx: torch.Tensor) -> Any:
 
 
 def _to_state(obj: Any) -> Any:
-    if obj is None or isinstance(obj, (torch.Tensor, list, int, float, str)):
+    if obj is None or isinstance(obj, (torch.Tensor, list, tuple, int, float, str)):
         return obj
+    if isinstance(obj, dict) and "__class__" not in obj:
+        return dict(obj)
     if hasattr(obj, "state_dict"):
         return {"__class__": f"{type(obj).__module__}:{type(obj).__qualname__}", "state": obj.state_dict()}
     raise TypeError(f"cannot serialise an object of type {type(obj).__name__}")
@@ -120,8 +122,7 @@ class RolloutBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
         changes = {f.name: _select(getattr(self, f.name), idx)
                    for f in fields(self)
-                   if f.name not in ("prompt_len", "version", "generated_at", "extras", "pr2_features")}
-        # PR2 features are a subsample of tokens, not per-row: they stay with the whole batch.
+                   if f.name not in ("prompt_len", "version", "generated_at", "extras")}
         return replace(self, **changes)
 
     def split(self, n: int) -> list["RolloutBatch"]:

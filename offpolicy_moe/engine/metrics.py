@@ -58,6 +58,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
 DOCUMENTED_PREFIXES: tuple[str, ...] = (
     "actor/",      # objective-specific: clipfrac_low/high, dual_clipfrac, ratio_max, seq_ratio_*, ...
     "mismatch/",   # correction-specific: is_mean, is_max, is_min, ess, clipped_frac, masked_frac, ...
+    "gspo/",       # seq_clipfrac, seq_ratio_mean (sequence-level GSPO statistics)
     "m2po/",       # m2_before, m2_after, masked_frac, trust_region_frac, log_ratio_bound
     "pr2/",        # pred_kl, topk_agreement, coverage_gap, zero_dev_frac, bias_ratio, loss
     "routing/",

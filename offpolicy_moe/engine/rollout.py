@@ -75,13 +75,9 @@ def _cat_traces(traces: list) -> Any:
     """Concatenate per-chunk route traces along the batch dimension (chunks are padded to a common length)."""
     if len(traces) == 1:
         return traces[0]
-    cls = type(traces[0])
-    if hasattr(cls, "cat"):
-        return cls.cat(traces)
-    if isinstance(traces[0], torch.Tensor):
-        return torch.cat(traces, 0)
-    raise TypeError(f"cannot concatenate route traces of type {cls.__name__}; generate in one chunk "
-                    "(rollout.batch_size >= prompts_per_step * group_size)")
+    from offpolicy_moe.routing import cat_traces
+
+    return cat_traces(traces, side="right")     # responses are right-padded
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -180,16 +176,19 @@ class HFRolloutEngine(RolloutEngine):
         p_am = p_am.repeat_interleave(group_size, 0).to(self.device)
         P = p_ids.shape[1]
         torch.manual_seed(seed)
-        feature_cache = None
-        if self.pr2_predictors is not None:
-            from offpolicy_moe.routing import FeatureCache
-
-            feature_cache = FeatureCache(sample_rate=self.pr2_feature_sample_rate, seed=seed)
-        seqs, logps, traces = [], [], []
+        seqs, logps, traces, feats, sizes = [], [], [], [], []
         for start in range(0, p_ids.shape[0], self.batch_size):
-            s, lp, tr = self._generate_chunk(p_ids[start:start + self.batch_size],
-                                             p_am[start:start + self.batch_size], feature_cache)
-            seqs.append(s); logps.append(lp); traces.append(tr)
+            cache = None
+            if self.pr2_predictors is not None:
+                from offpolicy_moe.routing import FeatureCache
+
+                gen = torch.Generator().manual_seed(seed + start)
+                cache = FeatureCache(sample_rate=self.pr2_feature_sample_rate, generator=gen, store_device="cpu")
+            chunk_ids = p_ids[start:start + self.batch_size]
+            s, lp, tr = self._generate_chunk(chunk_ids, p_am[start:start + self.batch_size], cache)
+            seqs.append(s); logps.append(lp); traces.append(tr); sizes.append(chunk_ids.shape[0])
+            if cache is not None:
+                feats.append(cache.collect())
         T = max(s.shape[1] for s in seqs) - P
         pad = self.tokenizer.pad_token_id
         seq = torch.cat([torch.nn.functional.pad(s, (0, P + T - s.shape[1]), value=pad) for s in seqs], 0)
@@ -204,6 +203,14 @@ class HFRolloutEngine(RolloutEngine):
         attention_mask = torch.cat([p_am, response_mask], dim=1)
         behav = torch.where(response_mask.bool(), behav, torch.zeros_like(behav))   # -inf*0 would be NaN
         routes = _cat_traces(traces) if traces[0] is not None else None
+        if routes is not None:
+            routes = routes.to("cpu")
+        features = None
+        if feats:
+            from offpolicy_moe.routing import cat_features
+
+            features = cat_features(feats, sizes) if len(feats) > 1 else feats[0]
+            features = features.filter(attention_mask.cpu())     # drop left-pad and after-EOS positions
         completions = self.tokenizer.batch_decode(
             [r[m.bool()].tolist() for r, m in zip(resp.cpu(), response_mask.cpu())], skip_special_tokens=True)
         groups = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
@@ -213,4 +220,4 @@ class HFRolloutEngine(RolloutEngine):
                             response_mask=response_mask.cpu(), behav_logp=behav.cpu(), group_ids=groups,
                             answers=answers_rep, completions=list(completions), prompt_len=P,
                             version=self.version, generated_at=iteration, routes=routes,
-                            pr2_features=feature_cache)
+                            pr2_features=features)

@@ -163,7 +163,7 @@ class Trainer:
         if rt.replay == "pr2":
             from offpolicy_moe.routing import PR2Predictors
 
-            self.predictors = PR2Predictors(model)
+            self.predictors = PR2Predictors.from_controller(self.controller)
         self.ref_model = None   # created after the SFT warm start when algo.kl.coef > 0
 
         params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
@@ -418,7 +418,10 @@ class Trainer:
         grad_norms: list[float] = []
         t_tokens = int(batch.attention_mask.sum())
         n_micro = tc.grad_accum
-        for mb_idx in torch.arange(batch.size).tensor_split(tc.updates_per_step):
+        on_policy = batch.version == self.step
+        for mb_num, mb_idx in enumerate(torch.arange(batch.size).tensor_split(tc.updates_per_step)):
+            # PR2: skip the predictor loss on the first mini-step of on-policy data (target = "no change")
+            pr2_on = not (on_policy and mb_num == 0)
             micro_idx = [m for m in mb_idx.tensor_split(n_micro) if m.numel() > 0]
             parts = [batch.index_select(m) for m in micro_idx]
             part_routes = [routes.index_select(m) if routes is not None else None for m in micro_idx]
@@ -433,7 +436,12 @@ class Trainer:
                 sync_ctx = acc.no_sync(self.model) if (j < len(parts) - 1 and self.world > 1) \
                     else contextlib.nullcontext()
                 with sync_ctx:
-                    logp = self._logp(self.model, p, part_routes[j])
+                    feats = p.pr2_features if (self.predictors is not None and pr2_on) else None
+                    if feats is not None and feats.num_tokens > 0:
+                        with self.controller.capture_router_logits(feats) as cap:
+                            logp = self._logp(self.model, p, part_routes[j])
+                    else:
+                        logp = self._logp(self.model, p, part_routes[j])
                     kw = dict(agg=cfg.algo.loss.agg, num_tokens=n_tok, num_seqs=n_seq, norm_length=norm_length,
                               weights=weights.index_select(0, m_idx).to(dev) if weights is not None else None,
                               **opts)
@@ -455,11 +463,17 @@ class Trainer:
                     if not self._check_finite(loss.detach(), "loss"):
                         ok = False
                         break
+                    if feats is not None and feats.num_tokens > 0:
+                        from offpolicy_moe.routing import pr2_predictor_loss
+
+                        ploss, pm = pr2_predictor_loss(self.predictors, feats, cap.logits(),
+                                                       current_ids=cap.own_ids(),
+                                                       replayed_ids=feats.gather_trace(part_routes[j]))
+                        loss = loss + ploss / len(parts)    # only W_p gets this gradient (features detached)
+                        lm = dict(lm, **pm)
                     acc.backward(loss * self.world)    # DDP averages gradients over ranks; global counts already
                 losses.append(float(loss.detach()))
                 mini_metrics.append(lm)
-            if self.predictors is not None and ok:
-                mini_metrics.append(self._pr2_step(batch))
             gn = None
             if ok:
                 gn = acc.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 \
@@ -498,21 +512,6 @@ class Trainer:
             return {"m2po_cap": m2po_adaptive_cap(lrs, advs, masks, tau=lc.m2po_tau,
                                                   process_group=self._process_group())}
         return {"m2po_keep": m2po_mask(lrs, advs, masks, tau=lc.m2po_tau, process_group=self._process_group())}
-
-    def _pr2_step(self, batch: RolloutBatch) -> dict:
-        """PR2 predictor loss on the batch's cached features (algorithms.md, PR2); gradient only into W_p."""
-        feats = batch.pr2_features
-        if feats is None or (batch.version == self.step and self.cfg.buffer.staleness == 0
-                             and self._pr2_first_minibatch):
-            self._pr2_first_minibatch = False
-            return {}
-        from offpolicy_moe.routing import pr2_predictor_loss
-
-        cur = self.controller.current_logits(self.unwrapped, feats) if hasattr(self.controller, "current_logits") \
-            else None
-        loss, m = pr2_predictor_loss(self.predictors, feats, cur)
-        self.accelerator.backward(loss * self.world)
-        return m
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -730,7 +729,6 @@ class Trainer:
             if "on_batch" in self.hooks:
                 self.hooks["on_batch"](self, consumed)
             t0 = time.perf_counter()
-            self._pr2_first_minibatch = True
             m = self._train_on(consumed)
             t_upd = time.perf_counter() - t0
             lag = self.step - consumed.version
