@@ -1,8 +1,9 @@
 """Verifiable rewards for answer strings: exact match and per-digit partial credit.
 
 Completions are text as decoded by the engine.  They are first cut at the end-of-sequence marker
-(``<eos>`` if the decode kept special tokens), stripped of ``<pad>``/``<bos>`` markers and of
-surrounding whitespace; the rest is compared with the reference answer.
+(``<eos>`` if the decode kept special tokens; the ``<pad>`` filler after it goes too) and stripped
+of surrounding whitespace; the rest is compared with the reference answer.  A special token the
+model emitted before its eos (``"1<pad>9"``, ``"7<pad>"``) makes the answer wrong.
 
 * exact:   r = 1 if the cleaned completion equals the answer, else 0 (the "verifiable reward" of
            RLVR, e.g. DeepSeekMath/GRPO, arXiv:2402.03300).
@@ -16,17 +17,17 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .tokenizer import BOS, EOS, PAD
+from .tokenizer import EOS
 
 REWARD_KINDS = ("exact", "partial")
 
 
 def clean_completion(text: str, eos: str = EOS) -> str:
-    """Cut ``text`` at the first ``eos`` marker, drop pad/bos markers, strip whitespace."""
+    """Cut ``text`` at the first ``eos`` marker and strip surrounding whitespace."""
     if not isinstance(text, str):
         raise TypeError(f"completion must be a str, got {type(text).__name__}")
     cut = text.split(eos, 1)[0] if eos else text
-    return cut.replace(PAD, "").replace(BOS, "").strip()
+    return cut.strip()
 
 
 def exact_match_reward(completion: str, answer: str) -> float:

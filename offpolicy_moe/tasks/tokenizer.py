@@ -152,17 +152,18 @@ def encode_prompts(tok, prompts: Sequence[str], *, add_bos: bool = True) -> tupl
 
 
 def decode_completions(tok, completion_ids: torch.Tensor | Sequence[Sequence[int]]) -> list[str]:
-    """Decode generated ids (prompt removed) into text, cut at the first ``eos`` and without pads.
+    """Decode generated ids (prompt removed) into text, cut at the first ``eos``.
 
-    Row ``b`` becomes ``decode(ids[b, :first_eos])`` with special tokens skipped, so a completion
-    ``"1", "9", <eos>, <pad>`` reads ``"19"``.
+    Row ``b`` becomes ``decode(ids[b, :first_eos])`` with special tokens kept: ``generate`` only pads
+    rows after their eos, so anything before the first eos (a ``<pad>`` included) was emitted by the
+    model and stays visible (``"1<pad>9"``), so it cannot earn a reward.  ``"1", "9", <eos>, <pad>``
+    reads ``"19"``.
     """
     rows = completion_ids.tolist() if isinstance(completion_ids, torch.Tensor) else [list(r) for r in completion_ids]
-    eos, pad = tok.eos_token_id, tok.pad_token_id
+    eos = tok.eos_token_id
     out = []
     for r in rows:
         if eos is not None and eos in r:
             r = r[: r.index(eos)]
-        r = [t for t in r if t != pad]
-        out.append(tok.decode(r, skip_special_tokens=True))
+        out.append(tok.decode(r, skip_special_tokens=False))
     return out
