@@ -1,8 +1,8 @@
 """Per-token estimators of KL(pi_theta || pi_ref) for an optional reference-KL penalty.
 
-Estimators from J. Schulman, "Approximating KL divergence" (2020); the straight-through "k3+"
-(value of k3, gradient of k2) follows the observation that only k2's gradient is the unbiased
-gradient of the sampled KL (see e.g. arXiv 2510.01555).
+Estimators from J. Schulman, "Approximating KL divergence" (2020, blog note).  The straight-through
+"k3+" keeps k3's low-variance value for logging but uses k2's gradient, ``d * grad logp``, which is
+the on-policy estimate of the gradient of KL(pi_theta || pi_ref); k3's own gradient is not.
 """
 from __future__ import annotations
 
