@@ -41,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
                                         s.get("agg", "final"), where)
                 if args.metrics:  # explicit command line: curves as well
                     paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), where)
-            else:
-                paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), where)
+            else:  # report: section: a metric this trainer does not log is skipped, not fatal
+                paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), where,
+                                     skip_missing=not args.metrics)
     except (ValueError, FileNotFoundError) as exc:
         print(f"offpolicy-moe plot: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,9 @@ list, so re-loading a saved ``config.yaml`` gives the same config (all its keys 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import os
 import re
 from pathlib import Path
@@ -168,7 +170,7 @@ def _resolve(user: DictConfig, source: str, overrides: Sequence[str], presets: S
             rest.append((key, value))
     names = names + _as_name_list(list(presets), "--preset")
 
-    cfg = OmegaConf.structured(TrainConfig)
+    cfg = _schema_defaults()
     for src, frag in expand_presets(names):
         cfg = _merge(cfg, frag, src)
     cfg = _merge(cfg, user, source)
@@ -256,6 +258,20 @@ def deep_merge(a: Mapping, b: Mapping) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+@functools.lru_cache(maxsize=1)
+def _schema_template() -> DictConfig:
+    node = OmegaConf.structured(TrainConfig)  # slow (~10x a copy): built once, kept read-only
+    OmegaConf.set_readonly(node, True)
+    return node
+
+
+def _schema_defaults() -> DictConfig:
+    """A fresh, writable structured config holding the schema defaults."""
+    node = copy.deepcopy(_schema_template())
+    OmegaConf.set_readonly(node, None)
+    return node
+
+
 def _load_yaml(path: Path, source: str) -> DictConfig:
     if not path.is_file():
         raise ConfigError(f"{source}: file not found")
@@ -281,8 +297,8 @@ def _all_keys(node: Any):
 
 
 def _merge(cfg: DictConfig, frag: DictConfig, source: str) -> DictConfig:
-    try:
-        return OmegaConf.merge(cfg, frag)  # type: ignore[return-value]
+    try:  # in place: no deep copy of the growing config per layer (errors abort the whole load anyway)
+        return OmegaConf.unsafe_merge(cfg, frag)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{source}: {_exc_text(exc)}") from None
 

@@ -66,8 +66,12 @@ def plot_curves(
     band: str = "std",
     where: Optional[dict[str, str]] = None,
     runs: Optional[list[RunRecord]] = None,
+    skip_missing: bool = False,
 ) -> list[Path]:
-    """Write ``<out_dir>/<metric>.png`` for each metric; returns the paths. ``out_dir`` defaults to ``<sweep>/plots``."""
+    """Write ``<out_dir>/<metric>.png`` for each metric; returns the paths. ``out_dir`` defaults to ``<sweep>/plots``.
+
+    A metric no selected run logs raises ``ValueError`` (or is skipped with ``skip_missing``).
+    """
     if band not in ("std", "minmax", "none"):
         raise ValueError(f"unknown --band {band!r}; expected std, minmax or none")
     plt = _plt()
@@ -119,6 +123,8 @@ def plot_curves(
         fig.tight_layout()
         if not drawn:
             plt.close(fig)
+            if skip_missing:
+                continue
             raise ValueError(f"metric '{m.name}' is not logged by any selected run")
         p = out / f"{metric_filename(m.name)}.png"
         fig.savefig(p, dpi=110)

@@ -1,0 +1,54 @@
+"""The shipped experiments plan, validate, respect the CPU budget, and their GPU twins share the grid."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from offpolicy_moe.config import ConfigError, validate
+from offpolicy_moe.report.experiment import load_experiment, plan_runs
+from offpolicy_moe.report.spec import PLOT_KEYS, TABLE_KEYS
+
+ROOT = Path(__file__).resolve().parents[2] / "experiments"
+NAMES = ["r3_ablation", "m2po_staleness", "pr2_offpolicy"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cpu_experiment_plans_validates_and_fits_budget(name):
+    exp = load_experiment(ROOT / f"{name}.yaml")
+    assert len(exp.seeds) >= 3
+    runs = plan_runs(exp)
+    for r in runs:
+        validate(r.config)
+    # budget of the header comment: ~1 s per RL step at 16x8, + SFT at ~0.4 s/step, + 15 s start-up per run
+    cost = 0.0
+    for r in runs:
+        c = r.config
+        scale = c.rollout.prompts_per_step * c.rollout.group_size / 128
+        cost += c.trainer.steps * scale + 0.4 * c.trainer.sft_warmup_steps + 15
+    assert cost <= 60 * 60, f"{name}: {cost / 60:.1f} min"
+    text = (ROOT / f"{name}.yaml").read_text()
+    assert re.search(r"runs x \d+ s ~= \d+ min", text)  # the arithmetic is written down
+    for t in exp.report["tables"]:
+        assert set(t) <= TABLE_KEYS
+    for p in exp.report["plots"]:
+        assert set(p) <= PLOT_KEYS
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_twin_same_grid_and_placeholders_refused(name, tmp_path):
+    cpu = load_experiment(ROOT / f"{name}.yaml")
+    gpu = load_experiment(ROOT / "gpu" / f"{name}.yaml")
+    assert [a.name for a in gpu.axes] == [a.name for a in cpu.axes]
+    for a, b in zip(gpu.axes, cpu.axes):
+        assert set(b.labels) <= set(a.labels)
+    runs = plan_runs(gpu, seeds=[0])
+    with pytest.raises(ConfigError, match="model.path.*placeholder"):
+        validate(runs[0].config)
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_experts": 128}))
+    runs = plan_runs(gpu, seeds=[0], overrides=[f"model.path={model}", f"task.name=jsonl:{tmp_path}/m.jsonl"])
+    for r in runs:
+        validate(r.config)
+        assert r.config.model.path == str(model) and r.config.rollout.max_new_tokens >= 512
