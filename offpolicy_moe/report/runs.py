@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
-FAILED_STATUSES = ("failed", "error", "crashed", "interrupted", "nan")
+FAILED_STATUSES = ("failed", "error", "crashed", "interrupted", "nan", "stopped")
 
 
 @dataclass
@@ -86,8 +86,10 @@ class RunRecord:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 step = row.get("step", i)
                 out.append((float(step) if isinstance(step, (int, float)) else float(i), float(v)))
-        if not out:
+        if not out:  # summary.json: top-level key, or the trainer's "final" metrics
             v = _lookup(self.summary, metric)
+            if v is None and isinstance(self.summary.get("final"), dict):
+                v = self.summary["final"].get(metric)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 out.append((float("nan"), float(v)))
         return out
