@@ -71,6 +71,18 @@ def _encode(tokenizer: Any, prompts: Sequence[str]) -> tuple[torch.Tensor, torch
     return enc["input_ids"], enc["attention_mask"]
 
 
+def _decode(tokenizer: Any, resp: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Completion texts, decoded exactly as the task's evaluation decodes them (so rewards agree with eval)."""
+    try:
+        from offpolicy_moe.tasks import decode_completions  # type: ignore
+    except ImportError:
+        decode_completions = None
+    if decode_completions is not None:
+        return list(decode_completions(tokenizer, resp))
+    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(resp, response_mask)],
+                                  skip_special_tokens=True)
+
+
 def _cat_traces(traces: list) -> Any:
     """Concatenate per-chunk route traces along the batch dimension (chunks are padded to a common length)."""
     if len(traces) == 1:
@@ -211,8 +223,7 @@ class HFRolloutEngine(RolloutEngine):
 
             features = cat_features(feats, sizes) if len(feats) > 1 else feats[0]
             features = features.filter(attention_mask.cpu())     # drop left-pad and after-EOS positions
-        completions = self.tokenizer.batch_decode(
-            [r[m.bool()].tolist() for r, m in zip(resp.cpu(), response_mask.cpu())], skip_special_tokens=True)
+        completions = _decode(self.tokenizer, resp.cpu(), response_mask.cpu())
         groups = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
         answers_rep = [a for a in answers for _ in range(group_size)]
         self.last_generate_seconds = time.perf_counter() - t0

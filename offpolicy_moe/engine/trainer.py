@@ -46,9 +46,15 @@ from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger
 from offpolicy_moe.engine.logprobs import response_logprobs
 from offpolicy_moe.engine.rollout import HFRolloutEngine
 
-__all__ = ["Trainer", "train", "TrainingStopped"]
+__all__ = ["Trainer", "train", "TrainingStopped", "iteration_seed"]
 
 _REPLAY_ENGINE = ("r3", "pr2")
+
+
+def iteration_seed(seed: int, iteration: int, rank: int = 0, salt: int = 0) -> int:
+    """Sampling seed of generation iteration ``iteration`` on process ``rank``: a pure function of its arguments,
+    so a resumed run regenerates exactly the batch an uninterrupted run would have generated."""
+    return int(np.random.SeedSequence([seed, iteration, rank, salt]).generate_state(1)[0])
 
 
 class TrainingStopped(RuntimeError):
@@ -250,8 +256,7 @@ class Trainer:
         torch.manual_seed(seed)
 
     def _iter_seed(self, iteration: int, salt: int = 0) -> int:
-        """Seed of iteration ``i`` on this process (pure function: resumable)."""
-        return int(np.random.SeedSequence([self.cfg.seed, iteration, self.rank, salt]).generate_state(1)[0])
+        return iteration_seed(self.cfg.seed, iteration, self.rank, salt)
 
     # ------------------------------------------------------------------ routing contexts
     def _replay_ctx(self, routes: Any):
