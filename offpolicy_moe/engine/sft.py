@@ -12,6 +12,7 @@ DeepSeekMath/GRPO, arXiv:2402.03300).  Batches are drawn uniformly with replacem
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -57,13 +58,30 @@ def answer_nll(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Te
     return (nll * target_mask.reshape(-1)).sum() / target_mask.sum().clamp_min(1.0)
 
 
+def lr_factor(step: int, steps: int, schedule: str, final: float = 0.1) -> float:
+    """Multiplier of the base lr at optimizer step ``step`` (0-based) of ``steps``.
+
+    constant: 1.  cosine: final + (1 − final)·½(1 + cos(π·step/steps)), from 1 down towards ``final``
+    (SGDR-style annealing without restarts, arXiv:1608.03983); it makes the end point of a short warm
+    start less dependent on the last few noisy batches.
+    """
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * step / max(steps, 1)))
+    raise ValueError(f"unknown SFT lr schedule {schedule!r}; expected 'constant' or 'cosine'")
+
+
 def sft_warm_start(model, tok, task, *, steps: int, lr: float = 3e-3, batch_size: int = 64, seed: int = 0,
-                   weight_decay: float = 0.0, grad_clip: Optional[float] = 1.0, progress: bool = False) -> dict:
+                   weight_decay: float = 0.0, grad_clip: Optional[float] = 1.0, schedule: str = "cosine",
+                   progress: bool = False) -> dict:
     """Train ``model`` in place for ``steps`` AdamW steps of answer-only teacher forcing on ``task``'s
-    train split.  Returns ``{"sft/loss": last loss, "sft/loss_history": [...], "sft/steps", "sft/time_s",
-    "sft/tokens_per_s"}``.  ``steps=0`` returns without touching the model."""
+    train split, lr annealed by ``schedule`` (:func:`lr_factor`).  Returns ``{"sft/loss": last loss,
+    "sft/loss_history": [...], "sft/steps", "sft/time_s", "sft/tokens_per_s"}``.  ``steps=0`` returns
+    without touching the model."""
     if steps < 0 or batch_size < 1 or lr <= 0:
         raise ValueError(f"need steps >= 0, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}")
+    lr_factor(0, 1, schedule)  # validates the name before any work
     if steps == 0:
         return {"sft/loss": float("nan"), "sft/loss_history": [], "sft/steps": 0, "sft/time_s": 0.0,
                 "sft/tokens_per_s": 0.0}
@@ -86,7 +104,9 @@ def sft_warm_start(model, tok, task, *, steps: int, lr: float = 3e-3, batch_size
         bar = tqdm(total=steps, desc="sft", leave=False)
     t0 = time.perf_counter()
     try:
-        for _ in range(steps):
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr * lr_factor(step, steps, schedule)
             idx = rng.integers(0, len(p_ids), size=batch_size)
             ids, attn, mask = build_sft_batch([p_ids[i] for i in idx], [a_ids[i] for i in idx], tok.pad_token_id)
             ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)

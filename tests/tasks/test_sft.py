@@ -58,3 +58,16 @@ def test_zero_steps_and_bad_arguments():
         sft_warm_start(model, tok, task, steps=-1)
     with pytest.raises(ValueError):
         sft_warm_start(model, tok, task, steps=1, batch_size=0)
+
+
+def test_lr_schedule():
+    from offpolicy_moe.engine.sft import lr_factor
+
+    assert lr_factor(0, 10, "constant") == lr_factor(9, 10, "constant") == 1.0
+    assert lr_factor(0, 10, "cosine") == pytest.approx(1.0)
+    assert lr_factor(5, 10, "cosine") == pytest.approx(0.55)
+    assert lr_factor(10, 10, "cosine") == pytest.approx(0.1)
+    vals = [lr_factor(s, 10, "cosine") for s in range(10)]
+    assert vals == sorted(vals, reverse=True)
+    with pytest.raises(ValueError, match="schedule"):
+        lr_factor(0, 10, "step")
