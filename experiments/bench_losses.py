@@ -53,6 +53,17 @@ def timeit(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
     return statistics.median(times)
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def make_batch(B: int, T: int, device: torch.device, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     logp = (-torch.rand(B, T, generator=g) * 4).to(device)
@@ -141,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = [parse(s) for s in args.mask_sizes.split(",") if s.strip()]
     machine = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
