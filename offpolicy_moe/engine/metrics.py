@@ -52,6 +52,8 @@ DOCUMENTED_KEYS: dict[str, str] = {
     # evaluation
     "eval/accuracy": "greedy exact-match accuracy on the held-out split",
     "eval/partial": "greedy per-digit partial credit on the held-out split",
+    "eval/train_accuracy": "greedy exact-match accuracy on the first training prompts (as many as the eval split)",
+    "eval/train_partial": "greedy partial credit on the same training prompts",
 }
 
 #: families whose keys vary with the objective or mechanism (documented in the losses/routing modules)

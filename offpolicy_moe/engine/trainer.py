@@ -520,11 +520,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out split (``eval/accuracy``, ``eval/partial``) and on as many training
+        prompts (the first ones of the train split: ``eval/train_accuracy``, ``eval/train_partial``)."""
         from offpolicy_moe.tasks import evaluate_greedy
 
         model = self.unwrapped
-        return evaluate_greedy(model, self.tok, self.task.eval_dataset, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                               batch_size=self.cfg.trainer.eval_batch_size)
+        kw = dict(max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=self.cfg.trainer.eval_batch_size)
+        out = evaluate_greedy(model, self.tok, self.task.eval_dataset, **kw)
+        train_ds = self.task.train_dataset
+        n = min(len(train_ds), max(len(self.task.eval_dataset), 1))
+        out.update(evaluate_greedy(model, self.tok, train_ds.select(range(n)), prefix="eval/train_", **kw))
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
