@@ -67,12 +67,13 @@ class _Replay:
     trace: RouteTrace
     by_device: dict = field(default_factory=dict)
 
-    def rows(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids[B, S, L, K] int64, recorded[B, S] bool)`` on ``device`` (cached)."""
+    def rows(self, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(ids[B, S, L, K] int64, recorded[B, S] bool or None when every row is recorded)`` on ``device``."""
         key = str(device)
         if key not in self.by_device:
             t = self.trace.to(device)
-            self.by_device[key] = (t.ids.long(), t.recorded_mask())
+            rec = t.recorded_mask()
+            self.by_device[key] = (t.ids.long(), None if bool(rec.all()) else rec)
         return self.by_device[key]
 
 
@@ -405,7 +406,7 @@ class RoutingController:
                     raise ValueError(f"replay trace has [B, S] = {(tb, ts)} but the forward's MoE layer {i} saw "
                                      f"[B, s] = {(b, sl)}: lay the trace out exactly like the input_ids")
                 rep = ids[:, :, i].reshape(n, -1)
-                idx = torch.where(rec.reshape(n, 1), rep, idx)
+                idx = rep if rec is None else torch.where(rec.reshape(n, 1), rep, idx)
             modified = d_sel is not None or self._replay is not None
             if modified:
                 lw = logits if d_w is None else (logits.float() + d_w).to(logits.dtype)
