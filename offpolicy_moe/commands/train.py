@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -40,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, RunDirError, CheckpointError, NonFiniteLossError, ValueError, FileNotFoundError) as exc:
         print(f"offpolicy-moe train: error: {exc}", file=sys.stderr)
         return 1
+    if int(os.environ.get("RANK", "0")) != 0:    # multi-process: the main process reports
+        return 0 if summary["status"] == "completed" else 1
     final = summary.get("final", {})
     acc = final.get("eval/accuracy")
     print(f"{summary['status']}: {summary['steps']} steps in {summary['wall_time_s']:.1f}s"

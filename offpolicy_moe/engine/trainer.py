@@ -135,8 +135,12 @@ class Trainer:
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+        # (no cpu=True: Accelerate would then force a single process.)  Launched as several CPU processes
+        # (torchrun / accelerate launch set WORLD_SIZE), Accelerate only goes MULTI_CPU with ACCELERATE_USE_CPU.
+        if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        self.accelerator = Accelerator(
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
         self.world = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self._seed_everything(cfg.seed)
