@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import batch, make_model
+from routing_models import batch, make_model
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, UnsupportedGenerationError,
                                    compare_traces)
 

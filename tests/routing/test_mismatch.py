@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import markov_batch, trained_qwen
+from routing_models import markov_batch, trained_qwen
 from offpolicy_moe.routing import RoutingController, compare_traces
 
 PROMPT = 8

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from models import markov_batch, trained_qwen
+from routing_models import markov_batch, trained_qwen
 from offpolicy_moe.routing import (FeatureCache, PR2Features, PR2Predictors, RouteTrace, RoutingController,
                                    compare_traces, pr2_param_group, pr2_predictor_loss, routing_metrics)
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models import FAMILIES, batch, make_model
+from routing_models import FAMILIES, batch, make_model
 from offpolicy_moe.routing import (RouteTrace, RouterBypassError, RoutingController, TraceValidationError,
                                    UnsupportedRouterError)
 
