@@ -157,18 +157,17 @@ class Trainer:
                              f"{type(model).__name__} has no MoE layer (model.preset={cfg.model.preset!r})")
         self.measure_routing = self.is_moe and bool(rt.metrics)
         model.train()
-        if cfg.model.gradient_checkpointing:
-            gc_kwargs: dict = {"use_reentrant": False}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
         self.model = model
         self.controller = None
         if self.is_moe and (rt.replay != "none" or self.measure_routing):
             from offpolicy_moe.routing import RoutingController
 
             self.controller = RoutingController(model)
-            if cfg.model.gradient_checkpointing and hasattr(self.controller, "checkpoint_context_fn"):
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-                    "use_reentrant": False, "context_fn": self.controller.checkpoint_context_fn})
+        if cfg.model.gradient_checkpointing:
+            if self.controller is not None:   # recompute in backward sees the forward's (replayed) routes
+                self.controller.enable_gradient_checkpointing(model)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.predictors = None
         if rt.replay == "pr2":
             from offpolicy_moe.routing import PR2Predictors

@@ -317,3 +317,14 @@ def test_nan_loss_stops_naming_the_step(make_cfg, nan_loss):
         train(cfg)
     summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
     assert summary["status"] == "failed" and "step 2" in summary["error"]
+
+
+def test_gradient_checkpointing_with_r3_gives_the_same_training(make_cfg):
+    base = ("rollout.dtype=bfloat16", "algo.routing.replay=r3", "trainer.steps=2", "algo.routing.metrics=false")
+    a = make_cfg(*base)
+    b = make_cfg(*base, "model.gradient_checkpointing=true")
+    train(a)
+    train(b)
+    wa, wb = final_weights(a.run_dir, 2), final_weights(b.run_dir, 2)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+    assert strip_perf(read_metrics(a.run_dir))[-1]["actor/grad_norm"] > 0
