@@ -130,6 +130,10 @@ class Trainer:
                               "pass --resume to continue it or choose another --run-dir")
         if tc.threads and tc.threads > 0:
             torch.set_num_threads(int(tc.threads))
+        if tc.deterministic and torch.cuda.is_available():   # CPU kernels are deterministic at a fixed thread count
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.benchmark = False
         self._validate_config()
 
         from accelerate import Accelerator
