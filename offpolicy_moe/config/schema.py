@@ -17,7 +17,7 @@ class TaskConfig:
     name: str = "arithmetic"          # arithmetic | jsonl:<path> (prompt/answer records)
     min_digits: int = 1
     max_digits: int = 1
-    num_terms: int = 2                # operands per problem
+    num_terms: int = 3                # operands per problem (1-digit, 3 terms: 1,000 problems, SFT generalises)
     operators: str = "+"              # subset of "+-*"
     reward: str = "exact"             # exact | partial (per-digit credit)
     train_size: int = 4096
@@ -50,7 +50,7 @@ class RolloutConfig:
     router_noise: float = 0.0         # std of Gaussian noise added to the engine's router logits
     prompts_per_step: int = 16
     group_size: int = 8
-    max_new_tokens: int = 6
+    max_new_tokens: int = 4           # answers of the default task are <= 2 characters, + eos
     temperature: float = 1.0
     top_p: float = 1.0
     batch_size: int = 128             # sequences per generate call
@@ -96,7 +96,7 @@ class RoutingConfig:
     """Routing mechanism for MoE policies."""
 
     replay: str = "none"              # none | r2 | r3 | pr2
-    pr2_lr_mult: float = 1000.0
+    pr2_lr_mult: float = 3.0          # predictor lr = lr x this; the paper uses 1e3 with a policy lr of 1e-6
     pr2_bias_in_weights: bool = True
     pr2_feature_sample_rate: float = 0.125
     metrics: bool = True              # routing mismatch metrics even without replay
@@ -120,7 +120,7 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 3e-4                  # RL lr; 1e-3 collapses the tiny default model, 3e-4 improves it
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     grad_clip: float = 1.0
@@ -133,7 +133,7 @@ class TrainerConfig:
     steps: int = 100
     updates_per_step: int = 1         # optimizer updates per consumed batch (mini-batches)
     grad_accum: int = 1               # micro-batches per update
-    sft_warmup_steps: int = 0
+    sft_warmup_steps: int = 60        # SFT warm start -> partially solved default task (0 = none)
     sft_lr: float = 3e-3
     sft_batch_size: int = 64
     eval_every: int = 25

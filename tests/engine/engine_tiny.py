@@ -7,6 +7,7 @@ TINY = [
     "task.eval_size=16", "task.reward=partial", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
     "rollout.batch_size=64", "trainer.steps=3", "trainer.eval_every=0", "trainer.log_every=100",
     "logging.progress=false", "logging.loggers=[jsonl]", "trainer.min_free_mb=1", "optim.lr=1e-2",
+    "trainer.sft_warmup_steps=0",
 ]
 
 
