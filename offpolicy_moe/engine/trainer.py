@@ -382,6 +382,34 @@ class Trainer:
                                      "stopping (trainer.on_nan=stop). Set trainer.on_nan=skip to skip such updates.")
         return ok
 
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Train on one consumed batch (this process's share of it): rewards → group advantages →
+        ``trainer.updates_per_step`` optimizer updates (see the module docstring, step 4-5); returns the step's
+        metrics (``_tokens``: attention tokens processed).  Callable on any :class:`RolloutBatch` whose
+        ``old_logp`` is set (or ``algo.old_logp_source=proximal``), e.g. a fixed batch loaded from disk."""
+        return self._train_on(batch)
+
+    def _sync_predictor_grads(self) -> None:
+        """PR2 predictors are not wrapped in DDP: average their gradients over processes by hand so every process
+        applies the same predictor update.  Each process's backward ran on ``loss * world`` (see the update), so the
+        sum over processes is divided by ``world**2``: the result is the mean over processes of the local
+        gradients."""
+        if self.predictors is None or self.world == 1:
+            return
+        params = [p for p in self.predictors.parameters() if p.requires_grad]
+        for p in params:     # a process without PR2 features this step contributes zeros (no deadlock)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        flat /= float(self.world * self.world)
+        off = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[off:off + n].view_as(g))
+            off += n
+
     def _train_on(self, batch: RolloutBatch) -> dict[str, float]:
         cfg, tc = self.cfg, self.cfg.trainer
         acc = self.accelerator
@@ -488,6 +516,7 @@ class Trainer:
                 mini_metrics.append(lm)
             gn = None
             if ok:
+                self._sync_predictor_grads()
                 gn = acc.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 \
                     else torch.sqrt(sum((q.grad.detach().float() ** 2).sum() for q in self.model.parameters()
                                         if q.grad is not None))

@@ -1,0 +1,165 @@
+"""Multi-process equivalence: one optimizer update on a FIXED batch gives the same parameters (to 1e-6) with one
+process on the whole batch and with two gloo processes on halves of it.
+
+The batch is generated once here (R3: the engine's recorded routes travel with it), saved with
+``RolloutBatch.state_dict``; each worker process (this file run as a script, rank/world from the environment as
+torchrun would set them) loads the groups ``g`` with ``g % 2 == rank`` — whole groups, as ``Trainer._generate``
+divides prompts — and runs the trainer's own update (:meth:`Trainer.update`) for every algorithm.  Global token
+counts (all-reduced), the global M2PO selection (all-gathered) and DDP's gradient average must together make the
+two-process update equal the one-process one.  PR2: the predictors' gradients are all-reduced, so both processes
+end with identical predictors.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from engine_tiny import tiny_config  # noqa: E402
+
+# GRPO+TIS, GSPO and M2PO (global selection), all with R3 replay; PR2 for the predictor consistency check.
+ALGOS = {
+    "grpo_tis": ["preset=[grpo,tis,r3]"],
+    "gspo": ["preset=[gspo,r3]"],
+    "m2po": ["preset=[m2po,r3]", "algo.loss.m2po_tau=0.0005"],   # small tau: the selection really masks tokens
+}
+PR2 = ["preset=[grpo,pr2]", "algo.routing.pr2_feature_sample_rate=1.0"]
+COMMON = ["trainer.sft_warmup_steps=0", "trainer.threads=1", "optim.lr=1e-3", "rollout.prompts_per_step=4",
+          "rollout.group_size=4", "rollout.max_new_tokens=4", "rollout.dtype=bfloat16", "algo.routing.metrics=false",
+          "trainer.mismatch_metrics=false"]
+
+
+def _cfg(run_dir, algo_overrides):
+    return tiny_config(run_dir, *COMMON, *algo_overrides)
+
+
+def _updated_params(run_dir, overrides, batch, init_state):
+    """Parameters (and PR2 predictor parameters) after one ``Trainer.update`` on ``batch`` from ``init_state``."""
+    from offpolicy_moe.engine.trainer import Trainer
+
+    tr = Trainer(_cfg(run_dir, overrides))
+    tr.unwrapped.load_state_dict(init_state)
+    if tr.predictors is not None:
+        tr.step = batch.version + 1    # a stale batch: PR2 trains its predictors from the first mini-batch on
+    metrics = tr.update(batch)
+    assert metrics["actor/updates"] == 1.0, metrics
+    out = {f"model.{k}": v.detach().clone() for k, v in tr.unwrapped.named_parameters()}
+    if tr.predictors is not None:
+        out.update({f"pr2.{k}": v.detach().clone() for k, v in tr.predictors.named_parameters()})
+    return out, metrics
+
+
+def _half(batch, rank, world):
+    groups = batch.group_ids
+    rows = torch.nonzero(groups % world == rank).flatten()
+    return batch.index_select(rows)
+
+
+def worker(batch_path: str, out_path: str) -> None:
+    """Run in each of the two processes (RANK / WORLD_SIZE / MASTER_* set by the test)."""
+    from offpolicy_moe.engine.batch import RolloutBatch
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    saved = torch.load(batch_path, weights_only=False)
+    results = {}
+    for name, overrides in list(ALGOS.items()) + [("pr2", PR2)]:
+        key = "pr2_batch" if name == "pr2" else "batch"
+        batch = _half(RolloutBatch.from_state_dict(saved[key]), rank, world)
+        run_dir = Path(out_path).parent / f"rank{rank}_{name}"
+        results[name], m = _updated_params(run_dir, overrides, batch, saved["init"])
+        if name == "m2po":
+            results["m2po_masked"] = m.get("m2po/masked_frac")
+    torch.save(results, out_path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fixed_batches(tmp_path):
+    """One R3 batch (engine routes recorded, old_logp recomputed with replay) and one PR2 batch."""
+    from offpolicy_moe.engine.trainer import Trainer
+
+    tr = Trainer(_cfg(tmp_path / "gen", ALGOS["grpo_tis"]))
+    init = {k: v.detach().clone() for k, v in tr.unwrapped.state_dict().items()}
+    batch = tr._generate(0)
+    tr._prepare(batch)
+    assert batch.routes is not None and batch.old_logp is not None
+    # rewards that vary within groups (an untrained model earns none): every other sequence "answers" its own text
+    batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(batch.answers, batch.completions))]
+    # make the batch look stale (old weights != current): ratios off 1, so clipping and the M2PO mask act
+    noise = torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(1))
+    batch.old_logp = (batch.old_logp + 0.1 * noise) * batch.response_mask
+    tr2 = Trainer(_cfg(tmp_path / "gen_pr2", PR2))
+    tr2.unwrapped.load_state_dict(init)
+    tr2._sync_engine(0)
+    pr2_batch = tr2._generate(0)
+    tr2._prepare(pr2_batch)
+    pr2_batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(pr2_batch.answers,
+                                                                                pr2_batch.completions))]
+    assert pr2_batch.pr2_features is not None and pr2_batch.pr2_features.num_tokens > 0
+    return batch, pr2_batch, init
+
+
+def test_two_processes_match_one_process(tmp_path):
+    torch.set_num_threads(1)
+    batch, pr2_batch, init = _fixed_batches(tmp_path)
+    # the halves hold whole groups and different sequences
+    h0, h1 = _half(batch, 0, 2), _half(batch, 1, 2)
+    assert h0.size + h1.size == batch.size and h0.size > 0 and h1.size > 0
+    batch_path = tmp_path / "batch.pt"
+    torch.save({"batch": batch.state_dict(), "pr2_batch": pr2_batch.state_dict(), "init": init}, batch_path)
+
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.pop("ACCELERATE_USE_CPU", None)
+    procs = []
+    for rank in range(2):
+        out = tmp_path / f"out{rank}.pt"
+        e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+        procs.append((subprocess.Popen([sys.executable, __file__, str(batch_path), str(out)], env=e,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+
+    # meanwhile: the one-process reference on the whole batch
+    ref = {}
+    for name, overrides in ALGOS.items():
+        ref[name], _ = _updated_params(tmp_path / f"single_{name}", overrides, batch, init)
+    ref["pr2"], _ = _updated_params(tmp_path / "single_pr2", PR2, pr2_batch, init)
+
+    outs = []
+    for p, out in procs:
+        log, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, log[-4000:]
+        outs.append(torch.load(out, weights_only=False))
+
+    assert outs[0]["m2po_masked"] is not None and outs[0]["m2po_masked"] > 0, "M2PO selection masked nothing"
+    for name in ALGOS:
+        moved = max((ref[name][k] - init[k.removeprefix("model.")]).abs().max().item() for k in ref[name])
+        assert moved > 1e-5, f"{name}: the update did not move the parameters"
+        for rank in range(2):
+            got = outs[rank][name]
+            assert got.keys() == ref[name].keys()
+            for k in ref[name]:
+                torch.testing.assert_close(got[k], ref[name][k], rtol=0, atol=1e-6,
+                                           msg=lambda s, k=k, r=rank: f"{name} rank {r} {k}: {s}")
+    # PR2: policy parameters equal one process; predictors identical on both processes and moved
+    for k in ref["pr2"]:
+        torch.testing.assert_close(outs[0]["pr2"][k], outs[1]["pr2"][k], rtol=0, atol=0)
+        if k.startswith("model."):
+            torch.testing.assert_close(outs[0]["pr2"][k], ref["pr2"][k], rtol=0, atol=1e-6)
+    pred_keys = [k for k in ref["pr2"] if k.startswith("pr2.")]
+    assert pred_keys and any(outs[0]["pr2"][k].abs().max() > 0 for k in pred_keys)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])
