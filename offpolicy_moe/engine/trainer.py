@@ -86,11 +86,28 @@ def _float_metrics(metrics: dict) -> dict[str, float]:
 
 
 def _mean_dicts(dicts: list[dict]) -> dict[str, float]:
-    acc: dict[str, list[float]] = {}
+    """Per-key mean over metric dicts of floats / 0-d tensors, converted to floats with ONE host sync
+    (``metrics_to_floats``) instead of one ``.item()`` per metric and micro-batch; non-finite values are dropped."""
+    from offpolicy_moe.losses import metrics_to_floats
+
+    acc: dict[str, list] = {}
     for d in dicts:
-        for k, v in _float_metrics(d).items():
-            acc.setdefault(k, []).append(v)
-    return {k: sum(v) / len(v) for k, v in acc.items()}
+        for k, v in d.items():
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1:
+                    continue
+                acc.setdefault(k, []).append(v.detach().reshape(()).to(torch.float64))
+            elif isinstance(v, (int, float)):
+                acc.setdefault(k, []).append(float(v))
+    means: dict = {}
+    for k, vs in acc.items():
+        if all(isinstance(v, float) for v in vs):
+            means[k] = sum(vs) / len(vs)
+        else:
+            ts = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64) for v in vs]
+            dev = ts[0].device
+            means[k] = torch.stack([t.to(dev) for t in ts]).mean()
+    return {k: v for k, v in metrics_to_floats(means).items() if math.isfinite(v)}
 
 
 def _lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
@@ -302,11 +319,34 @@ class Trainer:
                            + torch.tensor(mine, dtype=torch.long).repeat_interleave(ro.group_size))
         return batch
 
+    def _can_defer_old_logp(self) -> bool:
+        """True when the old-log-prob recompute pass is redundant: the batch is consumed by the very next update
+        (fixed staleness 0), that update is the only one on it (``updates_per_step == 1``), so the update forward
+        runs under the generating weights θ_v and ``old_logp = logp.detach()`` of that forward, bit for bit the
+        recompute's value (same weights, same routes: none or the engine's replayed).  Not used when something
+        needs ``old_logp`` BEFORE the update forward: correction weights, the M2PO selection pass, R2/PR2 routing,
+        routing measurements under R3 (they need a pass WITHOUT replay), the counterfactual "with R3" mismatch of a
+        run without replay (``mismatch/k3_kl_r3``: an extra replayed pass, only with ``trainer.mismatch_metrics``),
+        proximal/bypass sources.  Without replay the routing measurements record the trainer's routes in the update
+        forward itself.  ``trainer.fuse_old_logp=false``
+        turns it off."""
+        cfg = self.cfg
+        return (bool(getattr(cfg.trainer, "fuse_old_logp", True))
+                and cfg.algo.old_logp_source == "trainer" and cfg.buffer.mode == "fixed" and cfg.buffer.staleness == 0
+                and cfg.trainer.updates_per_step == 1 and cfg.algo.correction.mode == "none"
+                and cfg.algo.routing.replay in ("none", "r3")
+                and (not self.measure_routing or (cfg.algo.routing.replay == "none" and cfg.trainer.grad_accum == 1
+                                                  and not cfg.trainer.mismatch_metrics))
+                and cfg.algo.loss.name != "m2po" and "on_batch" not in self.hooks)
+
     @torch.no_grad()
     def _prepare(self, batch: RolloutBatch) -> None:
         """old_logp (per ``algo.old_logp_source``), R2 routes, mismatch and routing measurements → ``batch.extras``."""
         cfg = self.cfg
         src, replay = cfg.algo.old_logp_source, cfg.algo.routing.replay
+        if self._can_defer_old_logp():
+            batch.old_logp, batch.old_logp_deferred, batch.extras = None, True, {}
+            return
         model = self.unwrapped
         was_training = model.training
         model.eval()
@@ -316,8 +356,10 @@ class Trainer:
             engine_replay = self.is_moe and replay in _REPLAY_ENGINE
             need_own = (src == "trainer" and not engine_replay) or self.measure_routing \
                 or (src == "engine" and cfg.trainer.mismatch_metrics)
+            # the R3 counterfactual of a run without replay costs a whole extra forward: only with mismatch_metrics
             need_r3 = self.is_moe and batch.routes is not None and (
-                (src == "trainer" and replay in _REPLAY_ENGINE) or self.measure_routing)
+                (src == "trainer" and replay in _REPLAY_ENGINE)
+                or (self.measure_routing and bool(cfg.trainer.mismatch_metrics)))
             lp_own = lp_r3 = None
             if need_own:
                 if self.controller is not None and (self.measure_routing or replay == "r2"):
@@ -424,6 +466,13 @@ class Trainer:
         metrics["reward/adv_abs_mean"] = float(adv.abs().mean())
         routes = self._routes_for_update(batch)
         src = cfg.algo.old_logp_source
+        fused = batch.old_logp is None and batch.old_logp_deferred
+        if fused and (batch.version != self.step or tc.updates_per_step != 1):
+            raise RuntimeError(f"batch of version {batch.version} deferred its old log-probs, but the trainer is at "
+                               f"version {self.step} with {tc.updates_per_step} updates per step: they can only "
+                               "come from a single on-policy update")
+        fused_routes = None
+        fused_old = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=dev) if fused else None
         if src == "proximal":
             model = self.unwrapped
             was = model.training
@@ -480,6 +529,10 @@ class Trainer:
                     if feats is not None and feats.num_tokens > 0:
                         with self.controller.capture_router_logits(feats) as cap:
                             logp = self._logp(self.model, p, part_routes[j])
+                    elif fused and self.measure_routing and self.controller is not None:
+                        with self.controller.record() as rec:     # the trainer's own routes, for routing/*
+                            logp = self._logp(self.model, p, part_routes[j])
+                        fused_routes = rec.trace()
                     else:
                         logp = self._logp(self.model, p, part_routes[j])
                     kw = dict(agg=cfg.algo.loss.agg, num_tokens=n_tok, num_seqs=n_seq, norm_length=norm_length,
@@ -489,7 +542,12 @@ class Trainer:
                         kw["m2po_keep"] = extra_opts["m2po_keep"][j]
                     if "m2po_cap" in extra_opts:
                         kw["m2po_cap"] = extra_opts["m2po_cap"]
-                    loss, lm = self.loss_fn(logp, p.old_logp.to(dev), adv.index_select(0, m_idx).to(dev),
+                    if fused:
+                        old_lp = logp.detach()
+                        fused_old.index_copy_(0, m_idx.to(dev), old_lp.float())
+                    else:
+                        old_lp = p.old_logp.to(dev)
+                    loss, lm = self.loss_fn(logp, old_lp, adv.index_select(0, m_idx).to(dev),
                                             p.response_mask.to(dev), **kw)
                     if ref_logp_all is not None and cfg.algo.kl.coef > 0:
                         from offpolicy_moe.losses import aggregate
@@ -512,7 +570,7 @@ class Trainer:
                         loss = loss + ploss / len(parts)    # only W_p gets this gradient (features detached)
                         lm = dict(lm, **pm)
                     acc.backward(loss * self.world)    # DDP averages gradients over ranks; global counts already
-                losses.append(float(loss.detach()))
+                losses.append(loss.detach())
                 mini_metrics.append(lm)
             gn = None
             if ok:
@@ -524,15 +582,31 @@ class Trainer:
             if ok:
                 self.optimizer.step()
                 self.updates += 1
-                grad_norms.append(float(gn))
-                mini_metrics.append({"actor/loss": sum(losses)})
+                grad_norms.append(torch.as_tensor(gn).detach())
+                mini_metrics.append({"actor/loss": torch.stack(losses).sum()})
             else:
                 self.nan_skipped += 1
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        metrics.update(_mean_dicts(mini_metrics))
         if grad_norms:
-            metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+            mini_metrics.append({"actor/grad_norm": torch.stack([g.float() for g in grad_norms]).mean()})
+        metrics.update(_mean_dicts(mini_metrics))
+        if fused:       # the measurements the skipped recompute pass would have made, from the same values
+            from offpolicy_moe.losses import mismatch_metrics
+
+            fused_old = fused_old.cpu()
+            batch.old_logp = fused_old
+            if fused_routes is not None and batch.routes is not None:
+                from offpolicy_moe.routing import routing_metrics
+
+                own = fused_routes.to("cpu") if hasattr(fused_routes, "to") else fused_routes
+                metrics.update(_float_metrics(routing_metrics(batch.routes, own, batch.attention_mask)))
+            mm = _float_metrics(mismatch_metrics(fused_old, batch.behav_logp, batch.response_mask))
+            metrics.update(mm)
+            if self.is_moe:
+                name = "r3" if self.cfg.algo.routing.replay == "r3" and batch.routes is not None else "no_r3"
+                metrics[f"mismatch/k3_kl_{name}"] = mm["mismatch/k3_kl"]
+                metrics[f"mismatch/extreme_frac_{name}"] = mm["mismatch/extreme_frac"]
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/nan_skipped"] = float(self.nan_skipped)
         metrics["actor/updates"] = float(self.updates)
@@ -807,6 +881,89 @@ class Trainer:
                 self.hooks["on_step_end"](self, self.step, m)
 
 
+_MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _accelerate_launch_num_processes(argv: list[str]) -> int:
+    """``--num_processes`` of an ``accelerate launch`` command line (from its flags, else its ``--config_file``)."""
+    if "launch" not in argv:
+        return 1
+    rest = argv[argv.index("launch") + 1:]
+    n, config_file = None, None
+    for j, a in enumerate(rest):
+        if a.startswith("--num_processes") or a.startswith("--num-processes"):
+            n = a.split("=", 1)[1] if "=" in a else (rest[j + 1] if j + 1 < len(rest) else None)
+        elif a.startswith("--config_file") or a.startswith("--config-file"):
+            config_file = a.split("=", 1)[1] if "=" in a else (rest[j + 1] if j + 1 < len(rest) else None)
+        elif not a.startswith("-") and j > 0 and not rest[j - 1].startswith("-"):
+            break            # the training script / module: the launcher's own flags end here
+    if n is None and config_file:
+        try:
+            import yaml
+
+            n = (yaml.safe_load(Path(config_file).read_text()) or {}).get("num_processes")
+        except Exception:  # noqa: BLE001 - unreadable config: no relaunch
+            n = None
+    try:
+        return max(int(n), 1) if n is not None else 1
+    except ValueError:
+        return 1
+
+
+def cpu_launch_processes(env: Optional[dict] = None, parent_argv: Optional[list[str]] = None) -> int:
+    """How many CPU processes an ``accelerate launch --cpu --num_processes N`` wanted but did not start.
+
+    Accelerate 1.15 starts several CPU processes only through ``mpirun`` (``--mpirun_hostfile``, Intel MPI / oneCCL);
+    without it, ``accelerate launch --cpu --num_processes N`` (or a ``distributed_type: MULTI_CPU`` config) runs ONE
+    process with ``ACCELERATE_USE_CPU`` and ``MASTER_ADDR`` set but no ``RANK`` / ``WORLD_SIZE``.  This returns
+    ``N`` (read from the parent ``accelerate launch`` command line) in exactly that situation and 0 otherwise."""
+    env = os.environ if env is None else env
+    if not _truthy(env.get("ACCELERATE_USE_CPU")) or "MASTER_ADDR" not in env:
+        return 0
+    if "RANK" in env or "WORLD_SIZE" in env or any(v in env for v in _MPI_SIZE_VARS):
+        return 0
+    if parent_argv is None:
+        try:
+            import psutil
+
+            parent_argv = psutil.Process(os.getppid()).cmdline()
+        except Exception:  # noqa: BLE001 - no parent info: nothing to do
+            return 0
+    n = _accelerate_launch_num_processes(list(parent_argv))
+    return n if n > 1 else 0
+
+
+def _relaunch_with_torchrun(cfg: Any, nproc: int) -> dict:
+    """Start ``nproc`` gloo processes running this same command (``torch.distributed.run``), wait, return the
+    run's summary (written by process 0)."""
+    import subprocess
+
+    print(f"offpolicy-moe: accelerate launch --cpu started 1 process (accelerate starts several CPU processes only "
+          f"through mpirun); starting {nproc} gloo processes with torch.distributed.run", file=sys.stderr)
+    env = dict(os.environ, ACCELERATE_USE_CPU="true")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"), "--master_port", env.get("MASTER_PORT", "29500"),
+           sys.argv[0], *sys.argv[1:]]
+    rc = subprocess.run(cmd, env=env).returncode
+    path = Path(cfg.run_dir) / "summary.json"
+    if not path.exists():
+        raise RuntimeError(f"the {nproc} relaunched processes exited with code {rc} and wrote no {path}")
+    summary = json.loads(path.read_text())
+    if rc != 0 and summary.get("status") == "completed":
+        summary["status"] = "failed"
+    return summary
+
+
 def train(cfg: Any, *, resume: bool = False, hooks: Optional[dict] = None) -> dict:
-    """Run one training run described by ``cfg`` (a ``TrainConfig``); returns the summary dict."""
+    """Run one training run described by ``cfg`` (a ``TrainConfig``); returns the summary dict.
+
+    Under ``accelerate launch --cpu --num_processes N`` without mpirun (one process started, see
+    :func:`cpu_launch_processes`), the command is re-run as ``N`` gloo processes by ``torch.distributed.run``."""
+    nproc = cpu_launch_processes() if hooks is None else 0
+    if nproc > 1:
+        return _relaunch_with_torchrun(cfg, nproc)
     return Trainer(cfg, resume=resume, hooks=hooks).run()

@@ -163,3 +163,41 @@ def test_two_processes_match_one_process(tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the single-process fast path: on-policy, one update → old_logp from the update forward (no recompute pass)
+
+def _run_metrics(cfg, monkeypatch, fuse: bool):
+    import json
+
+    from offpolicy_moe.engine.trainer import Trainer
+
+    seen = []
+    with monkeypatch.context() as mp:
+        if not fuse:
+            mp.setattr(Trainer, "_can_defer_old_logp", lambda self: False)
+        tr = Trainer(cfg, hooks={"on_step_end": lambda t, s, m: seen.append(m)})
+        assert tr._can_defer_old_logp() is fuse
+        tr.run()
+    rows = [json.loads(x) for x in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    return rows, {k: v.clone() for k, v in tr.unwrapped.state_dict().items()}
+
+
+def test_fused_old_logp_equals_recompute_pass(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    for name, extra in (("none_routing_metrics", ["algo.routing.metrics=true", "trainer.mismatch_metrics=false"]),
+                        ("r3", ["preset=[grpo,r3]", "algo.routing.metrics=false"])):
+        common = ["buffer.staleness=0", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
+                  "rollout.dtype=bfloat16", "trainer.steps=2", *extra]
+        fused_rows, fused_w = _run_metrics(tiny_config(tmp_path / f"{name}_fused", *common), monkeypatch, True)
+        ref_rows, ref_w = _run_metrics(tiny_config(tmp_path / f"{name}_ref", *common), monkeypatch, False)
+        assert [r.keys() for r in fused_rows] == [r.keys() for r in ref_rows]
+        assert fused_rows == ref_rows, name
+        if name == "none_routing_metrics":
+            assert "routing/decision_mismatch" in fused_rows[-1] and "mismatch/k3_kl_no_r3" in fused_rows[-1]
+        else:
+            assert "mismatch/k3_kl_r3" in fused_rows[-1]
+        for k in ref_w:
+            assert torch.equal(fused_w[k], ref_w[k]), (name, k)

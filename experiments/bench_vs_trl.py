@@ -1,0 +1,241 @@
+"""End-to-end RL throughput: offpolicy_moe's trainer against TRL's GRPOTrainer on the same job.
+
+Both train the same tiny Qwen3-MoE (same preset, same random init seed) on the same embedded arithmetic task
+with the same prompts x group size, response length, steps, learning rate and thread count; GRPO, no KL,
+no routing replay, fp32 generation with a KV cache in both. Each system runs in its own fresh subprocess;
+runs alternate (ours, TRL, ours, TRL, ...) so that machine noise hits both alike.
+
+Throughput = rollout tokens per second = prompts x group x max_new_tokens x timed steps / wall time of
+those steps (the first step is a warm-up and is not timed). The nominal token count is identical for
+both systems, so the ratio is the inverse ratio of step times.
+
+    pip install -e ".[bench]"          # TRL is an optional benchmark extra
+    python experiments/bench_vs_trl.py --repeats 3 --steps 8 --threads 2
+
+Prints a markdown table (median of the repeats) and writes JSON with --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _common_setup(args):
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from offpolicy_moe.config.schema import ModelConfig, TaskConfig
+    from offpolicy_moe.models import load_policy
+    from offpolicy_moe.tasks import build_char_tokenizer, make_task
+
+    torch.manual_seed(args.seed)
+    task_cfg = TaskConfig(max_digits=args.digits)
+    task = make_task(task_cfg)
+    tok = build_char_tokenizer()
+    model_cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_experts=args.experts)
+    model, tok = load_policy(model_cfg, tokenizer=tok)
+    return task, tok, model
+
+
+def _timed(stamps: list[float]) -> list[float]:
+    """Wall time between consecutive end-of-step stamps, for every step but the first (warm-up) and the last
+    (ours runs its final evaluation and checkpoint there): ``steps`` timed steps out of ``steps + 2``."""
+    diffs = [b - a for a, b in zip(stamps, stamps[1:])]
+    return diffs[:-1]
+
+
+def run_trl(args) -> dict:
+    """One TRL GRPOTrainer run; returns per-step wall times."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    task, tok, model = _common_setup(args)
+    n_prompts = args.prompts * (args.steps + 2)
+    rows = task.sample_prompts(0, n_prompts)
+    ds = Dataset.from_dict({"prompt": [tok.bos_token + r["prompt"] for r in rows],
+                            "answer": [r["answer"] for r in rows]})
+
+    seqs_per_call: list[int] = []
+
+    def reward(prompts, completions, answer, **_):
+        seqs_per_call.append(len(completions))
+        return task.reward(completions, answer)
+
+    times: list[float] = []
+    n_updates = [0]
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter())
+
+        def on_optimizer_step(self, a, state, control, **kw):
+            n_updates[0] += 1
+
+    # fairness probe: does generation decode one token per forward against its KV cache?
+    fwd_lens: list[int] = []
+
+    def probe(module, a, kw):
+        ids = kw.get("input_ids")
+        if ids is not None and not torch.is_grad_enabled():
+            fwd_lens.append(int(ids.shape[1]))
+
+    model.register_forward_pre_hook(probe, with_kwargs=True)
+
+    out = tempfile.mkdtemp(prefix="trl_bench_")
+    cfg = GRPOConfig(
+        output_dir=out, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1000,
+        per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0, epsilon=0.2,
+        loss_type="dapo", scale_rewards="group", max_steps=args.steps + 2, seed=args.seed,
+        bf16=False, disable_dropout=True, shuffle_dataset=False, dataloader_num_workers=0,
+        log_completions=False, max_grad_norm=1.0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
+                          callbacks=[Timer()])
+    trainer.train()
+    fair = {"sequences_per_step": sorted(set(seqs_per_call)), "optimizer_updates": n_updates[0],
+            "steps": len(times), "dtype": str(next(model.parameters()).dtype),
+            "generation_use_cache": trainer.generation_config.use_cache,
+            "max_new_tokens": trainer.generation_config.max_new_tokens,
+            "no_grad_forwards_len1": sum(n == 1 for n in fwd_lens), "no_grad_forwards": len(fwd_lens)}
+    return {"step_times": _timed(times), "fairness": fair}
+
+
+def run_ours(args) -> dict:
+    """One offpolicy_moe run with the same settings; returns per-step wall times."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from offpolicy_moe.config.load import load_config
+    from offpolicy_moe.engine.trainer import Trainer
+
+    run_dir = tempfile.mkdtemp(prefix="ours_bench_")
+    overrides = [
+        "preset=[grpo]", f"seed={args.seed}", f"run_dir={run_dir}",
+        f"task.max_digits={args.digits}",
+        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.num_experts={args.experts}",
+        "rollout.dtype=float32", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "buffer.staleness=0", "algo.routing.replay=none", "algo.correction.mode=none",
+        "algo.loss.agg=token-mean", f"optim.lr={args.lr}", "optim.grad_clip=1.0",
+        f"trainer.steps={args.steps + 2}", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
+        f"trainer.eval_every={10**6}", f"trainer.log_every={10**6}", f"trainer.threads={args.threads}",
+        "logging.loggers=[jsonl]", "logging.progress=false", "task.eval_size=8",
+        # routing metrics stay on (recorded in the update forward); the counterfactual "with R3" mismatch pass
+        # (an extra forward TRL has no equivalent of) is off
+        "trainer.mismatch_metrics=false",
+    ]
+    cfg = load_config(None, overrides)
+    stamps: list[float] = []
+    seqs: list[int] = []
+
+    def on_step_end(tr, step, metrics):
+        stamps.append(time.perf_counter())
+
+    trainer = Trainer(cfg, hooks={"on_step_end": on_step_end})
+    gen = trainer.engine.generate
+
+    def counting_generate(*a, **kw):
+        b = gen(*a, **kw)
+        seqs.append(b.size)
+        return b
+
+    trainer.engine.generate = counting_generate
+    trainer.run()
+    fair = {"sequences_per_step": sorted(set(seqs)), "optimizer_updates": trainer.updates, "steps": trainer.step,
+            "dtype": str(trainer.engine.dtype), "train_dtype": str(next(trainer.unwrapped.parameters()).dtype),
+            "generation_use_cache": trainer.engine._generation_kwargs().get("use_cache", True),
+            "max_new_tokens": trainer.engine.max_new_tokens}
+    return {"step_times": _timed(stamps), "fairness": fair}
+
+
+def _child(args) -> None:
+    res = run_trl(args) if args.system == "trl" else run_ours(args)
+    print("BENCH_RESULT " + json.dumps(res))
+
+
+def _spawn(system: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--system", system]
+    for k in ("steps", "threads", "prompts", "group", "max_new_tokens", "layers", "hidden", "experts", "digits",
+              "lr", "seed"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
+    if r.returncode != 0 or not line:
+        raise RuntimeError(f"{system} run failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+    res = json.loads(line[-1][len("BENCH_RESULT "):])
+    timed = res["step_times"]
+    tokens = args.prompts * args.group * args.max_new_tokens * len(timed)
+    res.update(process_wall_s=wall, timed_s=sum(timed), tokens_per_s=tokens / sum(timed))
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", choices=["ours", "trl"], default="ours", help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8, help="timed RL steps (one warm-up step is added)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--digits", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=str, default=None)
+    args = p.parse_args()
+    if args.child:
+        _child(args)
+        return
+    results: dict[str, list[dict]] = {"ours": [], "trl": []}
+    for i in range(args.repeats):
+        for system in ("ours", "trl"):
+            res = _spawn(system, args)
+            results[system].append(res)
+            print(f"[{i + 1}/{args.repeats}] {system:>4}: {res['tokens_per_s']:8.1f} tok/s "
+                  f"({res['timed_s']:.2f} s for {args.steps} steps, load average {os.getloadavg()[0]:.2f})",
+                  flush=True)
+            if i == 0:
+                print(f"      fairness {system}: {json.dumps(res.get('fairness', {}))}", flush=True)
+    med = {s: statistics.median(r["tokens_per_s"] for r in rs) for s, rs in results.items()}
+    ratio = med["ours"] / med["trl"]
+    import platform
+
+    import torch
+
+    print()
+    print(f"| system | rollout tokens/s (median of {args.repeats}) | s/step |")
+    print("| --- | --- | --- |")
+    for s in ("ours", "trl"):
+        per_step = args.prompts * args.group * args.max_new_tokens / med[s]
+        print(f"| {'offpolicy_moe' if s == 'ours' else 'TRL GRPOTrainer'} | {med[s]:.1f} | {per_step:.3f} |")
+    print(f"\nload average (1/5/15 min) at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"ratio ours / TRL = {ratio:.2f}x  ({args.prompts} prompts x {args.group} samples, "
+          f"{args.max_new_tokens} new tokens, {args.steps} timed steps, {args.threads} threads, "
+          f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')})")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "median": med,
+                                              "ratio": ratio}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

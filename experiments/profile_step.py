@@ -1,0 +1,130 @@
+"""Where does a training step of offpolicy_moe spend its time?  Per-phase breakdown from the trainer's ``perf/*``
+metrics (generation, old-log-prob recompute, update, whole step), median over the timed steps, optionally with a
+``torch.profiler`` table of the top operators of one step.
+
+The default job is the one of ``experiments/bench_vs_trl.py`` (tiny Qwen3-MoE, 16 prompts x 8 samples, 6 new tokens,
+GRPO, no replay, fp32 engine, 1 thread); any trainer key can be overridden with ``--set key=value``.
+
+    python experiments/profile_step.py --steps 6 --out /tmp/after.json
+    python experiments/profile_step.py --compare /tmp/before.json /tmp/after.json     # before/after table
+    python experiments/profile_step.py --torch-profile                                # + top operators
+
+``--label`` names the row in the JSON (e.g. the git commit measured).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = [("perf/time_generate_s", "generation"), ("perf/time_old_logp_s", "old-logp recompute"),
+          ("perf/time_update_s", "update (fwd+bwd+step)"), ("perf/time_other_s", "other (buffer, sync, log)"),
+          ("perf/time_step_s", "whole step")]
+
+
+def bench_overrides(args) -> list[str]:
+    """The benchmark job of bench_vs_trl.py as trainer overrides."""
+    return [
+        "preset=[grpo]", f"seed={args.seed}", f"task.max_digits={args.digits}",
+        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.num_experts={args.experts}",
+        "rollout.dtype=float32", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "buffer.staleness=0", "algo.routing.replay=none", "algo.correction.mode=none",
+        f"optim.lr={args.lr}", "optim.grad_clip=1.0",
+        f"trainer.steps={args.steps + 2}", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
+        f"trainer.eval_every={10**6}", f"trainer.log_every={10**6}", f"trainer.threads={args.threads}",
+        "task.eval_size=8", "logging.loggers=[jsonl]", "logging.progress=false",
+    ]
+
+
+def profile(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from offpolicy_moe.config.load import load_config
+    from offpolicy_moe.engine.trainer import Trainer
+
+    run_dir = tempfile.mkdtemp(prefix="profile_step_")
+    cfg = load_config(None, bench_overrides(args) + [f"run_dir={run_dir}"] + list(args.set))
+    rows: list[dict] = []
+    prof_holder: dict = {}
+
+    def on_step_end(tr, step, m):
+        rows.append(dict(m))
+        if prof_holder.get("prof") is not None:
+            prof_holder["prof"].step()
+
+    trainer = Trainer(cfg, hooks={"on_step_end": on_step_end})
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile as tprofile, schedule
+
+        prof = tprofile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=1, repeat=1),
+                        record_shapes=False)
+        prof_holder["prof"] = prof
+        prof.__enter__()
+    t0 = time.perf_counter()
+    trainer.run()
+    wall = time.perf_counter() - t0
+    if args.torch_profile:
+        prof.__exit__(None, None, None)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    timed = rows[1:-1]          # first step: warm-up; last step: final evaluation and checkpoint
+    for r in timed:
+        known = sum(r.get(k, 0.0) for k in ("perf/time_generate_s", "perf/time_old_logp_s", "perf/time_update_s"))
+        r["perf/time_other_s"] = r["perf/time_step_s"] - known
+    med = {k: statistics.median(r[k] for r in timed if k in r) for k, _ in PHASES if any(k in r for r in timed)}
+    tokens = args.prompts * args.group * args.max_new_tokens
+    med["rollout_tokens_per_s"] = tokens / med["perf/time_step_s"]
+    return {"label": args.label, "args": {k: v for k, v in vars(args).items() if k not in ("compare",)},
+            "median": med, "steps": len(timed), "wall_s": wall, "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def table(results: list[dict]) -> str:
+    labels = [r.get("label") or f"run {i + 1}" for i, r in enumerate(results)]
+    out = ["| phase (median s/step) | " + " | ".join(labels) + " |", "| --- |" + " --- |" * len(results)]
+    for key, name in PHASES:
+        cells = [f"{r['median'][key]:.4f}" if key in r["median"] else "-" for r in results]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out.append("| rollout tokens/s | " + " | ".join(f"{r['median']['rollout_tokens_per_s']:.0f}" for r in results)
+               + " |")
+    if len(results) == 2:
+        a, b = results[0]["median"]["perf/time_step_s"], results[1]["median"]["perf/time_step_s"]
+        out.append(f"\nstep time {labels[0]} / {labels[1]} = {a / b:.2f}x")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=6, help="timed steps (a warm-up and a final step are added)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--digits", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra trainer override")
+    p.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top operators of one step")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--label", default=None)
+    p.add_argument("--out", default=None, help="write the result as JSON")
+    p.add_argument("--compare", nargs="+", default=None, metavar="JSON", help="print a table of saved results")
+    args = p.parse_args()
+    if args.compare:
+        print(table([json.loads(Path(f).read_text()) for f in args.compare]))
+        return
+    res = profile(args)
+    print(table([res]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
