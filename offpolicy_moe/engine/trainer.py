@@ -889,18 +889,20 @@ def _truthy(value: Optional[str]) -> bool:
 
 
 def _accelerate_launch_num_processes(argv: list[str]) -> int:
-    """``--num_processes`` of an ``accelerate launch`` command line (from its flags, else its ``--config_file``)."""
+    """``--num_processes`` of an ``accelerate launch`` command line (its flag, else its ``--config_file``), parsed
+    with Accelerate's own ``launch`` argument parser (so the training command's arguments are never mistaken for
+    the launcher's)."""
     if "launch" not in argv:
         return 1
     rest = argv[argv.index("launch") + 1:]
-    n, config_file = None, None
-    for j, a in enumerate(rest):
-        if a.startswith("--num_processes") or a.startswith("--num-processes"):
-            n = a.split("=", 1)[1] if "=" in a else (rest[j + 1] if j + 1 < len(rest) else None)
-        elif a.startswith("--config_file") or a.startswith("--config-file"):
-            config_file = a.split("=", 1)[1] if "=" in a else (rest[j + 1] if j + 1 < len(rest) else None)
-        elif not a.startswith("-") and j > 0 and not rest[j - 1].startswith("-"):
-            break            # the training script / module: the launcher's own flags end here
+    try:
+        from accelerate.commands.launch import launch_command_parser
+
+        args = launch_command_parser().parse_args(rest)
+    except (Exception, SystemExit):  # noqa: BLE001 - not a launch command line we understand: no relaunch
+        return 1
+    n = getattr(args, "num_processes", None)
+    config_file = getattr(args, "config_file", None)
     if n is None and config_file:
         try:
             import yaml
@@ -910,7 +912,7 @@ def _accelerate_launch_num_processes(argv: list[str]) -> int:
             n = None
     try:
         return max(int(n), 1) if n is not None else 1
-    except ValueError:
+    except (TypeError, ValueError):
         return 1
 
 
@@ -938,8 +940,8 @@ def cpu_launch_processes(env: Optional[dict] = None, parent_argv: Optional[list[
 
 
 def _relaunch_with_torchrun(cfg: Any, nproc: int) -> dict:
-    """Start ``nproc`` gloo processes running this same command (``torch.distributed.run``), wait, return the
-    run's summary (written by process 0)."""
+    """Start ``nproc`` gloo processes running this same command (``torch.distributed.run``), wait, and exit with
+    their return code (``SystemExit``): they ran the whole command, process 0 reported the result."""
     import subprocess
 
     print(f"offpolicy-moe: accelerate launch --cpu started 1 process (accelerate starts several CPU processes only "
@@ -949,20 +951,16 @@ def _relaunch_with_torchrun(cfg: Any, nproc: int) -> dict:
            "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"), "--master_port", env.get("MASTER_PORT", "29500"),
            sys.argv[0], *sys.argv[1:]]
     rc = subprocess.run(cmd, env=env).returncode
-    path = Path(cfg.run_dir) / "summary.json"
-    if not path.exists():
-        raise RuntimeError(f"the {nproc} relaunched processes exited with code {rc} and wrote no {path}")
-    summary = json.loads(path.read_text())
-    if rc != 0 and summary.get("status") == "completed":
-        summary["status"] = "failed"
-    return summary
+    # the relaunched processes did the whole command (process 0 printed the result): exit with their status
+    raise SystemExit(rc)
 
 
 def train(cfg: Any, *, resume: bool = False, hooks: Optional[dict] = None) -> dict:
     """Run one training run described by ``cfg`` (a ``TrainConfig``); returns the summary dict.
 
     Under ``accelerate launch --cpu --num_processes N`` without mpirun (one process started, see
-    :func:`cpu_launch_processes`), the command is re-run as ``N`` gloo processes by ``torch.distributed.run``."""
+    :func:`cpu_launch_processes`), the command is re-run as ``N`` gloo processes by ``torch.distributed.run`` and
+    this process exits with their return code."""
     nproc = cpu_launch_processes() if hooks is None else 0
     if nproc > 1:
         return _relaunch_with_torchrun(cfg, nproc)

@@ -201,3 +201,28 @@ def test_fused_old_logp_equals_recompute_pass(tmp_path, monkeypatch):
             assert "mismatch/k3_kl_r3" in fused_rows[-1]
         for k in ref_w:
             assert torch.equal(fused_w[k], ref_w[k]), (name, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# accelerate launch --cpu without mpirun starts one process: detected and re-run as N torchrun processes
+
+def test_cpu_launch_detection(tmp_path):
+    from offpolicy_moe.engine.trainer import cpu_launch_processes
+
+    launched = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    argv = ["python", "/venv/bin/accelerate", "launch", "--num_processes", "2", "--cpu", "-m", "offpolicy_moe",
+            "train", "x.yaml"]
+    assert cpu_launch_processes(launched, argv) == 2
+    assert cpu_launch_processes(launched, [*argv[:3], "--num_processes=3", *argv[5:]]) == 3
+    cfg = tmp_path / "acc.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 4\nuse_cpu: true\n")
+    assert cpu_launch_processes(launched, ["accelerate", "launch", "--config_file", str(cfg), "-m", "x"]) == 4
+    # the training command's own flags are not the launcher's
+    assert cpu_launch_processes(launched, ["accelerate", "launch", "--cpu", "train.py", "--num_processes", "5"]) == 0
+    # a real multi-process launch (torchrun / mpirun) or a single process: nothing to do
+    assert cpu_launch_processes(dict(launched, RANK="0", WORLD_SIZE="2"), argv) == 0
+    assert cpu_launch_processes(dict(launched, PMI_SIZE="2"), argv) == 0
+    assert cpu_launch_processes({k: v for k, v in launched.items() if k != "MASTER_ADDR"}, argv) == 0
+    assert cpu_launch_processes(dict(launched, ACCELERATE_USE_CPU="False"), argv) == 0
+    assert cpu_launch_processes(launched, [*argv[:3], "--num_processes", "1", *argv[5:]]) == 0
+    assert cpu_launch_processes(launched, ["python", "-m", "offpolicy_moe", "train"]) == 0
