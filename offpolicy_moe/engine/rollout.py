@@ -3,11 +3,13 @@
 :class:`RolloutEngine` is the interface a vLLM / SGLang engine would implement; :class:`HFRolloutEngine` is the
 built-in one.  It holds its OWN copy of the policy in its own precision (bf16 by default, the realistic source of
 train/inference mismatch; optional Gaussian router-logit noise), at an integer version, and samples ``G``
-responses per prompt with ``model.generate`` (KV cache, temperature, top-p; top-k disabled).
+responses per prompt with its own KV-cache sampling loop (``sampler="native"``: one prefill forward, one forward
+per token, none of ``generate``'s per-step machinery) or with ``model.generate`` (``sampler="hf"``); temperature,
+top-p, top-k disabled; both draw the same ``torch.multinomial`` samples from the same scores.
 
-Behaviour log-probs are EXACT for the distribution sampled from: ``generate(output_scores=True)`` returns, for
-every decode step, the scores after all logits processors (temperature division, top-p masking to -inf, ...) —
-the very tensor that ``softmax`` + ``multinomial`` sampled from — so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.
+Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
+masking to -inf (``generate(output_scores=True)`` returns the same tensor) are the very tensor that ``softmax`` +
+``multinomial`` sampled from, so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.
 They are computed in float32 from the engine's (bf16) logits.
 
 When routing is recorded (R3 / PR2 / routing metrics) the engine's expert choices for every processed token come
@@ -92,6 +94,26 @@ def _cat_traces(traces: list) -> Any:
     return cat_traces(traces, side="right")     # responses are right-padded
 
 
+def _accepts_kwarg(model: torch.nn.Module, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _supports_native_loop(model: torch.nn.Module) -> bool:
+    try:
+        import transformers  # noqa: F401
+        from transformers import DynamicCache  # noqa: F401
+    except ImportError:
+        return False
+    cfg = getattr(model, "config", None)
+    return (cfg is not None and not getattr(cfg, "is_encoder_decoder", False)
+            and _accepts_kwarg(model, "past_key_values") and _accepts_kwarg(model, "position_ids"))
+
+
 class HFRolloutEngine(RolloutEngine):
     """Hugging Face ``generate``-based engine with its own copy of the policy (see module docstring)."""
 
@@ -99,7 +121,7 @@ class HFRolloutEngine(RolloutEngine):
                  max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128,
                  record_routes: bool = False, router_noise: float = 0.0, pr2_predictors: Any = None,
                  pr2_in_weights: bool = True, pr2_feature_sample_rate: float = 0.125,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, sampler: str = "native"):
         if temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -107,6 +129,8 @@ class HFRolloutEngine(RolloutEngine):
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError(f"rollout.max_new_tokens ({max_new_tokens}) and rollout.batch_size ({batch_size}) "
                              "must be >= 1")
+        if sampler not in ("native", "hf"):
+            raise ValueError(f"sampler must be 'native' (own KV-cache loop) or 'hf' (model.generate), got {sampler!r}")
         self.dtype = resolve_dtype(dtype)
         self.model = copy.deepcopy(policy).to(dtype=self.dtype)
         if device is not None:
@@ -126,6 +150,9 @@ class HFRolloutEngine(RolloutEngine):
         self.pr2_feature_sample_rate = pr2_feature_sample_rate
         self.version = 0
         self.last_generate_seconds = 0.0
+        # the own sampling loop needs a Hugging Face causal LM that takes a DynamicCache
+        self.sampler = sampler if (sampler == "hf" or _supports_native_loop(self.model)) else "hf"
+        self._keeps_logits = _accepts_kwarg(self.model, "logits_to_keep")
         self.controller = None
         if self.record_routes or self.router_noise > 0 or self.pr2_predictors is not None:
             from offpolicy_moe.routing import RoutingController
@@ -153,6 +180,59 @@ class HFRolloutEngine(RolloutEngine):
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                     return_dict_in_generate=True, output_scores=True, num_beams=1)
 
+    def _process_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution's scores from float32 next-token logits, as ``generate``'s logits processors
+        compute them: ``z / temperature`` (when ≠ 1), then top-p (nucleus, Holtzman et al. arXiv 1904.09751): in
+        ascending order of score, tokens whose cumulative probability is ``<= 1 - top_p`` get ``-inf`` (the most
+        likely token is always kept)."""
+        scores = logits
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        if self.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=False)
+            cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = cum <= (1 - self.top_p)
+            drop_sorted[..., -1:] = False
+            drop = drop_sorted.scatter(1, order, drop_sorted)
+            scores = scores.masked_fill(drop, -float("inf"))
+        return scores
+
+    def _sample_loop(self, ids: torch.Tensor, am: torch.Tensor, recorder: Any = None):
+        """Ancestral sampling with a KV cache, without ``generate``'s per-step machinery: one prefill forward, then
+        one forward per new token; ``x_t ~ softmax(scores_t)`` (``torch.multinomial``, the same draws ``generate``
+        makes); rows that emitted EOS get the pad token afterwards; stops when every row has finished or after
+        ``max_new_tokens``.  Returns ``(sequences [B, P+T'], scores [B, T', V])``."""
+        from transformers import DynamicCache
+
+        model, tok = self.model, self.tokenizer
+        B = ids.shape[0]
+        cache = DynamicCache(config=model.config)
+        pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
+        keep = {"logits_to_keep": 1} if self._keeps_logits else {}
+        out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True,
+                    **keep)
+        pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
+        unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
+        tokens, scores_all = [], []
+        mask, last_pos = am, pos[:, -1:]
+        for t in range(self.max_new_tokens):
+            scores = self._process_scores(out.logits[:, -1, :].float())
+            nxt = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+            nxt = torch.where(unfinished, nxt, pad)
+            tokens.append(nxt)
+            scores_all.append(scores)
+            unfinished &= nxt != tok.eos_token_id
+            if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
+                break
+            mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
+            last_pos = last_pos + 1
+            out = model(input_ids=nxt.unsqueeze(1), attention_mask=mask, position_ids=last_pos,
+                        past_key_values=cache, use_cache=True, **keep)
+        seq = torch.cat([ids, torch.stack(tokens, 1)], dim=1)
+        if recorder is not None:
+            recorder.final_len = int(seq.shape[1])   # the last sampled token is never fed to the model
+        return seq, torch.stack(scores_all, dim=1)
+
     @torch.no_grad()
     def _generate_chunk(self, ids: torch.Tensor, am: torch.Tensor, feature_cache: Any):
         with ExitStack() as stack:
@@ -165,12 +245,15 @@ class HFRolloutEngine(RolloutEngine):
                                                                 feature_cache=feature_cache))
                 if self.record_routes or self.pr2_predictors is not None:
                     rec = stack.enter_context(self.controller.record())
-            out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs())
+            if self.sampler == "native":
+                sequences, scores = self._sample_loop(ids, am, rec)
+            else:
+                out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs())
+                sequences, scores = out.sequences, torch.stack(out.scores, dim=1).float()   # [b, T', V] processed
         trace = rec.trace() if rec is not None else None
-        scores = torch.stack(out.scores, dim=1).float()                  # [b, T', V] processed scores
-        resp = out.sequences[:, ids.shape[1]:]
+        resp = sequences[:, ids.shape[1]:]
         logp = scores.gather(-1, resp.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
-        return out.sequences, logp, trace
+        return sequences, logp, trace
 
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
                  iteration: int = 0, group_offset: int = 0) -> RolloutBatch:
