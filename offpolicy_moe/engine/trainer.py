@@ -336,18 +336,16 @@ class Trainer:
         runs under the generating weights θ_v and ``old_logp = logp.detach()`` of that forward, bit for bit the
         recompute's value (same weights, same routes: none or the engine's replayed).  Not used when something
         needs ``old_logp`` BEFORE the update forward: correction weights, the M2PO selection pass, R2/PR2 routing,
-        routing measurements under R3 (they need a pass WITHOUT replay), the counterfactual "with R3" mismatch of a
-        run without replay (``mismatch/k3_kl_r3``: an extra replayed pass, only with ``trainer.mismatch_metrics``),
-        proximal/bypass sources.  Without replay the routing measurements record the trainer's routes in the update
-        forward itself.  ``trainer.fuse_old_logp=false``
-        turns it off."""
+        routing measurements under R3 (they need a pass WITHOUT replay), proximal/bypass sources.  Without replay the
+        routing measurements record the trainer's routes in the update forward itself; the counterfactual "with R3"
+        mismatch (``mismatch/k3_kl_r3``, only with ``trainer.mismatch_metrics``) keeps its one replayed pass.
+        ``trainer.fuse_old_logp=false`` turns the fusion off."""
         cfg = self.cfg
         return (bool(getattr(cfg.trainer, "fuse_old_logp", True))
                 and cfg.algo.old_logp_source == "trainer" and cfg.buffer.mode == "fixed" and cfg.buffer.staleness == 0
                 and cfg.trainer.updates_per_step == 1 and cfg.algo.correction.mode == "none"
                 and cfg.algo.routing.replay in ("none", "r3")
-                and (not self.measure_routing or (cfg.algo.routing.replay == "none" and cfg.trainer.grad_accum == 1
-                                                  and not cfg.trainer.mismatch_metrics))
+                and (not self.measure_routing or (cfg.algo.routing.replay == "none" and cfg.trainer.grad_accum == 1))
                 and cfg.algo.loss.name != "m2po" and "on_batch" not in self.hooks)
 
     @torch.no_grad()
@@ -357,6 +355,19 @@ class Trainer:
         src, replay = cfg.algo.old_logp_source, cfg.algo.routing.replay
         if self._can_defer_old_logp():
             batch.old_logp, batch.old_logp_deferred, batch.extras = None, True, {}
+            if self.measure_routing and cfg.trainer.mismatch_metrics and batch.routes is not None:
+                from offpolicy_moe.losses import mismatch_metrics
+
+                model = self.unwrapped
+                was_training = model.training
+                model.eval()
+                try:
+                    lp_r3 = self._logp(model, batch, batch.routes).cpu()
+                finally:
+                    model.train(was_training)
+                mm = _float_metrics(mismatch_metrics(lp_r3, batch.behav_logp, batch.response_mask))
+                batch.extras = {"mismatch/k3_kl_r3": mm["mismatch/k3_kl"],
+                                "mismatch/extreme_frac_r3": mm["mismatch/extreme_frac"]}
             return
         model = self.unwrapped
         was_training = model.training

@@ -187,7 +187,8 @@ def _run_metrics(cfg, monkeypatch, fuse: bool):
 
 def test_fused_old_logp_equals_recompute_pass(tmp_path, monkeypatch):
     torch.set_num_threads(1)
-    for name, extra in (("none_routing_metrics", ["algo.routing.metrics=true", "trainer.mismatch_metrics=false"]),
+    for name, extra in (("none_routing_metrics", ["algo.routing.metrics=true", "trainer.mismatch_metrics=true"]),
+                        ("none_no_counterfactual", ["algo.routing.metrics=true", "trainer.mismatch_metrics=false"]),
                         ("r3", ["preset=[grpo,r3]", "algo.routing.metrics=false"])):
         common = ["buffer.staleness=0", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
                   "rollout.dtype=bfloat16", "trainer.steps=2", *extra]
@@ -195,8 +196,9 @@ def test_fused_old_logp_equals_recompute_pass(tmp_path, monkeypatch):
         ref_rows, ref_w = _run_metrics(tiny_config(tmp_path / f"{name}_ref", *common), monkeypatch, False)
         assert [r.keys() for r in fused_rows] == [r.keys() for r in ref_rows]
         assert fused_rows == ref_rows, name
-        if name == "none_routing_metrics":
+        if name.startswith("none"):
             assert "routing/decision_mismatch" in fused_rows[-1] and "mismatch/k3_kl_no_r3" in fused_rows[-1]
+            assert ("mismatch/k3_kl_r3" in fused_rows[-1]) == (name == "none_routing_metrics")
         else:
             assert "mismatch/k3_kl_r3" in fused_rows[-1]
         for k in ref_w:
