@@ -6,11 +6,18 @@ no routing replay, fp32 generation with a KV cache in both. Each system runs in 
 runs alternate (ours, TRL, ours, TRL, ...) so that machine noise hits both alike.
 
 Throughput = rollout tokens per second = prompts x group x max_new_tokens x timed steps / wall time of
-those steps (the first step is a warm-up and is not timed). The nominal token count is identical for
+those steps: ``steps + 2`` steps run, the wall time between consecutive end-of-step stamps is taken for all but
+the first (warm-up) and the last (ours evaluates and checkpoints there). The nominal token count is identical for
 both systems, so the ratio is the inverse ratio of step times.
 
+Fairness probes (printed for the first pair): sequences generated per step, optimizer updates, dtype,
+max_new_tokens, and for TRL the number of no-grad forwards fed ONE token (decode steps against the KV cache).
+TRL skips its old-log-prob pass when on-policy with one update; ours does the same (old_logp from the update
+forward).  Ours keeps its routing metrics (recorded in the update forward) but not the counterfactual "with R3"
+mismatch pass (``trainer.mismatch_metrics=false``), an extra forward TRL has no equivalent of.
+
     pip install -e ".[bench]"          # TRL is an optional benchmark extra
-    python experiments/bench_vs_trl.py --repeats 3 --steps 8 --threads 2
+    python experiments/bench_vs_trl.py --repeats 5 --steps 8 --threads 1
 
 Prints a markdown table (median of the repeats) and writes JSON with --out.
 """
@@ -33,14 +40,13 @@ def _common_setup(args):
     torch.set_num_threads(args.threads)
     from offpolicy_moe.config.schema import ModelConfig, TaskConfig
     from offpolicy_moe.models import load_policy
-    from offpolicy_moe.tasks import build_char_tokenizer, make_task
+    from offpolicy_moe.tasks import make_task
 
     torch.manual_seed(args.seed)
     task_cfg = TaskConfig(max_digits=args.digits)
     task = make_task(task_cfg)
-    tok = build_char_tokenizer()
     model_cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_experts=args.experts)
-    model, tok = load_policy(model_cfg, tokenizer=tok)
+    model, tok = load_policy(model_cfg, seed=args.seed, task=task)    # exactly as the trainer loads it
     return task, tok, model
 
 
@@ -218,6 +224,7 @@ def main() -> None:
                 print(f"      fairness {system}: {json.dumps(res.get('fairness', {}))}", flush=True)
     med = {s: statistics.median(r["tokens_per_s"] for r in rs) for s, rs in results.items()}
     ratio = med["ours"] / med["trl"]
+    pair_ratios = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(results["ours"], results["trl"])]
     import platform
 
     import torch
@@ -229,12 +236,15 @@ def main() -> None:
         per_step = args.prompts * args.group * args.max_new_tokens / med[s]
         print(f"| {'offpolicy_moe' if s == 'ours' else 'TRL GRPOTrainer'} | {med[s]:.1f} | {per_step:.3f} |")
     print(f"\nload average (1/5/15 min) at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"per-pair ratios (alternating runs): {', '.join(f'{r:.2f}' for r in pair_ratios)}; "
+          f"median {statistics.median(pair_ratios):.2f}x")
     print(f"ratio ours / TRL = {ratio:.2f}x  ({args.prompts} prompts x {args.group} samples, "
           f"{args.max_new_tokens} new tokens, {args.steps} timed steps, {args.threads} threads, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')})")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "median": med,
-                                              "ratio": ratio}, indent=2))
+                                              "ratio": ratio, "pair_ratios": pair_ratios,
+                                              "loadavg": os.getloadavg()}, indent=2))
 
 
 if __name__ == "__main__":
