@@ -197,9 +197,21 @@ class HFRolloutEngine(RolloutEngine):
             scores = scores.masked_fill(drop, -float("inf"))
         return scores
 
-    def _sample_loop(self, ids: torch.Tensor, am: torch.Tensor, recorder: Any = None):
-        """Ancestral sampling with a KV cache, without ``generate``'s per-step machinery: one prefill forward, then
-        one forward per new token; ``x_t ~ softmax(scores_t)`` (``torch.multinomial``, the same draws ``generate``
+    def _shared_prefill_groups(self, ids: torch.Tensor, am: torch.Tensor, group_size: int) -> int:
+        """``group_size`` when the rows come in blocks of ``group_size`` identical prompts and no router hook is
+        installed (nothing recorded, no noise, no PR2 offsets): the prompt is then prefilled ONCE per block and its
+        KV cache repeated; otherwise 1."""
+        B = ids.shape[0]
+        if group_size <= 1 or B % group_size or self.controller is not None:
+            return 1
+        blocks = ids.view(B // group_size, group_size, -1)
+        mblocks = am.view(B // group_size, group_size, -1)
+        same = bool((blocks == blocks[:, :1]).all()) and bool((mblocks == mblocks[:, :1]).all())
+        return group_size if same else 1
+
+    def _sample_loop(self, ids: torch.Tensor, am: torch.Tensor, recorder: Any = None, group_size: int = 1):
+        """Ancestral sampling with a KV cache, without ``generate``'s per-step machinery: one prefill forward (shared
+        by the ``group_size`` samples of a prompt when no router hook is installed), then one forward per new token; ``x_t ~ softmax(scores_t)`` (``torch.multinomial``, the same draws ``generate``
         makes); rows that emitted EOS get the pad token afterwards; stops when every row has finished or after
         ``max_new_tokens``.  Returns ``(sequences [B, P+T'], scores [B, T', V])``."""
         from transformers import DynamicCache
@@ -209,8 +221,15 @@ class HFRolloutEngine(RolloutEngine):
         cache = DynamicCache(config=model.config)
         pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
         keep = {"logits_to_keep": 1} if self._keeps_logits else {}
-        out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True,
-                    **keep)
+        g = self._shared_prefill_groups(ids, am, group_size)
+        if g > 1:      # G samples of one prompt share its prefill: run it on one row per group, repeat the cache
+            out = model(input_ids=ids[::g], attention_mask=am[::g], position_ids=pos[::g], past_key_values=cache,
+                        use_cache=True, **keep)
+            cache.batch_repeat_interleave(g)
+            out.logits = out.logits.repeat_interleave(g, dim=0)
+        else:
+            out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True,
+                        **keep)
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
         tokens, scores_all = [], []
@@ -234,7 +253,7 @@ class HFRolloutEngine(RolloutEngine):
         return seq, torch.stack(scores_all, dim=1)
 
     @torch.no_grad()
-    def _generate_chunk(self, ids: torch.Tensor, am: torch.Tensor, feature_cache: Any):
+    def _generate_chunk(self, ids: torch.Tensor, am: torch.Tensor, feature_cache: Any, group_size: int = 1):
         with ExitStack() as stack:
             rec = None
             if self.controller is not None:
@@ -246,7 +265,7 @@ class HFRolloutEngine(RolloutEngine):
                 if self.record_routes or self.pr2_predictors is not None:
                     rec = stack.enter_context(self.controller.record())
             if self.sampler == "native":
-                sequences, scores = self._sample_loop(ids, am, rec)
+                sequences, scores = self._sample_loop(ids, am, rec, group_size)
             else:
                 out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs())
                 sequences, scores = out.sequences, torch.stack(out.scores, dim=1).float()   # [b, T', V] processed
@@ -280,7 +299,8 @@ class HFRolloutEngine(RolloutEngine):
                 gen = torch.Generator().manual_seed(seed + start)
                 cache = FeatureCache(sample_rate=self.pr2_feature_sample_rate, generator=gen, store_device="cpu")
             chunk_ids = p_ids[start:start + self.batch_size]
-            s, lp, tr = self._generate_chunk(chunk_ids, p_am[start:start + self.batch_size], cache)
+            s, lp, tr = self._generate_chunk(chunk_ids, p_am[start:start + self.batch_size], cache,
+                                             group_size if start % group_size == 0 else 1)
             seqs.append(s); logps.append(lp); traces.append(tr); sizes.append(chunk_ids.shape[0])
             if cache is not None:
                 feats.append(cache.collect())

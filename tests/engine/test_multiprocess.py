@@ -8,6 +8,10 @@ divides prompts — and runs the trainer's own update (:meth:`Trainer.update`) f
 counts (all-reduced), the global M2PO selection (all-gathered) and DDP's gradient average must together make the
 two-process update equal the one-process one.  PR2: the predictors' gradients are all-reduced, so both processes
 end with identical predictors.
+
+Also here (they guard the speed work that came with the multi-process one): the fused on-policy old-log-prob path
+equals the recompute pass, the ``accelerate launch --cpu`` relaunch detection, and the engine's own sampling loop
+against ``model.generate``.
 """
 from __future__ import annotations
 
@@ -228,3 +232,35 @@ def test_cpu_launch_detection(tmp_path):
     assert cpu_launch_processes(dict(launched, ACCELERATE_USE_CPU="False"), argv) == 0
     assert cpu_launch_processes(launched, [*argv[:3], "--num_processes", "1", *argv[5:]]) == 0
     assert cpu_launch_processes(launched, ["python", "-m", "offpolicy_moe", "train"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the engine's own sampling loop draws what model.generate draws
+
+def test_native_sampler_matches_generate():
+    from offpolicy_moe.config.schema import ModelConfig, TaskConfig
+    from offpolicy_moe.engine.rollout import HFRolloutEngine
+    from offpolicy_moe.models import load_policy
+    from offpolicy_moe.tasks import make_task
+
+    torch.set_num_threads(1)
+    task = make_task(TaskConfig())
+    model, tok = load_policy(ModelConfig(num_layers=1, hidden_size=32, num_experts=4, top_k=2), seed=3, task=task)
+    rows = task.sample_prompts(0, 6)
+    prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    for dtype, temp, top_p, record, bs in (("float32", 1.0, 1.0, True, 64), ("float32", 0.7, 0.9, False, 64),
+                                           ("bfloat16", 1.3, 0.8, False, 10), ("float32", 1.0, 1.0, False, 7)):
+        out = {}
+        for sampler in ("hf", "native"):
+            eng = HFRolloutEngine(model, tok, dtype=dtype, max_new_tokens=5, temperature=temp, top_p=top_p,
+                                  record_routes=record, sampler=sampler, batch_size=bs)
+            out[sampler] = eng.generate(prompts, answers, group_size=4, seed=11)
+        a, b = out["hf"], out["native"]
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
+        assert torch.equal(a.response_mask, b.response_mask) and a.completions == b.completions
+        if record:    # same calls, same shapes: bit for bit, routes included
+            assert torch.equal(a.behav_logp, b.behav_logp)
+            assert torch.equal(a.routes.ids, b.routes.ids)
+        else:         # shared prefill (one row per group): float rounding only
+            torch.testing.assert_close(a.behav_logp, b.behav_logp, rtol=0, atol=1e-5)
+        assert torch.isfinite(b.behav_logp).all() and (b.behav_logp <= 0).all()
