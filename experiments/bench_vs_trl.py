@@ -13,8 +13,10 @@ both systems, so the ratio is the inverse ratio of step times.
 Fairness probes (printed for the first pair): sequences generated per step, optimizer updates, dtype,
 max_new_tokens, and for TRL the number of no-grad forwards fed ONE token (decode steps against the KV cache).
 TRL skips its old-log-prob pass when on-policy with one update; ours does the same (old_logp from the update
-forward).  Ours keeps its routing metrics (recorded in the update forward) but not the counterfactual "with R3"
-mismatch pass (``trainer.mismatch_metrics=false``), an extra forward TRL has no equivalent of.
+forward).  Measurements TRL has no equivalent of are off for ours: routing metrics (``algo.routing.metrics=false``;
+with them on the engine records routes and cannot share a prompt's prefill across its group) and the
+counterfactual "with R3" mismatch pass (``trainer.mismatch_metrics=false``).  ``--ours-set KEY=VALUE`` adds
+trainer overrides for ours, e.g. ``--ours-set algo.routing.metrics=true``.
 
     pip install -e ".[bench]"          # TRL is an optional benchmark extra
     python experiments/bench_vs_trl.py --repeats 5 --steps 8 --threads 1
@@ -138,10 +140,10 @@ def run_ours(args) -> dict:
         f"trainer.steps={args.steps + 2}", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
         f"trainer.eval_every={10**6}", f"trainer.log_every={10**6}", f"trainer.threads={args.threads}",
         "logging.loggers=[jsonl]", "logging.progress=false", "task.eval_size=8",
-        # routing metrics stay on (recorded in the update forward); the counterfactual "with R3" mismatch pass
-        # (an extra forward TRL has no equivalent of) is off
-        "trainer.mismatch_metrics=false",
-    ]
+        # measurements TRL has no equivalent of are off: routing metrics (the engine would record routes) and the
+        # counterfactual "with R3" mismatch pass; put them back with --ours-set algo.routing.metrics=true
+        "algo.routing.metrics=false", "trainer.mismatch_metrics=false",
+    ] + list(args.ours_set)
     cfg = load_config(None, overrides)
     stamps: list[float] = []
     seqs: list[int] = []
@@ -176,6 +178,8 @@ def _spawn(system: str, args) -> dict:
     for k in ("steps", "threads", "prompts", "group", "max_new_tokens", "layers", "hidden", "experts", "digits",
               "lr", "seed"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    for o in args.ours_set:
+        cmd += ["--ours-set", o]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
@@ -208,6 +212,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=str, default=None)
+    p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra trainer override for ours (e.g. algo.routing.metrics=true)")
     args = p.parse_args()
     if args.child:
         _child(args)
