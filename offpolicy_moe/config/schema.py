@@ -54,6 +54,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     batch_size: int = 128             # sequences per generate call
+    sampler: str = "native"           # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
 
 
 @dataclass
@@ -142,6 +143,7 @@ class TrainerConfig:
     on_nan: str = "skip"              # skip (count in actor/nan_skipped) | stop
     deterministic: bool = True
     threads: int = 0                  # 0 = torch default
+    fuse_old_logp: bool = True        # on-policy single update: take old_logp from the update forward (no extra pass)
     keep_checkpoints: int = 2         # newest checkpoints kept (0 = all)
     min_free_mb: float = 50.0         # free disk space required in the run folder at start
     mismatch_metrics: bool = True     # recompute trainer log-probs for mismatch/* even in bypass mode

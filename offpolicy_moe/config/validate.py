@@ -66,6 +66,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.engine": ("hf",),
+    "rollout.sampler": ("native", "hf"),
     "task.reward": ("exact", "partial"),
     "optim.scheduler": ("constant", "cosine", "linear"),
     "trainer.on_nan": ("skip", "stop"),

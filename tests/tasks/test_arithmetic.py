@@ -33,7 +33,7 @@ def test_train_eval_disjoint_and_eval_distinct(kw):
 
 def test_small_space_caps_eval_with_warning():
     with pytest.warns(UserWarning, match="capped at 50"):
-        t = small(eval_size=128)
+        t = small(eval_size=128, num_terms=2)
     assert len(t.eval_dataset) == 50  # 1-digit a+b: 100 problems, half held out
     assert not set(t.train_dataset["prompt"]) & set(t.eval_dataset["prompt"])
 
