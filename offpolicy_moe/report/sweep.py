@@ -34,6 +34,7 @@ from typing import Callable, Optional, Sequence
 from offpolicy_moe.config.load import save_resolved
 from offpolicy_moe.config.validate import ConfigError, validate
 from offpolicy_moe.report.experiment import Experiment, RunSpec, load_experiment, plan_runs
+from offpolicy_moe.report.runs import _read_json
 
 TRAIN_CMD_ENV = "OFFPOLICY_MOE_TRAIN_CMD"
 OWN_FILES = ("config.yaml", "run.json", "train.log")
@@ -283,14 +284,6 @@ def _tail(path: Path, n: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(lines[-n:])
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        data = json.loads(Path(path).read_text())
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 def _write_json(path: Path, data: dict) -> None:
