@@ -44,7 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `key=value` overrides may come after options (`sweep exp.yaml --jobs 2 seed=3`); argparse stops
+        # collecting a positional list at the first option, so pick the leftovers up here.
+        if hasattr(args, "overrides") and all("=" in tok and not tok.startswith("-") for tok in extra):
+            args.overrides = list(args.overrides) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2
