@@ -11,7 +11,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("experiment", help="experiment YAML (base config, grid axes, seeds; see experiments/)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides applied to every run")
     p.add_argument("--seeds", help="comma-separated seeds, replacing the experiment's (e.g. 0,1,2)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (each gets cores/jobs threads); default 1")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once; default 1 (use about the number of cores)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per run (OMP_NUM_THREADS unless set); default 1: tiny models gain nothing "
+                        "from more, and oversubscribed cores slow every run down")
     p.add_argument("--resume", action="store_true", help="skip runs whose summary.json says completed")
     p.add_argument("--overwrite", action="store_true", help="re-run every run of an existing sweep folder")
     p.add_argument("--out", help="sweep folder (default runs/<experiment name>)")
@@ -35,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         res = run_sweep(args.experiment, out=args.out, seeds=seeds, overrides=args.overrides, jobs=args.jobs,
+                        threads=args.threads,
                         resume=args.resume, overwrite=args.overwrite, train_cmd=args.train_cmd,
                         timeout=args.timeout, progress=not args.no_progress, dry_run=args.dry_run)
     except ConfigError as exc:

@@ -87,6 +87,7 @@ def run_sweep(
     seeds: Optional[Sequence[int]] = None,
     overrides: Sequence[str] = (),
     jobs: int = 1,
+    threads: int = 1,
     resume: bool = False,
     overwrite: bool = False,
     train_cmd: Optional[Sequence[str] | str] = None,
@@ -96,6 +97,10 @@ def run_sweep(
     log: Callable[[str], None] = print,
 ) -> SweepResult:
     """Plan, validate (all runs, before any compute) and execute a sweep. Returns per-run results.
+
+    Each run gets ``threads`` CPU threads (``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` unless already set); the
+    small models of the CPU-scale experiments gain nothing from more, and several multi-threaded runs on a few
+    cores oversubscribe them badly, so use ``jobs`` (about the number of cores) for parallelism.
 
     Raises :class:`ConfigError` if any run's config is invalid, or if the sweep folder already holds runs and
     neither ``resume`` nor ``overwrite`` is set.
@@ -151,7 +156,8 @@ def run_sweep(
         return result
 
     env = dict(os.environ)
-    threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
+    if threads < 1:
+        raise ConfigError(f"threads must be >= 1, got {threads}")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, str(threads))
 
