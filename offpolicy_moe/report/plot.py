@@ -170,8 +170,9 @@ def plot_staleness(
                             f"staleness axis '{staleness_axis}' has a non-numeric value "
                             f"{r.value_of(staleness_axis)!r} in run {r.name}"
                         ) from None
-                    v = aggregate_series([y for _, y in r.series(m.name)], agg, m.higher)
-                    if v is not None:
+                    pts_r = r.series(m.name)
+                    v = aggregate_series([y for _, y in pts_r], agg, m.higher, steps=[x for x, _ in pts_r])
+                    if v is not None and math.isfinite(v):
                         pts.setdefault(x, []).append(v)
                 if not pts:
                     continue

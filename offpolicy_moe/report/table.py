@@ -8,6 +8,7 @@ Per run, a metric's series from ``metrics.jsonl`` is reduced to one number by ``
 | ``best`` | max of the series (min with lower-is-better) |
 | ``mean_last:N`` | mean of the last N logged values (all of them if fewer) |
 | ``min`` / ``max`` | min / max of the series |
+| ``collapse:F`` | collapse step: the first step at which the trailing 5-point mean of the series falls below F × its best trailing mean so far (F = 0.5 by default); runs that never collapse are counted as ``k stable`` in the cell, not averaged |
 
 A cell aggregates its runs (usually the seeds): mean, SAMPLE standard deviation (ddof = 1; shown as ``–`` when
 n = 1) and n. The best mean per column (max, or min for lower-is-better metrics; ties all marked) is bold in
@@ -42,6 +43,7 @@ class MetricSpec:
 class Cell:
     values: list[float] = field(default_factory=list)
     failed: int = 0
+    stable: int = 0   # collapse aggregation: runs that never collapsed
 
     @property
     def n(self) -> int:
@@ -109,12 +111,55 @@ def parse_metrics(spec: str | Sequence[str], default_higher: bool = True) -> lis
     return out
 
 
-def aggregate_series(values: Sequence[float], agg: str, higher: bool = True) -> Optional[float]:
-    """Reduce one run's series to a number (see the module table). ``None`` for an empty series."""
+COLLAPSE_WINDOW = 5
+
+
+def collapse_step(points: Sequence[tuple[float, float]], frac: float = 0.5,
+                  window: int = COLLAPSE_WINDOW) -> Optional[float]:
+    """Step at which a series collapses, or ``None`` if it never does.
+
+    ``s_t`` = mean of the last ``window`` values up to t; the collapse step is the first t with
+    ``s_t < frac * max_{u<=t} s_u`` (and that best trailing mean > 0). Used for reward curves: the R3 and M2PO
+    papers report the step where training reward collapses.
+    """
+    if not 0 < frac < 1:
+        raise ValueError(f"collapse fraction must be in (0, 1), got {frac}")
+    best = -math.inf
+    ys: list[float] = []
+    for step, y in points:
+        ys.append(y)
+        trail = ys[-window:]
+        s = sum(trail) / len(trail)
+        if len(ys) >= window and best > 0 and s < frac * best:
+            return step
+        if len(ys) >= window:
+            best = max(best, s)
+    return None
+
+
+def aggregate_series(values: Sequence[float], agg: str, higher: bool = True,
+                     steps: Optional[Sequence[float]] = None) -> Optional[float]:
+    """Reduce one run's series to a number (see the module table). ``None`` for an empty series.
+
+    ``collapse:F`` returns the collapse step (``steps`` default to 0, 1, ...) or ``math.inf`` when the run never
+    collapses.
+    """
     vals = list(values)
     kind, _, arg = agg.partition(":")
-    if kind not in ("final", "last", "best", "mean_last", "min", "max"):
-        raise ValueError(f"unknown --agg {agg!r}; expected final, best, mean_last:N, min or max")
+    if kind not in ("final", "last", "best", "mean_last", "min", "max", "collapse"):
+        raise ValueError(f"unknown --agg {agg!r}; expected final, best, mean_last:N, min, max or collapse[:F]")
+    if kind == "collapse":
+        try:
+            frac = float(arg) if arg else 0.5
+        except ValueError:
+            raise ValueError(f"--agg collapse:F needs a number F in (0, 1), got {agg!r}") from None
+        if not 0 < frac < 1:
+            raise ValueError(f"--agg collapse:F needs F in (0, 1), got {agg!r}")
+        if not vals:
+            return None
+        xs = list(steps) if steps is not None else [float(i) for i in range(len(vals))]
+        step = collapse_step(list(zip(xs, vals)), frac)
+        return math.inf if step is None else step
     if kind == "mean_last":
         try:
             n = int(arg)
@@ -219,21 +264,30 @@ def build_table(
             incomplete.append((r.name, r.status))
             continue
         for m in mspecs:
-            v = aggregate_series([y for _, y in r.series(m.name)], agg, m.higher)
+            pts = r.series(m.name)
+            v = aggregate_series([y for _, y in pts], agg, m.higher, steps=[x for x, _ in pts])
             if v is None:
                 missing.append((r.name, m.name))
                 continue
-            cells.setdefault((rl, col_key[(cl, m.name)]), Cell()).values.append(v)
+            cell = cells.setdefault((rl, col_key[(cl, m.name)]), Cell())
+            if math.isinf(v):       # collapse aggregation: this run never collapsed
+                cell.stable += 1
+            else:
+                cell.values.append(v)
 
     best: set[tuple[str, str]] = set()
-    for label, m in zip(col_labels, col_metrics):
+    # a collapse step has no "best": an early collapse is bad, no collapse is best but has no number
+    for label, m in zip(col_labels, col_metrics if not agg.startswith("collapse") else []):
         means = [(cells[(rl, label)].mean, rl) for rl in row_labels if (rl, label) in cells and cells[(rl, label)].n]
         if means:
             target = max(x for x, _ in means) if m.higher else min(x for x, _ in means)
             best |= {(rl, label) for x, rl in means if x == target}
 
     metric_txt = ", ".join(f"{m.name} ({'higher' if m.higher else 'lower'} is better)" for m in mspecs)
-    caption = f"{metric_txt}; agg {agg}; mean ± std (n runs) over seeds; best per column marked"
+    caption = (f"{metric_txt}; agg {agg}; mean ± std (n runs) over seeds; best per column marked"
+               if not agg.startswith("collapse") else
+               f"{metric_txt}; agg {agg}: step of collapse, mean ± std (n runs that collapsed; k stable = runs "
+               f"that never collapsed)")
     if where:
         caption += "; " + ", ".join(f"{k}={v}" for k, v in where.items())
     return Table(", ".join(rows) + (f" \\ {', '.join(cols)}" if cols else ""), row_labels, col_labels,
@@ -247,9 +301,10 @@ def format_number(x: float, digits: int = 3) -> str:
 
 def format_cell(cell: Optional[Cell], digits: int = 3) -> str:
     """``mean ± std (n)``; ``mean ± – (1)`` for one run; ``–`` when empty; failures appended (``; k failed``)."""
-    if cell is None or (cell.n == 0 and cell.failed == 0):
+    if cell is None or (cell.n == 0 and cell.failed == 0 and cell.stable == 0):
         return DASH
     fail = f"; {cell.failed} failed" if cell.failed else ""
+    fail += f"; {cell.stable} stable" if cell.stable else ""
     if cell.n == 0:
         return f"{DASH} (0{fail})"
     std = cell.std
