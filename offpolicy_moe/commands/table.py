@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cols", help="axis (or axes) for columns; omit for one column per metric")
     p.add_argument("--metric", help="metric name(s), comma-separated; suffix :lower / :higher sets the direction. "
                                     "Omitted: render every table of the experiment's report: section")
-    p.add_argument("--agg", default="final", help="final | best | mean_last:N | min | max (default final)")
+    p.add_argument("--agg", default="final", help="final | best | mean_last:N | min | max | collapse[:F] (step where the trailing 5-point mean falls below F x its best; default F 0.5) (default final)")
     p.add_argument("--format", default="console", choices=["md", "csv", "latex", "console"])
     g = p.add_mutually_exclusive_group()
     g.add_argument("--higher-is-better", dest="higher", action="store_true", default=True)
