@@ -247,6 +247,25 @@ def test_bf16_engine_mismatch_is_positive_and_r3_lowers_it(make_cfg):
 # faults
 
 
+@pytest.mark.parametrize("overrides,key", [
+    (("algo.correction.mode=truncate", "algo.old_logp_source=engine"), "algo.old_logp_source"),
+    (("trainer.updates_per_step=64",), "trainer.updates_per_step"),
+    (("trainer.on_nan=ignore",), "trainer.on_nan"),
+])
+def test_invalid_combinations_refused_before_any_compute(make_cfg, overrides, key):
+    from offpolicy_moe.config import ConfigError
+
+    cfg = make_cfg(*overrides)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        Trainer(cfg)
+    assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()
+
+
+def test_zero_steps_refused(make_cfg):
+    with pytest.raises(ValueError, match="trainer.steps"):
+        Trainer(make_cfg("trainer.steps=0"))
+
+
 def test_routing_replay_on_dense_model_is_refused(make_cfg):
     cfg = make_cfg("model.preset=tiny-dense", "algo.routing.replay=r3")
     with pytest.raises(ValueError, match="(?i)moe|mixture|dense"):
