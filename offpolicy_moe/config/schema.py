@@ -144,6 +144,7 @@ class TrainerConfig:
     deterministic: bool = True
     threads: int = 0                  # 0 = torch default
     fuse_old_logp: bool = True        # on-policy single update: take old_logp from the update forward (no extra pass)
+    share_prompt: bool = True         # trainer forwards run each distinct prompt once (no route replay/recording)
     keep_checkpoints: int = 2         # newest checkpoints kept (0 = all)
     min_free_mb: float = 50.0         # free disk space required in the run folder at start
     mismatch_metrics: bool = True     # recompute trainer log-probs for mismatch/* even in bypass mode

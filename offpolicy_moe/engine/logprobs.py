@@ -7,15 +7,26 @@ not applied on the trainer side, as in verl/TRL; keep ``top_p = 1`` for an exact
 
 Memory: only the ``T + 1`` last positions' logits are produced (``logits_to_keep``), and the log-prob is
 ``z[x] - logsumexp(z)``, which never materialises a second ``[B, T, V]`` log-softmax tensor.
+
+Shared prompts (``share_prompt=True``): the G samples of a GRPO group share their prompt, and under causal attention
+the prompt positions never see the response, so their hidden states, keys and values are the same for every
+sample.  The shared path runs the prompt ONCE per distinct prompt (with gradients, filling a KV cache), repeats the
+cache rows to the B sequences, and runs only the response tokens against it.  The log-probs are the same function
+of the weights (equal to float rounding, gradients included: the repeat's backward sums the G samples' gradients
+into the one prompt pass).  Tokens processed: ``U * P + B * (T - 1)`` instead of ``B * (P + T)``; the last
+response token is never fed (nothing predicts from it).  It needs a KV-cache model and no hook that expects the
+``[B, S]`` layout (route replay/recording), and it is skipped under gradient checkpointing (no cache in training)
+and when fewer than half of the rows share a prompt.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Optional
 
 import torch
 
-__all__ = ["position_ids_from_mask", "response_logprobs"]
+__all__ = ["position_ids_from_mask", "prompt_groups", "response_logprobs"]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -23,18 +34,89 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    fwd = getattr(model, "forward", None)
+@functools.lru_cache(maxsize=64)
+def _forward_params(cls: type) -> frozenset:
+    """Names of ``cls.forward``'s parameters (cached per class: ``inspect.signature`` costs ~0.3 ms a call)."""
     try:
-        return "logits_to_keep" in inspect.signature(fwd).parameters
-    except (TypeError, ValueError):
-        return False
+        return frozenset(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError, AttributeError):
+        return frozenset()
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    return _accepts(model, "logits_to_keep")
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    return name in _forward_params(type(model))
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with the same prompt: ``(first [U], inverse [B])`` with ``first[u]`` the first row holding distinct
+    prompt ``u`` and ``inverse[b]`` the distinct prompt of row ``b``, so ``prompt[first][inverse] == prompt``.
+    Two prompts are the same when their masks and their ids on unmasked positions are equal (pad ids ignored)."""
+    am = attention_mask[:, :prompt_len].long()
+    key = torch.cat([input_ids[:, :prompt_len].long() * am, am], dim=1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    B = input_ids.shape[0]
+    U = int(inverse.max()) + 1 if B else 0
+    rows = torch.arange(B, device=inverse.device)
+    first = torch.full((U,), B, dtype=torch.long, device=inverse.device).scatter_reduce(
+        0, inverse, rows, reduce="amin", include_self=True)
+    return first, inverse
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Activation (gradient) checkpointing on?  (``is_activation_checkpointing`` in newer transformers.)"""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
+
+
+def _can_share(model: torch.nn.Module) -> bool:
+    return _accepts(model, "past_key_values") and _accepts(model, "position_ids") and not _checkpointing(model)
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _shared_prompt_logits(model: torch.nn.Module, base: torch.nn.Module, input_ids: torch.Tensor,
+                          attention_mask: torch.Tensor, prompt_len: int, first: torch.Tensor,
+                          inverse: torch.Tensor) -> torch.Tensor:
+    """``[B, T, V]`` logits predicting the ``T`` response tokens: prompt pass on the distinct prompts, cache repeated
+    to the rows, response pass on tokens ``P .. P+T-2`` against it."""
+    from transformers import DynamicCache
+
+    P = prompt_len
+    pos = position_ids_from_mask(attention_mask)
+    cache = DynamicCache(config=getattr(base, "config", None))
+    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(base) else {}
+    # the prompt pass goes to the unwrapped module (a DDP wrapper takes ONE forward per backward; the response pass
+    # below is that forward, and its graph reaches the prompt pass's parameters through the cache)
+    out = base(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=pos[first, :P],
+               past_key_values=cache, use_cache=True, **keep)
+    first_logits = out.logits[:, -1:].index_select(0, inverse)
+    if input_ids.shape[1] - P == 1:
+        return first_logits
+    cache.batch_select_indices(inverse)
+    out = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos[:, P:-1],
+                past_key_values=cache, use_cache=True)
+    return torch.cat([first_logits, out.logits], dim=1)
 
 
 def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_len: int, *, temperature: float = 1.0,
-                      response_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[B, T]`` float32 log-probs of ``input_ids[:, prompt_len:]`` (0 where ``response_mask`` is 0)."""
+                      response_mask: Optional[torch.Tensor] = None, share_prompt: bool = False) -> torch.Tensor:
+    """``[B, T]`` float32 log-probs of ``input_ids[:, prompt_len:]`` (0 where ``response_mask`` is 0):
+    ``log π(x_{P+t} | x_{<P+t}) = z_{P-1+t}[x_{P+t}] / τ - logsumexp(z_{P-1+t} / τ)``.
+
+    ``share_prompt``: run each distinct prompt once (module docstring) when at least half of the rows repeat a
+    prompt and the model has a KV cache; the values are those of the plain forward up to float rounding."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must both be [B, S]")
@@ -44,18 +126,20 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         raise ValueError(f"prompt_len must be in (0, {S}), got {prompt_len}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     base = model.module if hasattr(model, "module") else model   # DDP wrapper
-    if _accepts_logits_to_keep(base):
-        logits = model(**kwargs, logits_to_keep=T + 1).logits[:, :-1]
-    else:
-        logits = model(**kwargs).logits[:, prompt_len - 1:-1]
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, prompt_len:]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logits = None
+    if share_prompt and _can_share(base):
+        first, inverse = prompt_groups(input_ids, attention_mask, prompt_len)
+        if 0 < 2 * first.numel() <= input_ids.shape[0]:
+            logits = _shared_prompt_logits(model, base, input_ids, attention_mask, prompt_len, first, inverse)
+    if logits is None:
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        if _accepts_logits_to_keep(base):
+            logits = model(**kwargs, logits_to_keep=T + 1).logits[:, :-1]
+        else:
+            logits = model(**kwargs).logits[:, prompt_len - 1:-1]
+    logp = _token_logprobs(logits, input_ids[:, prompt_len:], temperature)
     if response_mask is not None:
         logp = logp * response_mask.to(logp.dtype)
     return logp

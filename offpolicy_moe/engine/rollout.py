@@ -153,6 +153,7 @@ class HFRolloutEngine(RolloutEngine):
         # the own sampling loop needs a Hugging Face causal LM that takes a DynamicCache
         self.sampler = sampler if (sampler == "hf" or _supports_native_loop(self.model)) else "hf"
         self._keeps_logits = _accepts_kwarg(self.model, "logits_to_keep")
+        self._sync_targets = self.model.state_dict(keep_vars=True)     # name -> the engine's own tensor
         self.controller = None
         if self.record_routes or self.router_noise > 0 or self.pr2_predictors is not None:
             from offpolicy_moe.routing import RoutingController
@@ -166,8 +167,23 @@ class HFRolloutEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
-        """Copy the trainer's weights (cast to the engine dtype) and set the version."""
-        self.model.load_state_dict(state_dict)
+        """Copy the trainer's weights (cast to the engine dtype) and set the version.
+
+        Same keys as the engine model's ``state_dict`` (strict, like ``load_state_dict``): each tensor is copied in
+        place (``copy_`` casts), without ``load_state_dict``'s per-module walk."""
+        targets = self._sync_targets
+        if state_dict.keys() != targets.keys():
+            missing = sorted(set(targets) - set(state_dict))
+            extra = sorted(set(state_dict) - set(targets))
+            raise KeyError(f"engine sync: state_dict does not match the engine model (missing {missing[:5]}, "
+                           f"unexpected {extra[:5]})")
+        with torch.no_grad():
+            for name, dst in targets.items():
+                src = state_dict[name]
+                if src.shape != dst.shape:
+                    raise ValueError(f"engine sync: {name} has shape {tuple(src.shape)}, the engine's is "
+                                     f"{tuple(dst.shape)}")
+                dst.copy_(src)
         if predictors is not None and self.pr2_predictors is not None:
             self.pr2_predictors.load_state_dict(predictors)
         self.version = int(version)

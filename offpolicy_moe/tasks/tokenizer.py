@@ -31,6 +31,7 @@ VOCAB: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(C
 # Attribute under which a per-tokenizer lookup table is cached on the tokenizer object itself
 # (no module-level mutable state).
 _TABLE_ATTR = "_offpolicy_moe_char_table"
+_PIECES_ATTR = "_offpolicy_moe_id_pieces"
 
 
 def build_char_tokenizer(padding_side: str = "left"):
@@ -161,9 +162,34 @@ def decode_completions(tok, completion_ids: torch.Tensor | Sequence[Sequence[int
     """
     rows = completion_ids.tolist() if isinstance(completion_ids, torch.Tensor) else [list(r) for r in completion_ids]
     eos = tok.eos_token_id
+    pieces = id_pieces(tok)
     out = []
     for r in rows:
         if eos is not None and eos in r:
             r = r[: r.index(eos)]
-        out.append(tok.decode(r, skip_special_tokens=False))
+        if pieces is not None and all(0 <= i < len(pieces) for i in r):
+            out.append("".join(pieces[i] for i in r))
+        else:
+            out.append(tok.decode(r, skip_special_tokens=False))
     return out
+
+
+def id_pieces(tok) -> list[str] | None:
+    """``pieces[i] = tok.decode([i])`` for a character-level tokenizer whose decoding is plain concatenation
+    (``decode(ids) == "".join(decode([i]) for i in ids)``, checked on the whole vocabulary once), else ``None``.
+    :func:`decode_completions` then joins pieces instead of calling the tokenizer per row.  Cached on ``tok``."""
+    cached = getattr(tok, _PIECES_ATTR, None)
+    if cached is not None:
+        return cached or None
+    pieces: list[str] = []
+    if char_table(tok) is not None:
+        n = len(tok)
+        pieces = [tok.decode([i], skip_special_tokens=False) for i in range(n)]
+        probe = list(range(n)) + list(range(n - 1, -1, -1))
+        if tok.decode(probe, skip_special_tokens=False) != "".join(pieces[i] for i in probe):
+            pieces = []
+    try:
+        setattr(tok, _PIECES_ATTR, pieces)
+    except AttributeError:  # pragma: no cover - exotic tokenizer objects with __slots__
+        pass
+    return pieces or None

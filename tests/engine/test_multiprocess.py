@@ -33,6 +33,8 @@ ALGOS = {
     "grpo_tis": ["preset=[grpo,tis,r3]"],
     "gspo": ["preset=[gspo,r3]"],
     "m2po": ["preset=[m2po,r3]", "algo.loss.m2po_tau=0.0005"],   # small tau: the selection really masks tokens
+    # no replay: the update forward runs each group's prompt once (trainer.share_prompt) under DDP
+    "grpo_shared_prompt": ["preset=[grpo]"],
 }
 PR2 = ["preset=[grpo,pr2]", "algo.routing.pr2_feature_sample_rate=1.0"]
 COMMON = ["trainer.sft_warmup_steps=0", "trainer.threads=1", "optim.lr=1e-3", "rollout.prompts_per_step=4",
@@ -194,8 +196,10 @@ def test_fused_old_logp_equals_recompute_pass(tmp_path, monkeypatch):
     for name, extra in (("none_routing_metrics", ["algo.routing.metrics=true", "trainer.mismatch_metrics=true"]),
                         ("none_no_counterfactual", ["algo.routing.metrics=true", "trainer.mismatch_metrics=false"]),
                         ("r3", ["preset=[grpo,r3]", "algo.routing.metrics=false"])):
+        # share_prompt off: the reference's recompute pass records routes (a plain forward) while its update would
+        # share prompts; the two paths agree only to float rounding (tests/engine/test_shared_prompt.py)
         common = ["buffer.staleness=0", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
-                  "rollout.dtype=bfloat16", "trainer.steps=2", *extra]
+                  "rollout.dtype=bfloat16", "trainer.steps=2", "trainer.share_prompt=false", *extra]
         fused_rows, fused_w = _run_metrics(tiny_config(tmp_path / f"{name}_fused", *common), monkeypatch, True)
         ref_rows, ref_w = _run_metrics(tiny_config(tmp_path / f"{name}_ref", *common), monkeypatch, False)
         assert [r.keys() for r in fused_rows] == [r.keys() for r in ref_rows]

@@ -1,0 +1,229 @@
+"""The shared-prompt trainer forward (``response_logprobs(share_prompt=True)``, ``trainer.share_prompt``), the fast
+completion decoder and the engine's in-place weight sync.
+
+The shared forward must be the plain forward's function of the weights: log-probs and gradients equal to float
+rounding on batches with left padding of several prompt lengths, shuffled rows, early EOS and temperature; it must
+really feed fewer tokens (``U * P + B * (T - 1)``), and fall back to the plain forward where it cannot apply.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_tiny import tiny_config  # noqa: E402
+
+
+def _model():
+    from offpolicy_moe.config.schema import ModelConfig
+    from offpolicy_moe.models import load_policy
+
+    model, tok = load_policy(ModelConfig(num_layers=2, hidden_size=32, num_experts=4, top_k=2), seed=0)
+    return model, tok
+
+
+def _batch(U=5, G=4, P=6, T=5, seed=0):
+    """``U`` distinct prompts x ``G`` samples, prompts left-padded to ``P`` with 1..3 pad positions on some, rows
+    shuffled, responses right-padded after an early EOS on some rows."""
+    g = torch.Generator().manual_seed(seed)
+    pid = torch.randint(3, 19, (U, P), generator=g)
+    pam = torch.ones(U, P, dtype=torch.long)
+    for u in range(U):
+        pad = u % 4
+        pam[u, :pad] = 0
+        pid[u, :pad] = 0
+    pid, pam = pid.repeat_interleave(G, 0), pam.repeat_interleave(G, 0)
+    rid = torch.randint(3, 19, (U * G, T), generator=g)
+    ram = torch.ones(U * G, T, dtype=torch.long)
+    for b in range(0, U * G, 3):
+        cut = 1 + b % (T - 1)
+        ram[b, cut:] = 0
+        rid[b, cut:] = 0
+    perm = torch.randperm(U * G, generator=g)
+    return (torch.cat([pid, rid], 1)[perm], torch.cat([pam, ram], 1)[perm], ram[perm])
+
+
+def _grads(model, fn):
+    model.zero_grad(set_to_none=True)
+    fn().sum().backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def test_prompt_groups_matches_brute_force():
+    from offpolicy_moe.engine.logprobs import prompt_groups
+
+    ids, am, _ = _batch()
+    P = 6
+    ids = ids.clone()
+    ids[:, :P] = torch.where(am[:, :P].bool(), ids[:, :P], torch.randint(0, 3, ids[:, :P].shape))  # pad ids vary
+    first, inverse = prompt_groups(ids, am, P)
+    # brute force: rows are the same prompt iff masks equal and ids equal where the mask is 1
+    B = ids.shape[0]
+    def same(a, b):
+        return torch.equal(am[a, :P], am[b, :P]) and torch.equal(ids[a, :P][am[a, :P].bool()],
+                                                                 ids[b, :P][am[b, :P].bool()])
+    for a in range(B):
+        for b in range(B):
+            assert same(a, b) == bool(inverse[a] == inverse[b]), (a, b)
+    assert first.numel() == 5
+    for u in range(first.numel()):
+        rows = torch.nonzero(inverse == u).flatten()
+        assert int(first[u]) == int(rows.min())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_forward_equals_plain_values_and_gradients(temperature):
+    from offpolicy_moe.engine.logprobs import response_logprobs
+
+    torch.manual_seed(0)
+    model, _ = _model()
+    model.train()
+    ids, am, ram = _batch()
+    plain = lambda: response_logprobs(model, ids, am, 6, temperature=temperature, response_mask=ram)  # noqa: E731
+    shared = lambda: response_logprobs(model, ids, am, 6, temperature=temperature, response_mask=ram,  # noqa: E731
+                                       share_prompt=True)
+    a, b = plain(), shared()
+    assert a.shape == b.shape == ram.shape
+    assert torch.isfinite(b).all() and (b[ram == 0] == 0).all()
+    torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+    ga, gb = _grads(model, plain), _grads(model, shared)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for k in ga:
+        scale = max(ga[k].abs().max().item(), 1e-3)
+        torch.testing.assert_close(gb[k], ga[k], rtol=0, atol=2e-5 * scale, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def _count_tokens(model):
+    seen = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        seen.append(int(ids.numel()))
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_shared_forward_feeds_each_prompt_once():
+    from offpolicy_moe.engine.logprobs import response_logprobs
+
+    model, _ = _model()
+    ids, am, ram = _batch(U=5, G=4, P=6, T=5)
+    seen, h = _count_tokens(model)
+    try:
+        response_logprobs(model, ids, am, 6, response_mask=ram, share_prompt=True)
+        assert seen == [5 * 6, 20 * (5 - 1)]          # U * P, then B * (T - 1)
+        seen.clear()
+        response_logprobs(model, ids, am, 6, response_mask=ram)
+        assert seen == [20 * 11]                      # plain: B * (P + T)
+        seen.clear()
+        # T = 1: the prompt pass alone predicts the only response token
+        one = response_logprobs(model, ids[:, :7], am[:, :7], 6, response_mask=ram[:, :1], share_prompt=True)
+        assert seen == [5 * 6]
+        ref = response_logprobs(model, ids[:, :7], am[:, :7], 6, response_mask=ram[:, :1])
+        torch.testing.assert_close(one, ref, rtol=0, atol=2e-5)
+    finally:
+        h.remove()
+
+
+def test_shared_forward_falls_back_when_it_cannot_apply():
+    from offpolicy_moe.engine.logprobs import response_logprobs
+
+    model, _ = _model()
+    ids, am, ram = _batch(U=5, G=4)
+    seen, h = _count_tokens(model)
+    try:
+        # fewer than half of the rows repeat a prompt: 11 distinct prompts in 20 rows -> plain
+        distinct = ids.clone()
+        distinct[:11, 5] = torch.arange(3, 14)
+        response_logprobs(model, distinct, am, 6, response_mask=ram, share_prompt=True)
+        assert seen == [20 * 11]
+        seen.clear()
+        # activation checkpointing keeps no cache in training -> plain
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        response_logprobs(model, ids, am, 6, response_mask=ram, share_prompt=True)
+        assert seen == [20 * 11]
+    finally:
+        h.remove()
+
+
+def test_trainer_update_with_and_without_shared_prompt(tmp_path):
+    """One update on the same fixed batch: parameters equal to 1e-6 with and without ``trainer.share_prompt``;
+    with R3 replay the trainer never shares (the replay hooks expect the [B, S] layout) and still trains."""
+    from offpolicy_moe.engine.trainer import Trainer
+
+    torch.set_num_threads(1)
+    common = ["preset=[grpo]", "rollout.dtype=float32", "algo.routing.metrics=false",
+              "trainer.mismatch_metrics=false", "rollout.max_new_tokens=4"]
+    gen = Trainer(tiny_config(tmp_path / "gen", *common))
+    init = {k: v.detach().clone() for k, v in gen.unwrapped.state_dict().items()}
+    batch = gen._generate(0)
+    batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(batch.answers, batch.completions))]
+    out = {}
+    for share in (True, False):
+        tr = Trainer(tiny_config(tmp_path / f"s{share}", *common, f"trainer.share_prompt={str(share).lower()}"))
+        tr.unwrapped.load_state_dict(init)
+        b = batch.index_select(torch.arange(batch.size))
+        tr._prepare(b)
+        tr.update(b)
+        out[share] = {k: v.detach().clone() for k, v in tr.unwrapped.named_parameters()}
+    moved = max((out[False][k] - init[k]).abs().max().item() for k in out[False])
+    assert moved > 1e-3
+    # Adam's first step is ~lr * sign(g): where |g| is near eps, rounding-level gradient differences move an
+    # element by a few 1e-6 (lr = 1e-2 here), so the bound is 1e-3 of a step
+    for k in out[True]:
+        torch.testing.assert_close(out[True][k], out[False][k], rtol=0, atol=1e-5)
+    # R3: the replayed update forward is one plain [B, S] forward (the hooks need that layout)
+    tr = Trainer(tiny_config(tmp_path / "r3", *common, "preset=[grpo,r3]"))
+    b = tr._generate(0)
+    seen, h = _count_tokens(tr.unwrapped)
+    try:
+        tr._logp(tr.model, b, b.routes)
+    finally:
+        h.remove()
+    assert seen == [b.input_ids.numel()]
+
+
+def test_fast_completion_decoding_equals_tokenizer_decode():
+    from offpolicy_moe.tasks import build_char_tokenizer, decode_completions
+    from offpolicy_moe.tasks.tokenizer import id_pieces
+
+    tok = build_char_tokenizer()
+    assert id_pieces(tok) is not None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(tok), (300, 7), generator=g)
+    got = decode_completions(tok, ids)
+    for row, text in zip(ids.tolist(), got):
+        if tok.eos_token_id in row:
+            row = row[:row.index(tok.eos_token_id)]
+        assert text == tok.decode(row, skip_special_tokens=False)
+    # an out-of-vocabulary id is the tokenizer's business (it decodes it to nothing): same answer as decode
+    assert decode_completions(tok, [[5, 999]]) == [tok.decode([5, 999], skip_special_tokens=False)]
+
+
+def test_engine_sync_copies_casts_and_refuses_mismatched_weights():
+    from offpolicy_moe.engine.rollout import HFRolloutEngine
+
+    model, tok = _model()
+    eng = HFRolloutEngine(model, tok, dtype="bfloat16", max_new_tokens=2)
+    sd = {k: v + 0.5 for k, v in model.state_dict().items()}
+    eng.sync(sd, 3)
+    assert eng.version == 3
+    for k, v in eng.model.state_dict().items():
+        assert v.dtype == torch.bfloat16
+        assert torch.equal(v, sd[k].to(torch.bfloat16)), k
+    bad = dict(sd)
+    bad.pop(next(iter(bad)))
+    with pytest.raises(KeyError, match="missing"):
+        eng.sync(bad, 4)
+    wrong = dict(sd)
+    k0 = next(iter(wrong))
+    wrong[k0] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        eng.sync(wrong, 4)
