@@ -280,7 +280,13 @@ class HFRolloutEngine(RolloutEngine):
                                                                 feature_cache=feature_cache))
                 if self.record_routes or self.pr2_predictors is not None:
                     rec = stack.enter_context(self.controller.record())
-            if self.sampler == "native":
+            if self.sampler == "native" and self.controller is None:
+                # no router hook: nothing produced here is kept by autograd-facing code, so inference mode (no
+                # version counters or view tracking) is safe; the outputs are cloned back into normal tensors
+                with torch.inference_mode():
+                    sequences, scores = self._sample_loop(ids, am, rec, group_size)
+                sequences, scores = sequences.clone(), scores.clone()
+            elif self.sampler == "native":
                 sequences, scores = self._sample_loop(ids, am, rec, group_size)
             else:
                 out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs())
