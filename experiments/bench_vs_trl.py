@@ -8,7 +8,8 @@ runs alternate (ours, TRL, ours, TRL, ...) so that machine noise hits both alike
 Throughput = rollout tokens per second = prompts x group x max_new_tokens x timed steps / wall time of
 those steps: ``steps + 2`` steps run, the wall time between consecutive end-of-step stamps is taken for all but
 the first (warm-up) and the last (ours evaluates and checkpoints there). The nominal token count is identical for
-both systems, so the ratio is the inverse ratio of step times.
+both systems, so the ratio is the inverse ratio of step times.  The same is reported per second of process CPU
+time, which time stolen by other tenants of a shared machine does not inflate.
 
 Fairness probes (printed for the first pair): sequences generated per step, optimizer updates, dtype,
 max_new_tokens, and for TRL the number of no-grad forwards fed ONE token (decode steps against the KV cache).
@@ -19,7 +20,7 @@ counterfactual "with R3" mismatch pass (``trainer.mismatch_metrics=false``).  ``
 trainer overrides for ours, e.g. ``--ours-set algo.routing.metrics=true``.
 
     pip install -e ".[bench]"          # TRL is an optional benchmark extra
-    python experiments/bench_vs_trl.py --repeats 5 --steps 8 --threads 1
+    python experiments/bench_vs_trl.py --repeats 7 --steps 20 --threads 1
 
 Prints a markdown table (median of the repeats) and writes JSON with --out.
 """
@@ -79,11 +80,13 @@ def run_trl(args) -> dict:
         return task.reward(completions, answer)
 
     times: list[float] = []
+    cpu: list[float] = []
     n_updates = [0]
 
     class Timer(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
             times.append(time.perf_counter())
+            cpu.append(time.process_time())
 
         def on_optimizer_step(self, a, state, control, **kw):
             n_updates[0] += 1
@@ -117,7 +120,7 @@ def run_trl(args) -> dict:
             "generation_use_cache": trainer.generation_config.use_cache,
             "max_new_tokens": trainer.generation_config.max_new_tokens,
             "no_grad_forwards_len1": sum(n == 1 for n in fwd_lens), "no_grad_forwards": len(fwd_lens)}
-    return {"step_times": _timed(times), "fairness": fair}
+    return {"step_times": _timed(times), "cpu_step_times": _timed(cpu), "fairness": fair}
 
 
 def run_ours(args) -> dict:
@@ -146,10 +149,12 @@ def run_ours(args) -> dict:
     ] + list(args.ours_set)
     cfg = load_config(None, overrides)
     stamps: list[float] = []
+    cpu: list[float] = []
     seqs: list[int] = []
 
     def on_step_end(tr, step, metrics):
         stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
 
     trainer = Trainer(cfg, hooks={"on_step_end": on_step_end})
     gen = trainer.engine.generate
@@ -165,7 +170,7 @@ def run_ours(args) -> dict:
             "dtype": str(trainer.engine.dtype), "train_dtype": str(next(trainer.unwrapped.parameters()).dtype),
             "generation_use_cache": trainer.engine._generation_kwargs().get("use_cache", True),
             "max_new_tokens": trainer.engine.max_new_tokens}
-    return {"step_times": _timed(stamps), "fairness": fair}
+    return {"step_times": _timed(stamps), "cpu_step_times": _timed(cpu), "fairness": fair}
 
 
 def _child(args) -> None:
@@ -191,7 +196,8 @@ def _spawn(system: str, args) -> dict:
     res = json.loads(line[-1][len("BENCH_RESULT "):])
     timed = res["step_times"]
     tokens = args.prompts * args.group * args.max_new_tokens * len(timed)
-    res.update(process_wall_s=wall, timed_s=sum(timed), tokens_per_s=tokens / sum(timed))
+    res.update(process_wall_s=wall, timed_s=sum(timed), tokens_per_s=tokens / sum(timed),
+               tokens_per_cpu_s=tokens / sum(res["cpu_step_times"]))
     return res
 
 
@@ -200,7 +206,7 @@ def main() -> None:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", choices=["ours", "trl"], default="ours", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8, help="timed RL steps (one warm-up step is added)")
+    p.add_argument("--steps", type=int, default=20, help="timed RL steps (one warm-up step is added)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
@@ -244,12 +250,15 @@ def main() -> None:
     print(f"\nload average (1/5/15 min) at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"per-pair ratios (alternating runs): {', '.join(f'{r:.2f}' for r in pair_ratios)}; "
           f"median {statistics.median(pair_ratios):.2f}x")
+    med_cpu = {s: statistics.median(r["tokens_per_cpu_s"] for r in rs) for s, rs in results.items()}
+    print(f"per CPU second (process CPU time, insensitive to time stolen by other tenants): ours "
+          f"{med_cpu['ours']:.1f}, TRL {med_cpu['trl']:.1f} tok/cpu-s, ratio {med_cpu['ours'] / med_cpu['trl']:.2f}x")
     print(f"ratio ours / TRL = {ratio:.2f}x  ({args.prompts} prompts x {args.group} samples, "
           f"{args.max_new_tokens} new tokens, {args.steps} timed steps, {args.threads} threads, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')})")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "median": med,
-                                              "ratio": ratio, "pair_ratios": pair_ratios,
+                                              "ratio": ratio, "pair_ratios": pair_ratios, "median_cpu": med_cpu,
                                               "loadavg": os.getloadavg()}, indent=2))
 
 

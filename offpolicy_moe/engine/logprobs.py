@@ -8,15 +8,20 @@ not applied on the trainer side, as in verl/TRL; keep ``top_p = 1`` for an exact
 Memory: only the ``T + 1`` last positions' logits are produced (``logits_to_keep``), and the log-prob is
 ``z[x] - logsumexp(z)``, which never materialises a second ``[B, T, V]`` log-softmax tensor.
 
-Shared prompts (``share_prompt=True``): the G samples of a GRPO group share their prompt, and under causal attention
+Shared prompts (``share_prompt``): the G samples of a GRPO group share their prompt, and under causal attention
 the prompt positions never see the response, so their hidden states, keys and values are the same for every
-sample.  The shared path runs the prompt ONCE per distinct prompt (with gradients, filling a KV cache), repeats the
-cache rows to the B sequences, and runs only the response tokens against it.  The log-probs are the same function
-of the weights (equal to float rounding, gradients included: the repeat's backward sums the G samples' gradients
-into the one prompt pass).  Tokens processed: ``U * P + B * (T - 1)`` instead of ``B * (P + T)``; the last
-response token is never fed (nothing predicts from it).  It needs a KV-cache model and no hook that expects the
-``[B, S]`` layout (route replay/recording), and it is skipped under gradient checkpointing (no cache in training)
-and when fewer than half of the rows share a prompt.
+sample.  Two ways to compute them once per distinct prompt (values equal to the plain forward's up to float
+rounding, gradients included):
+
+* packing (preferred): one forward over ``[prompt | r_1 | ... | r_G]`` rows with a block attention mask
+  (:mod:`offpolicy_moe.engine.packing`); works under route replay (the trace is re-laid out) and activation
+  checkpointing; needs an attention implementation that takes a 4-D mask and short enough responses;
+* a KV cache: a prompt pass (with gradients) fills a cache, its rows are repeated to the B sequences, and a
+  response pass runs against it (two forwards; any attention implementation; not under checkpointing, which keeps
+  no cache in training).
+
+Both feed only ``T - 1`` response tokens (nothing is predicted from the last one), and both are skipped when fewer
+than half of the rows repeat a prompt.
 """
 from __future__ import annotations
 
@@ -26,7 +31,11 @@ from typing import Optional
 
 import torch
 
+from offpolicy_moe.engine.packing import GroupPacking, plan_group_packing, takes_4d_mask
+
 __all__ = ["position_ids_from_mask", "prompt_groups", "response_logprobs"]
+
+_SHARE_MODES = (False, True, "auto", "pack", "cache")
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -111,12 +120,16 @@ def _shared_prompt_logits(model: torch.nn.Module, base: torch.nn.Module, input_i
 
 def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_len: int, *, temperature: float = 1.0,
-                      response_mask: Optional[torch.Tensor] = None, share_prompt: bool = False) -> torch.Tensor:
+                      response_mask: Optional[torch.Tensor] = None, share_prompt: bool | str = False,
+                      packing: Optional["GroupPacking"] = None) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of ``input_ids[:, prompt_len:]`` (0 where ``response_mask`` is 0):
     ``log π(x_{P+t} | x_{<P+t}) = z_{P-1+t}[x_{P+t}] / τ - logsumexp(z_{P-1+t} / τ)``.
 
-    ``share_prompt``: run each distinct prompt once (module docstring) when at least half of the rows repeat a
-    prompt and the model has a KV cache; the values are those of the plain forward up to float rounding."""
+    ``share_prompt`` (``True``/``"auto"``): run each distinct prompt once when at least half of the rows repeat a
+    prompt — packed with its responses in one forward (:mod:`offpolicy_moe.engine.packing`) when the attention
+    takes a 4-D mask and the mask fits, else a prompt pass whose KV cache the response pass reuses (module
+    docstring), else the plain forward; ``"pack"`` / ``"cache"`` try only that way before the plain forward.  ``packing``: a layout planned by the caller (who re-laid out a replay trace the same way).  The
+    values are the plain forward's up to float rounding."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must both be [B, S]")
@@ -126,9 +139,23 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         raise ValueError(f"prompt_len must be in (0, {S}), got {prompt_len}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if share_prompt not in _SHARE_MODES:
+        raise ValueError(f"share_prompt must be one of {_SHARE_MODES}, got {share_prompt!r}")
     base = model.module if hasattr(model, "module") else model   # DDP wrapper
     logits = None
-    if share_prompt and _can_share(base):
+    if packing is None and share_prompt in (True, "auto", "pack") and takes_4d_mask(base):
+        packing = plan_group_packing(input_ids, attention_mask, prompt_len)
+    if packing is not None:
+        if packing.inverse.shape[0] != input_ids.shape[0] or packing.prompt_len != prompt_len \
+                or packing.fed != T - 1:
+            raise ValueError(f"packing was planned for {packing.inverse.shape[0]} rows, prompt_len "
+                             f"{packing.prompt_len}, {packing.fed + 1} response positions; the batch has "
+                             f"{input_ids.shape[0]}, {prompt_len}, {T}")
+        dtype = next(base.parameters()).dtype
+        out = model(input_ids=packing.input_ids, attention_mask=packing.attention_mask(dtype),
+                    position_ids=packing.position_ids, use_cache=False)
+        logits = packing.response_logits(out.logits)
+    elif share_prompt in (True, "auto", "cache") and _can_share(base):
         first, inverse = prompt_groups(input_ids, attention_mask, prompt_len)
         if 0 < 2 * first.numel() <= input_ids.shape[0]:
             logits = _shared_prompt_logits(model, base, input_ids, attention_mask, prompt_len, first, inverse)

@@ -291,16 +291,31 @@ class Trainer:
         return None
 
     def _logp(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any) -> torch.Tensor:
-        """Response log-probs of ``batch`` under ``model``, replaying ``routes`` when given.  The group's shared
-        prompt is run once (``trainer.share_prompt``) only when no routing hook is installed: replay, recording and
-        router-logit capture all expect the ``[B, S]`` layout of one plain forward."""
+        """Response log-probs of ``batch`` under ``model``, replaying ``routes`` when given.
+
+        ``trainer.share_prompt``: each group's prompt is run once (:mod:`offpolicy_moe.engine.packing`, or a shared
+        KV cache).  Under replay the trace is re-laid out like the packed batch; route recording and router-logit
+        capture (PR2) need the plain ``[B, S]`` forward, so nothing is shared while they are open."""
         dev = self.accelerator.device
-        share = bool(getattr(self.cfg.trainer, "share_prompt", True)) and routes is None \
+        ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+        if routes is not None and hasattr(routes, "to"):
+            routes = routes.to(dev)
+        share = bool(getattr(self.cfg.trainer, "share_prompt", True)) \
             and not (self.controller is not None and self.controller.active)
-        with self._replay_ctx(routes.to(dev) if routes is not None and hasattr(routes, "to") else routes):
-            return response_logprobs(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.prompt_len,
-                                     temperature=self.cfg.rollout.temperature,
-                                     response_mask=batch.response_mask.to(dev), share_prompt=share)
+        packing = None
+        if share and routes is not None and self.controller is not None:
+            from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
+
+            packing = plan_group_packing(ids, am, batch.prompt_len) if takes_4d_mask(self.unwrapped) else None
+            packed_routes = packing.pack_trace(routes) if packing is not None else None
+            if packed_routes is None:
+                packing = None
+            else:
+                routes = packed_routes
+        with self._replay_ctx(routes):
+            return response_logprobs(model, ids, am, batch.prompt_len, temperature=self.cfg.rollout.temperature,
+                                     response_mask=batch.response_mask.to(dev),
+                                     share_prompt=share and routes is None, packing=packing)
 
     # ------------------------------------------------------------------ generation + old log-probs
     def _generate(self, iteration: int) -> RolloutBatch:

@@ -75,17 +75,21 @@ def test_prompt_groups_matches_brute_force():
         assert int(first[u]) == int(rows.min())
 
 
+@pytest.mark.parametrize("mode", ["pack", "cache"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_shared_forward_equals_plain_values_and_gradients(temperature):
+def test_shared_forward_equals_plain_values_and_gradients(mode, temperature):
     from offpolicy_moe.engine.logprobs import response_logprobs
 
     torch.manual_seed(0)
     model, _ = _model()
     model.train()
     ids, am, ram = _batch()
+    # groups of unequal size (a mini-batch split cuts groups): drop some rows
+    keep = torch.tensor([b for b in range(ids.shape[0]) if b % 7 != 3])
+    ids, am, ram = ids[keep], am[keep], ram[keep]
     plain = lambda: response_logprobs(model, ids, am, 6, temperature=temperature, response_mask=ram)  # noqa: E731
     shared = lambda: response_logprobs(model, ids, am, 6, temperature=temperature, response_mask=ram,  # noqa: E731
-                                       share_prompt=True)
+                                       share_prompt=mode)
     a, b = plain(), shared()
     assert a.shape == b.shape == ram.shape
     assert torch.isfinite(b).all() and (b[ram == 0] == 0).all()
@@ -114,22 +118,28 @@ def test_shared_forward_feeds_each_prompt_once():
     seen, h = _count_tokens(model)
     try:
         response_logprobs(model, ids, am, 6, response_mask=ram, share_prompt=True)
+        assert seen == [5 * (6 + 4 * 4)]              # packed: U rows of P + G * (T - 1)
+        seen.clear()
+        response_logprobs(model, ids, am, 6, response_mask=ram, share_prompt="cache")
         assert seen == [5 * 6, 20 * (5 - 1)]          # U * P, then B * (T - 1)
         seen.clear()
         response_logprobs(model, ids, am, 6, response_mask=ram)
         assert seen == [20 * 11]                      # plain: B * (P + T)
-        seen.clear()
-        # T = 1: the prompt pass alone predicts the only response token
-        one = response_logprobs(model, ids[:, :7], am[:, :7], 6, response_mask=ram[:, :1], share_prompt=True)
-        assert seen == [5 * 6]
-        ref = response_logprobs(model, ids[:, :7], am[:, :7], 6, response_mask=ram[:, :1])
-        torch.testing.assert_close(one, ref, rtol=0, atol=2e-5)
+        for mode in ("pack", "cache"):                # T = 1: the prompt alone predicts the only response token
+            seen.clear()
+            one = response_logprobs(model, ids[:, :7], am[:, :7], 6, response_mask=ram[:, :1], share_prompt=mode)
+            assert seen == [5 * 6]
+            ref = response_logprobs(model, ids[:, :7], am[:, :7], 6, response_mask=ram[:, :1])
+            torch.testing.assert_close(one, ref, rtol=0, atol=2e-5)
+        with pytest.raises(ValueError, match="share_prompt"):
+            response_logprobs(model, ids, am, 6, share_prompt="always")
     finally:
         h.remove()
 
 
 def test_shared_forward_falls_back_when_it_cannot_apply():
     from offpolicy_moe.engine.logprobs import response_logprobs
+    from offpolicy_moe.engine.packing import plan_group_packing
 
     model, _ = _model()
     ids, am, ram = _batch(U=5, G=4)
@@ -138,19 +148,62 @@ def test_shared_forward_falls_back_when_it_cannot_apply():
         # fewer than half of the rows repeat a prompt: 11 distinct prompts in 20 rows -> plain
         distinct = ids.clone()
         distinct[:11, 5] = torch.arange(3, 14)
+        assert plan_group_packing(distinct, am, 6) is None
         response_logprobs(model, distinct, am, 6, response_mask=ram, share_prompt=True)
         assert seen == [20 * 11]
-        seen.clear()
-        # activation checkpointing keeps no cache in training -> plain
+        # the dense mask would not fit the budget -> no packing
+        assert plan_group_packing(ids, am, 6, max_mask_elements=5 * 22 * 22 - 1) is None
+        assert plan_group_packing(ids, am, 6, max_mask_elements=5 * 22 * 22) is not None
+        # activation checkpointing keeps no cache in training: the cache way falls back, packing still applies
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        response_logprobs(model, ids, am, 6, response_mask=ram, share_prompt=True)
+        seen.clear()
+        response_logprobs(model, ids, am, 6, response_mask=ram, share_prompt="cache")
         assert seen == [20 * 11]
+        seen.clear()
+        lp = response_logprobs(model, ids, am, 6, response_mask=ram, share_prompt="pack")
+        assert seen == [5 * 22]
+        lp.sum().backward()
     finally:
         h.remove()
+
+
+def test_pack_trace_matches_brute_force_and_refuses_disagreeing_prompts():
+    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.routing import RouteTrace
+
+    ids, am, _ = _batch(U=5, G=4, P=6, T=5)
+    B, S = ids.shape
+    plan = plan_group_packing(ids, am, 6)
+    g = torch.Generator().manual_seed(3)
+    per_prompt = torch.randint(0, 8, (5, 6, 2, 2), generator=g)
+    first, inverse = plan.first, plan.inverse
+    raw = torch.randint(0, 8, (B, S, 2, 2), generator=g)
+    raw[:, :6] = per_prompt[inverse]               # the samples of a prompt agree on its routes
+    trace = RouteTrace.from_ids(raw.to(torch.uint8), num_experts=8, top_k=2)
+    packed = plan.pack_trace(trace)
+    assert packed.ids.shape == (5, 22, 2, 2)
+    # brute force: walk the plain batch and write each token where the packing put it
+    want = torch.full((5, 22, 2, 2), trace.sentinel, dtype=torch.uint8)
+    slot_of = {}
+    for b in range(B):
+        u = int(inverse[b])
+        k = slot_of.get(u, 0)
+        slot_of[u] = k + 1
+        want[u, :6] = raw[b, :6].to(torch.uint8)
+        for t in range(4):
+            want[u, 6 + k * 4 + t] = raw[b, 6 + t].to(torch.uint8)
+            assert int(plan.input_ids[u, 6 + k * 4 + t]) == int(ids[b, 6 + t])
+    assert torch.equal(packed.ids, want)
+    # a sample whose (real) prompt route differs from its group's: not packable
+    bad = raw.clone()
+    b = int(torch.nonzero(inverse == inverse[first[0]]).flatten()[-1])
+    col = int(torch.nonzero(am[b, :6]).flatten()[0])
+    bad[b, col, 0] = (bad[b, col, 0] + 1) % 8
+    assert plan.pack_trace(RouteTrace.from_ids(bad.to(torch.uint8), num_experts=8, top_k=2)) is None
 
 
 def test_trainer_update_with_and_without_shared_prompt(tmp_path):
@@ -179,15 +232,28 @@ def test_trainer_update_with_and_without_shared_prompt(tmp_path):
     # element by a few 1e-6 (lr = 1e-2 here), so the bound is 1e-3 of a step
     for k in out[True]:
         torch.testing.assert_close(out[True][k], out[False][k], rtol=0, atol=1e-5)
-    # R3: the replayed update forward is one plain [B, S] forward (the hooks need that layout)
-    tr = Trainer(tiny_config(tmp_path / "r3", *common, "preset=[grpo,r3]"))
-    b = tr._generate(0)
-    seen, h = _count_tokens(tr.unwrapped)
-    try:
-        tr._logp(tr.model, b, b.routes)
-    finally:
-        h.remove()
-    assert seen == [b.input_ids.numel()]
+    # R3: the same with the engine's routes replayed; the replayed forward is packed (trace re-laid out)
+    r3 = {}
+    for share in (True, False):
+        tr = Trainer(tiny_config(tmp_path / f"r3{share}", *common, "preset=[grpo,r3]",
+                                 f"trainer.share_prompt={str(share).lower()}"))
+        tr.unwrapped.load_state_dict(init)
+        tr._sync_engine(0)
+        b = tr._generate(0)
+        b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
+        seen, h = _count_tokens(tr.unwrapped)
+        try:
+            tr._prepare(b)
+            tr.update(b)
+        finally:
+            h.remove()
+        P, T = b.prompt_len, b.input_ids.shape[1] - b.prompt_len
+        # on-policy: old_logp comes from the update forward itself (one forward): 4 prompts x (P + 4 samples x
+        # (T - 1)) packed, or the plain [B, S]
+        assert seen == ([4 * (P + 4 * (T - 1))] if share else [b.input_ids.numel()]), seen
+        r3[share] = {k: v.detach().clone() for k, v in tr.unwrapped.named_parameters()}
+    for k in r3[True]:
+        torch.testing.assert_close(r3[True][k], r3[False][k], rtol=0, atol=1e-5)
 
 
 def test_fast_completion_decoding_equals_tokenizer_decode():

@@ -1,0 +1,146 @@
+"""Group packing: one forward over a GRPO group's shared prompt and all of its responses.
+
+The G samples of a prompt share it, and under causal attention the prompt positions never see a response, so the
+prompt's hidden states are the same for every sample.  A packed row holds the prompt ONCE followed by the fed
+response tokens of each sample of the group (``[prompt | r_1 | r_2 | ... | r_G]``); a block attention mask lets
+every response token see the prompt and the earlier tokens of its own response only, and the position ids are those
+of the plain ``[prompt, response]`` row.  Each token's attention inputs are then exactly those of the plain forward,
+so the log-probs and their gradients are the plain forward's up to float rounding, from
+``U * (P + G_max * (T - 1))`` tokens instead of ``B * (P + T)`` (the last response token is never fed: nothing is
+predicted from it) and in ONE forward and backward.
+
+Route traces (R3/R2 replay) are re-laid out the same way (:meth:`GroupPacking.pack_trace`); a group whose samples
+carry different prompt routes is not packed (replaying one sample's prompt routes for all would change the others).
+
+The mask is a dense ``[U, 1, L, L]`` additive tensor, so packing is for short responses: :func:`plan_group_packing`
+declines (returns None) when the mask would exceed ``max_mask_elements`` or when fewer than half of the rows repeat
+a prompt, and the attention implementation must take a 4-D mask (``sdpa``, ``eager``).  Sharing prompts this way is
+a standard trick of RL trainers for LLMs; the layout here is this library's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["GroupPacking", "plan_group_packing", "takes_4d_mask", "DEFAULT_MAX_MASK_ELEMENTS"]
+
+DEFAULT_MAX_MASK_ELEMENTS = 1 << 22      # 4M mask entries (16 MiB in fp32)
+_4D_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def takes_4d_mask(model: torch.nn.Module) -> bool:
+    """True when the model's attention implementation applies a ready 4-D additive mask as given."""
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "_attn_implementation", None) in _4D_MASK_ATTENTION
+
+
+@dataclass(frozen=True)
+class GroupPacking:
+    """The packed layout of a ``[B, P+T]`` batch: ``U`` packed rows of length ``L = P + G_max * R``, ``R = T - 1``.
+
+    ``first[u]``: the first plain row holding prompt ``u``; ``inverse[b]``: the prompt (packed row) of plain row
+    ``b``; ``rows``/``cols`` ``[B, R]``: where response token ``t < R`` of plain row ``b`` sits in the packed batch;
+    ``allow[u, i, j]``: packed query ``i`` may attend key ``j``; ``prompt_mask``: the plain batch's ``[B, P]``
+    prompt attention mask.
+    """
+
+    prompt_len: int
+    fed: int
+    first: torch.Tensor
+    inverse: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    allow: torch.Tensor
+    prompt_mask: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[U, 1, L, L]`` additive mask: 0 where allowed, the dtype's most negative value elsewhere."""
+        m = torch.zeros(self.allow.shape, dtype=dtype, device=self.allow.device)
+        return m.masked_fill(~self.allow, torch.finfo(dtype).min).unsqueeze(1)
+
+    def response_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[U, L, V]`` packed logits → ``[B, T, V]``: token 0 of row ``b`` is predicted at the prompt's last
+        position of its packed row, token ``t >= 1`` at its own token ``t - 1``."""
+        P = self.prompt_len
+        first = logits[:, P - 1].index_select(0, self.inverse).unsqueeze(1)
+        if self.fed == 0:
+            return first
+        return torch.cat([first, logits[self.rows, self.cols]], dim=1)
+
+    def pack_trace(self, trace: Any) -> Optional[Any]:
+        """The route trace ``[B, P+T, L_moe, K]`` laid out like the packed batch ``[U, L, L_moe, K]`` (positions
+        that hold no token of the plain batch: the sentinel), or None when two samples of one prompt carry
+        different routes on a real prompt token."""
+        ids = trace.ids
+        P, R = self.prompt_len, self.fed
+        prompt = ids[:, :P]
+        ref = prompt.index_select(0, self.first).index_select(0, self.inverse)
+        real = self.prompt_mask.bool()[:, :, None, None]
+        if not bool(torch.where(real, prompt == ref, torch.ones_like(real)).all()):
+            return None
+        out = torch.full((self.num_rows, self.length) + tuple(ids.shape[2:]), trace.sentinel, dtype=ids.dtype,
+                         device=ids.device)
+        out[:, :P] = prompt.index_select(0, self.first)
+        if R:
+            out[self.rows, self.cols] = ids[:, P:P + R]
+        return type(trace)(out, trace.num_experts, trace.top_k, trace.layer_ids)
+
+
+def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
+                       max_mask_elements: int = DEFAULT_MAX_MASK_ELEMENTS) -> Optional[GroupPacking]:
+    """The packed layout of a batch whose rows repeat prompts, or None when packing does not pay or does not fit:
+    fewer than half of the rows repeat a prompt (``2U > B``), or ``U * L * L > max_mask_elements``."""
+    from offpolicy_moe.engine.logprobs import position_ids_from_mask, prompt_groups
+
+    B, S = input_ids.shape
+    P, R = prompt_len, S - prompt_len - 1
+    if B == 0 or not 0 < P < S:
+        return None
+    first, inverse = prompt_groups(input_ids, attention_mask, P)
+    U = int(first.numel())
+    if 2 * U > B:
+        return None
+    counts = torch.bincount(inverse, minlength=U)
+    G = int(counts.max())
+    L = P + G * R
+    if U * L * L > max_mask_elements:
+        return None
+    dev = input_ids.device
+    order = torch.argsort(inverse, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty(B, dtype=torch.long, device=dev)
+    slot[order] = torch.arange(B, device=dev) - starts.index_select(0, inverse.index_select(0, order))
+    pos = position_ids_from_mask(attention_mask)
+    ids = torch.zeros((U, L), dtype=input_ids.dtype, device=dev)
+    pids = torch.zeros((U, L), dtype=pos.dtype, device=dev)
+    seg = torch.full((U, L), -2, dtype=torch.long, device=dev)       # -1 prompt, g: response slot g, -2: unused
+    valid = torch.zeros((U, L), dtype=torch.bool, device=dev)
+    ids[:, :P] = input_ids[first, :P]
+    pids[:, :P] = pos[first, :P]
+    seg[:, :P] = -1
+    valid[:, :P] = attention_mask[first, :P].bool()
+    rows = inverse.unsqueeze(1).expand(B, R)
+    cols = P + slot.unsqueeze(1) * R + torch.arange(R, device=dev).unsqueeze(0)
+    if R:
+        ids[rows, cols] = input_ids[:, P:P + R]
+        pids[rows, cols] = pos[:, P:P + R]
+        seg[rows, cols] = slot.unsqueeze(1).expand(B, R)
+        valid[rows, cols] = attention_mask[:, P:P + R].bool()
+    idx = torch.arange(L, device=dev)
+    causal = idx.view(1, L, 1) >= idx.view(1, 1, L)
+    same = (seg.unsqueeze(1) == -1) | (seg.unsqueeze(2) == seg.unsqueeze(1))
+    allow = (causal & same & valid.unsqueeze(1)) | torch.eye(L, dtype=torch.bool, device=dev).unsqueeze(0)
+    return GroupPacking(prompt_len=P, fed=R, first=first, inverse=inverse, rows=rows, cols=cols, input_ids=ids,
+                        position_ids=pids, allow=allow, prompt_mask=attention_mask[:, :P])
