@@ -40,8 +40,8 @@ def takes_4d_mask(model: torch.nn.Module) -> bool:
 class GroupPacking:
     """The packed layout of a ``[B, P+T]`` batch: ``U`` packed rows of length ``L = P + G_max * R``, ``R = T - 1``.
 
-    ``first[u]``: the first plain row holding prompt ``u``; ``inverse[b]``: the prompt (packed row) of plain row
-    ``b``; ``rows``/``cols`` ``[B, R]``: where response token ``t < R`` of plain row ``b`` sits in the packed batch;
+    ``first[u]``: a plain row holding the prompt of packed row ``u``; ``inverse[b]``: the packed row of plain row
+    ``b`` (a prompt with more samples than a row takes spans several rows); ``rows``/``cols`` ``[B, R]``: where response token ``t < R`` of plain row ``b`` sits in the packed batch;
     ``allow[u, i, j]``: packed query ``i`` may attend key ``j``; ``prompt_mask``: the plain batch's ``[B, P]``
     prompt attention mask.
     """
@@ -98,6 +98,18 @@ class GroupPacking:
         return type(trace)(out, trace.num_experts, trace.top_k, trace.layer_ids)
 
 
+def _samples_per_row(counts: torch.Tensor, prompt_len: int, fed: int) -> int:
+    """Samples packed per row: the group size ``c`` (one of the sizes present) that minimises the packed tokens
+    ``sum_u ceil(n_u / c) * (P + c * R)``.  Two groups that happen to share a prompt are then packed as two rows,
+    not one row twice as long (which would widen every row of the batch)."""
+    best, best_cost = 1, None
+    for c in sorted({int(n) for n in counts.tolist()}):
+        cost = int(((counts + c - 1) // c).sum()) * (prompt_len + c * fed)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = c, cost
+    return best
+
+
 def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
                        max_mask_elements: int = DEFAULT_MAX_MASK_ELEMENTS) -> Optional[GroupPacking]:
     """The packed layout of a batch whose rows repeat prompts, or None when packing does not pay or does not fit:
@@ -108,20 +120,27 @@ def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     P, R = prompt_len, S - prompt_len - 1
     if B == 0 or not 0 < P < S:
         return None
-    first, inverse = prompt_groups(input_ids, attention_mask, P)
-    U = int(first.numel())
+    first_u, inverse_u = prompt_groups(input_ids, attention_mask, P)
+    U = int(first_u.numel())
     if 2 * U > B:
         return None
-    counts = torch.bincount(inverse, minlength=U)
-    G = int(counts.max())
+    dev = input_ids.device
+    counts = torch.bincount(inverse_u, minlength=U)
+    # rank of each row among the rows of its prompt
+    order = torch.argsort(inverse_u, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty(B, dtype=torch.long, device=dev)
+    rank[order] = torch.arange(B, device=dev) - starts.index_select(0, inverse_u.index_select(0, order))
+    G = _samples_per_row(counts, P, R)
+    per_prompt = (counts + G - 1) // G                   # packed rows of each prompt
+    row_start = torch.cumsum(per_prompt, 0) - per_prompt
+    inverse = row_start.index_select(0, inverse_u) + rank // G
+    slot = rank % G
+    first = first_u.repeat_interleave(per_prompt)
+    U = int(first.numel())
     L = P + G * R
     if U * L * L > max_mask_elements:
         return None
-    dev = input_ids.device
-    order = torch.argsort(inverse, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.empty(B, dtype=torch.long, device=dev)
-    slot[order] = torch.arange(B, device=dev) - starts.index_select(0, inverse.index_select(0, order))
     pos = position_ids_from_mask(attention_mask)
     ids = torch.zeros((U, L), dtype=input_ids.dtype, device=dev)
     pids = torch.zeros((U, L), dtype=pos.dtype, device=dev)

@@ -171,6 +171,28 @@ def test_shared_forward_falls_back_when_it_cannot_apply():
         h.remove()
 
 
+def test_two_groups_with_one_prompt_are_packed_as_two_rows():
+    """Groups that happen to draw the same prompt must not make one row twice as long (that widens every row)."""
+    from offpolicy_moe.engine.logprobs import response_logprobs
+    from offpolicy_moe.engine.packing import plan_group_packing
+
+    ids, am, ram = _batch(U=5, G=4, P=6, T=5)
+    plan = plan_group_packing(ids, am, 6)
+    u0 = plan.inverse[0]
+    same_as_0 = plan.inverse == u0
+    other = int(torch.nonzero(plan.inverse != u0).flatten()[0])
+    dup = plan.inverse == plan.inverse[other]
+    ids, am = ids.clone(), am.clone()
+    ids[dup, :6], am[dup, :6] = ids[0, :6], am[0, :6]          # a second group with row 0's prompt
+    plan = plan_group_packing(ids, am, 6)
+    assert plan.num_rows == 5 and plan.length == 6 + 4 * 4
+    rows, n = plan.inverse[same_as_0 | dup].unique(return_counts=True)
+    assert rows.numel() == 2 and n.tolist() == [4, 4]      # the 8 samples of that prompt fill two rows of 4
+    model, _ = _model()
+    torch.testing.assert_close(response_logprobs(model, ids, am, 6, response_mask=ram, share_prompt="pack"),
+                               response_logprobs(model, ids, am, 6, response_mask=ram), rtol=0, atol=2e-5)
+
+
 def test_pack_trace_matches_brute_force_and_refuses_disagreeing_prompts():
     from offpolicy_moe.engine.packing import plan_group_packing
     from offpolicy_moe.routing import RouteTrace
