@@ -97,6 +97,21 @@ class GroupPacking:
             out[self.rows, self.cols] = ids[:, P:P + R]
         return type(trace)(out, trace.num_experts, trace.top_k, trace.layer_ids)
 
+    def unpack_trace(self, packed: Any) -> Any:
+        """A trace recorded on the packed batch ``[U, L, L_moe, K]`` laid out like the plain batch
+        ``[B, P+T, L_moe, K]``; the last position (never fed) holds the sentinel, as in the engine's traces."""
+        ids = packed.ids
+        if tuple(ids.shape[:2]) != (self.num_rows, self.length):
+            raise ValueError(f"packed trace has [U, L] = {tuple(ids.shape[:2])}, the packing "
+                             f"{(self.num_rows, self.length)}")
+        P, R = self.prompt_len, self.fed
+        B = int(self.inverse.shape[0])
+        out = torch.full((B, P + R + 1) + tuple(ids.shape[2:]), packed.sentinel, dtype=ids.dtype, device=ids.device)
+        out[:, :P] = ids[:, :P].index_select(0, self.inverse.to(ids.device))
+        if R:
+            out[:, P:P + R] = ids[self.rows.to(ids.device), self.cols.to(ids.device)]
+        return type(packed)(out, packed.num_experts, packed.top_k, packed.layer_ids)
+
 
 def _samples_per_row(counts: torch.Tensor, prompt_len: int, fed: int) -> int:
     """Samples packed per row: the group size ``c`` (one of the sizes present) that minimises the packed tokens

@@ -290,32 +290,39 @@ class Trainer:
             return batch.trainer_routes
         return None
 
-    def _logp(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any) -> torch.Tensor:
-        """Response log-probs of ``batch`` under ``model``, replaying ``routes`` when given.
+    def _logp(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any, record: bool = False):
+        """Response log-probs of ``batch`` under ``model``, replaying ``routes`` when given; with ``record`` also
+        the routes the forward used (``(logp, RouteTrace [B, S])``).
 
         ``trainer.share_prompt``: each group's prompt is run once (:mod:`offpolicy_moe.engine.packing`, or a shared
-        KV cache).  Under replay the trace is re-laid out like the packed batch; route recording and router-logit
-        capture (PR2) need the plain ``[B, S]`` forward, so nothing is shared while they are open."""
+        KV cache).  Replayed traces are re-laid out like the packed batch and recorded ones back like the plain
+        batch; router-logit capture (PR2) needs the plain ``[B, S]`` forward, so nothing is shared while a routing
+        context opened by the caller is active."""
         dev = self.accelerator.device
         ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         if routes is not None and hasattr(routes, "to"):
             routes = routes.to(dev)
+        if record and self.controller is None:
+            raise RuntimeError("route recording needs a RoutingController (an MoE model with routing enabled)")
         share = bool(getattr(self.cfg.trainer, "share_prompt", True)) \
             and not (self.controller is not None and self.controller.active)
         packing = None
-        if share and routes is not None and self.controller is not None:
+        if share and self.controller is not None and (routes is not None or record):
             from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
 
             packing = plan_group_packing(ids, am, batch.prompt_len) if takes_4d_mask(self.unwrapped) else None
-            packed_routes = packing.pack_trace(routes) if packing is not None else None
-            if packed_routes is None:
-                packing = None
-            else:
-                routes = packed_routes
-        with self._replay_ctx(routes):
-            return response_logprobs(model, ids, am, batch.prompt_len, temperature=self.cfg.rollout.temperature,
+            if packing is not None and routes is not None:
+                packed_routes = packing.pack_trace(routes)
+                packing, routes = (None, routes) if packed_routes is None else (packing, packed_routes)
+        rec_ctx = self.controller.record() if record else contextlib.nullcontext()
+        with self._replay_ctx(routes), rec_ctx as rec:
+            logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.cfg.rollout.temperature,
                                      response_mask=batch.response_mask.to(dev),
-                                     share_prompt=share and routes is None, packing=packing)
+                                     share_prompt=share and routes is None and not record, packing=packing)
+        if not record:
+            return logp
+        trace = rec.trace()
+        return logp, (packing.unpack_trace(trace) if packing is not None else trace)
 
     # ------------------------------------------------------------------ generation + old log-probs
     def _generate(self, iteration: int) -> RolloutBatch:
@@ -388,9 +395,8 @@ class Trainer:
             lp_own = lp_r3 = None
             if need_own:
                 if self.controller is not None and (self.measure_routing or replay == "r2"):
-                    with self.controller.record() as rec:
-                        lp_own = self._logp(model, batch, None).cpu()
-                    own_routes = rec.trace()
+                    lp_own, own_routes = self._logp(model, batch, None, record=True)
+                    lp_own = lp_own.cpu()
                     if hasattr(own_routes, "to"):
                         own_routes = own_routes.to("cpu")
                     if replay == "r2":
@@ -555,9 +561,8 @@ class Trainer:
                         with self.controller.capture_router_logits(feats) as cap:
                             logp = self._logp(self.model, p, part_routes[j])
                     elif fused and self.measure_routing and self.controller is not None:
-                        with self.controller.record() as rec:     # the trainer's own routes, for routing/*
-                            logp = self._logp(self.model, p, part_routes[j])
-                        fused_routes = rec.trace()
+                        # the trainer's own routes, for routing/*
+                        logp, fused_routes = self._logp(self.model, p, part_routes[j], record=True)
                     else:
                         logp = self._logp(self.model, p, part_routes[j])
                     kw = dict(agg=cfg.algo.loss.agg, num_tokens=n_tok, num_seqs=n_seq, norm_length=norm_length,

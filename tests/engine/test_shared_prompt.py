@@ -315,3 +315,43 @@ def test_engine_sync_copies_casts_and_refuses_mismatched_weights():
     wrong[k0] = torch.zeros(3)
     with pytest.raises(ValueError, match="shape"):
         eng.sync(wrong, 4)
+
+
+def test_recorded_routes_of_a_packed_forward_equal_a_plain_recording(tmp_path):
+    """R2 records the trainer's own routes in the old-log-prob pass and routing/* compares them with the engine's:
+    packed, the recording is unpacked to the plain layout and equals the plain forward's recording on every fed
+    position (the last response position, never fed, holds the sentinel, as in the engine's traces)."""
+    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.engine.trainer import Trainer
+
+    torch.set_num_threads(1)
+    common = ["preset=[grpo,r2]", "rollout.dtype=bfloat16", "algo.routing.metrics=true", "rollout.max_new_tokens=4",
+              "buffer.staleness=1"]
+    got = {}
+    for share in (True, False):
+        tr = Trainer(tiny_config(tmp_path / f"s{share}", *common, f"trainer.share_prompt={str(share).lower()}"))
+        b = tr._generate(0)
+        seen, h = _count_tokens(tr.unwrapped)
+        try:
+            tr._prepare(b)
+        finally:
+            h.remove()
+        got[share] = (b, seen)
+    (bs, seen_s), (bp, seen_p) = got[True], got[False]
+    assert torch.equal(bs.input_ids, bp.input_ids)
+    plan = plan_group_packing(bs.input_ids, bs.attention_mask, bs.prompt_len)
+    # the recording pass (R2 / routing metrics) and the replayed "with R3" counterfactual pass: both packed
+    assert seen_s == [plan.num_rows * plan.length] * 2 and seen_p == [bp.input_ids.numel()] * 2
+    own_s, own_p = bs.trainer_routes.ids, bp.trainer_routes.ids
+    assert own_s.shape == own_p.shape
+    assert torch.equal(own_s[:, :-1], own_p[:, :-1])
+    assert (own_s[:, -1] == bs.trainer_routes.sentinel).all()
+    for k in bp.extras:
+        if k.startswith("routing/"):
+            assert bs.extras[k] == pytest.approx(bp.extras[k], abs=1e-9), k
+    torch.testing.assert_close(bs.old_logp, bp.old_logp, rtol=0, atol=2e-5)
+    # unpack(pack(trace)) restores every fed position
+    back = plan.unpack_trace(plan.pack_trace(bp.trainer_routes))
+    assert torch.equal(back.ids[:, :-1], own_p[:, :-1])
+    with pytest.raises(ValueError, match="packed trace"):
+        plan.unpack_trace(bp.trainer_routes)
