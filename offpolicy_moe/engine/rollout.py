@@ -214,11 +214,11 @@ class HFRolloutEngine(RolloutEngine):
         return scores
 
     def _shared_prefill_groups(self, ids: torch.Tensor, am: torch.Tensor, group_size: int) -> int:
-        """``group_size`` when the rows come in blocks of ``group_size`` identical prompts and no router hook is
-        installed (nothing recorded, no noise, no PR2 offsets): the prompt is then prefilled ONCE per block and its
-        KV cache repeated; otherwise 1."""
+        """``group_size`` when the rows come in blocks of ``group_size`` identical prompts and the router hooks (if
+        any) only record: the prompt is then prefilled ONCE per block, its KV cache and recorded routes repeated.
+        Router-logit noise and PR2 offsets/features are per sample, so with them every row is prefilled; 1 then."""
         B = ids.shape[0]
-        if group_size <= 1 or B % group_size or self.controller is not None:
+        if group_size <= 1 or B % group_size or self.router_noise > 0 or self.pr2_predictors is not None:
             return 1
         blocks = ids.view(B // group_size, group_size, -1)
         mblocks = am.view(B // group_size, group_size, -1)
@@ -227,8 +227,9 @@ class HFRolloutEngine(RolloutEngine):
 
     def _sample_loop(self, ids: torch.Tensor, am: torch.Tensor, recorder: Any = None, group_size: int = 1):
         """Ancestral sampling with a KV cache, without ``generate``'s per-step machinery: one prefill forward (shared
-        by the ``group_size`` samples of a prompt when no router hook is installed), then one forward per new token; ``x_t ~ softmax(scores_t)`` (``torch.multinomial``, the same draws ``generate``
-        makes); rows that emitted EOS get the pad token afterwards; stops when every row has finished or after
+        by the ``group_size`` samples of a prompt unless router noise or PR2 make samples differ; recorded routes
+        are repeated with the cache), then one forward per new token; ``x_t ~ softmax(scores_t)``
+        (``torch.multinomial``, the same draws ``generate`` makes); rows that emitted EOS get the pad token afterwards; stops when every row has finished or after
         ``max_new_tokens``.  Returns ``(sequences [B, P+T'], scores [B, T', V])``."""
         from transformers import DynamicCache
 
@@ -243,6 +244,8 @@ class HFRolloutEngine(RolloutEngine):
                         use_cache=True, **keep)
             cache.batch_repeat_interleave(g)
             out.logits = out.logits.repeat_interleave(g, dim=0)
+            if recorder is not None:
+                recorder.select_rows(torch.arange(B // g, device=ids.device).repeat_interleave(g))
         else:
             out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True,
                         **keep)

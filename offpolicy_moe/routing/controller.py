@@ -109,6 +109,15 @@ class Recorder:
         self._chunks.setdefault(layer, []).append(idx.detach().reshape(b, s, -1).to(dt))
         self._shapes.setdefault(layer, []).append((b, s))
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Re-index the batch of everything recorded so far (``index[b]``: the recorded row that becomes row ``b``),
+        as a KV cache's ``batch_select_indices`` does: a prompt prefilled once per group and repeated to its G
+        samples is recorded once and repeated the same way, so later (decode) calls see a consistent batch."""
+        index = index.long()
+        for layer, chunks in self._chunks.items():
+            self._chunks[layer] = [c.index_select(0, index.to(c.device)) for c in chunks]
+            self._shapes[layer] = [(int(index.numel()), s) for _, s in self._shapes[layer]]
+
     def trace(self) -> RouteTrace:
         """Stack the recorded chunks into ``ids[B, S, L_moe, K]``.
 

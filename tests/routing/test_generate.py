@@ -147,3 +147,38 @@ def test_offsets_change_routes_and_engine_dtype():
     with pytest.raises(ValueError, match=r"predictors have \(L, E, H\) = \(2, 8, 16\)"):
         with ctl.offsets(PR2Predictors(16, 8, 2)):
             pass
+
+
+def test_recorder_select_rows_repeats_a_shared_prefill():
+    """A prompt prefilled once and repeated to its samples (cache and recorder re-indexed alike) records the same
+    trace as prefilling every row; without the re-index the batch change is refused."""
+    from transformers import DynamicCache
+
+    model = make_model("qwen3_moe")
+    ctl = RoutingController(model)
+    ids, mask = _prompts()                                   # 3 prompts
+    rep = torch.tensor([0, 0, 1, 2, 2])
+    nxt = torch.tensor([[5], [6], [7], [8], [9]])
+
+    def run(shared: bool, reindex: bool = True):
+        cache = DynamicCache(config=model.config)
+        pos = (mask.cumsum(1) - 1).clamp_min(0)
+        with torch.no_grad(), ctl.record() as rec:
+            if shared:
+                model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                cache.batch_select_indices(rep)
+                if reindex:
+                    rec.select_rows(rep)
+            else:
+                model(ids[rep], attention_mask=mask[rep], position_ids=pos[rep], past_key_values=cache,
+                      use_cache=True)
+            am = torch.cat([mask[rep], torch.ones(5, 1, dtype=mask.dtype)], 1)
+            model(nxt, attention_mask=am, position_ids=pos[rep, -1:] + 1, past_key_values=cache, use_cache=True)
+        return rec.trace()
+
+    shared, plain = run(True), run(False)
+    assert shared.ids.shape == plain.ids.shape == (5, ids.shape[1] + 1, ctl.num_moe_layers, ctl.top_k)
+    valid = torch.cat([mask[rep], torch.ones(5, 1, dtype=mask.dtype)], 1).bool()
+    assert torch.equal(shared.ids[valid], plain.ids[valid])
+    with pytest.raises(ValueError, match="batch size changed"):
+        run(True, reindex=False)
