@@ -31,9 +31,21 @@ _4D_MASK_ATTENTION = ("sdpa", "eager")
 
 
 def takes_4d_mask(model: torch.nn.Module) -> bool:
-    """True when the model's attention implementation applies a ready 4-D additive mask as given."""
+    """True when the model's attention applies one ready 4-D additive mask as given in every layer: an ``sdpa`` or
+    ``eager`` implementation, full causal attention only.  Sliding-window or chunked attention layers build their
+    own windowed masks from the positions of the plain layout, which a packed row does not keep, so such models
+    are not packed (the KV-cache way still shares their prompts)."""
     cfg = getattr(model, "config", None)
-    return getattr(cfg, "_attn_implementation", None) in _4D_MASK_ATTENTION
+    if getattr(cfg, "_attn_implementation", None) not in _4D_MASK_ATTENTION:
+        return False
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    if getattr(cfg, "attention_chunk_size", None):
+        return False
+    if hasattr(cfg, "use_sliding_window"):
+        return not bool(cfg.use_sliding_window)
+    return getattr(cfg, "sliding_window", None) is None
 
 
 @dataclass(frozen=True)

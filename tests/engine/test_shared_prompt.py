@@ -355,3 +355,62 @@ def test_recorded_routes_of_a_packed_forward_equal_a_plain_recording(tmp_path):
     assert torch.equal(back.ids[:, :-1], own_p[:, :-1])
     with pytest.raises(ValueError, match="packed trace"):
         plan.unpack_trace(bp.trainer_routes)
+
+
+def test_packing_only_for_full_attention_with_4d_masks():
+    """Sliding-window / chunked layers build windowed masks from plain positions: not packed (cache way instead)."""
+    from types import SimpleNamespace
+
+    from offpolicy_moe.engine.packing import takes_4d_mask
+
+    def m(**cfg):
+        return SimpleNamespace(config=SimpleNamespace(**cfg))
+
+    assert takes_4d_mask(m(_attn_implementation="sdpa", use_sliding_window=False, sliding_window=4096))
+    assert takes_4d_mask(m(_attn_implementation="eager", sliding_window=None))
+    assert takes_4d_mask(m(_attn_implementation="sdpa", layer_types=["full_attention"] * 2, sliding_window=None))
+    assert not takes_4d_mask(m(_attn_implementation="flash_attention_2", sliding_window=None))
+    assert not takes_4d_mask(m(_attn_implementation="sdpa", use_sliding_window=True, sliding_window=16))
+    assert not takes_4d_mask(m(_attn_implementation="sdpa", sliding_window=16))           # Mistral-style config
+    assert not takes_4d_mask(m(_attn_implementation="sdpa", sliding_window=128,
+                               layer_types=["sliding_attention", "full_attention"]))      # GPT-OSS
+    assert not takes_4d_mask(m(_attn_implementation="sdpa", attention_chunk_size=8192, sliding_window=None))
+    model, _ = _model()
+    assert takes_4d_mask(model)       # the embedded tiny Qwen3-MoE packs
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3", "olmoe"])
+def test_packed_replay_equals_plain_replay_on_other_families(family):
+    """R3 on a packed batch (trace re-laid out) gives the plain replayed forward's log-probs and gradients."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "routing"))
+    from routing_models import make_model
+
+    from offpolicy_moe.engine.logprobs import response_logprobs
+    from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
+    from offpolicy_moe.routing import RoutingController
+
+    model = make_model(family)
+    model.train()
+    assert takes_4d_mask(model)
+    ctl = RoutingController(model)
+    ids, am, ram = _batch(U=3, G=4, P=6, T=5, seed=2)
+    with torch.no_grad(), ctl.record() as rec:
+        response_logprobs(model, ids, am, 6, response_mask=ram)
+    trace = rec.trace()
+    plan = plan_group_packing(ids, am, 6)
+    packed_trace = plan.pack_trace(trace)
+    assert packed_trace is not None
+
+    def plain():
+        with ctl.replay(trace):
+            return response_logprobs(model, ids, am, 6, response_mask=ram)
+
+    def packed():
+        with ctl.replay(packed_trace):
+            return response_logprobs(model, ids, am, 6, response_mask=ram, packing=plan)
+
+    torch.testing.assert_close(packed(), plain(), rtol=0, atol=2e-5)
+    ga, gb = _grads(model, plain), _grads(model, packed)
+    for k in ga:
+        scale = max(ga[k].abs().max().item(), 1e-3)
+        torch.testing.assert_close(gb[k], ga[k], rtol=0, atol=5e-5 * scale, msg=lambda s, k=k: f"{k}: {s}")
