@@ -55,6 +55,7 @@ class RolloutConfig:
     top_p: float = 1.0
     batch_size: int = 128             # sequences per generate call
     sampler: str = "native"           # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
+    compact_finished: bool = True     # native sampler: finished sequences leave the decode batch
 
 
 @dataclass

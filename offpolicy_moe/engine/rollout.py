@@ -121,7 +121,7 @@ class HFRolloutEngine(RolloutEngine):
                  max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128,
                  record_routes: bool = False, router_noise: float = 0.0, pr2_predictors: Any = None,
                  pr2_in_weights: bool = True, pr2_feature_sample_rate: float = 0.125,
-                 device: Optional[torch.device] = None, sampler: str = "native"):
+                 device: Optional[torch.device] = None, sampler: str = "native", compact_finished: bool = True):
         if temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -153,6 +153,7 @@ class HFRolloutEngine(RolloutEngine):
         # the own sampling loop needs a Hugging Face causal LM that takes a DynamicCache
         self.sampler = sampler if (sampler == "hf" or _supports_native_loop(self.model)) else "hf"
         self._keeps_logits = _accepts_kwarg(self.model, "logits_to_keep")
+        self.compact_finished = bool(compact_finished)
         self._sync_targets = self.model.state_dict(keep_vars=True)     # name -> the engine's own tensor
         self.controller = None
         if self.record_routes or self.router_noise > 0 or self.pr2_predictors is not None:
@@ -229,7 +230,9 @@ class HFRolloutEngine(RolloutEngine):
         """Ancestral sampling with a KV cache, without ``generate``'s per-step machinery: one prefill forward (shared
         by the ``group_size`` samples of a prompt unless router noise or PR2 make samples differ; recorded routes
         are repeated with the cache), then one forward per new token; ``x_t ~ softmax(scores_t)``
-        (``torch.multinomial``, the same draws ``generate`` makes); rows that emitted EOS get the pad token afterwards; stops when every row has finished or after
+        (``torch.multinomial``, the same draws ``generate`` makes); rows that emitted EOS get the pad token afterwards
+        and, once a quarter of the decoded rows has finished, leave the decode batch (``compact_finished``; not with
+        router noise or PR2, whose per-token draws follow the batch); stops when every row has finished or after
         ``max_new_tokens``.  Returns ``(sequences [B, P+T'], scores [B, T', V])``."""
         from transformers import DynamicCache
 
@@ -253,8 +256,14 @@ class HFRolloutEngine(RolloutEngine):
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
         tokens, scores_all = [], []
         mask, last_pos = am, pos[:, -1:]
+        fed = torch.arange(B, device=ids.device)          # rows still fed to the model
+        compact = self.compact_finished and self.router_noise == 0 and self.pr2_predictors is None
         for t in range(self.max_new_tokens):
-            scores = self._process_scores(out.logits[:, -1, :].float())
+            last = out.logits[:, -1, :].float()
+            if fed.numel() < B:     # finished rows were dropped: their (unused) scores are uniform
+                last = last.new_zeros((B, last.shape[-1])).index_copy_(0, fed, last)
+            scores = self._process_scores(last)
+            # every row draws (finished ones too, then padded): the random stream does not depend on compaction
             nxt = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
             nxt = torch.where(unfinished, nxt, pad)
             tokens.append(nxt)
@@ -262,9 +271,16 @@ class HFRolloutEngine(RolloutEngine):
             unfinished &= nxt != tok.eos_token_id
             if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
                 break
-            mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
+            still = unfinished.index_select(0, fed)
+            if compact and 4 * int(still.sum()) <= 3 * fed.numel():   # >= 1/4 of the fed rows finished: drop them
+                keep_rows = still.nonzero().flatten()
+                cache.batch_select_indices(keep_rows)
+                mask, last_pos, fed = mask[keep_rows], last_pos[keep_rows], fed[keep_rows]
+                if recorder is not None:
+                    recorder.scatter_rows(fed, B)
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             last_pos = last_pos + 1
-            out = model(input_ids=nxt.unsqueeze(1), attention_mask=mask, position_ids=last_pos,
+            out = model(input_ids=nxt.index_select(0, fed).unsqueeze(1), attention_mask=mask, position_ids=last_pos,
                         past_key_values=cache, use_cache=True, **keep)
         seq = torch.cat([ids, torch.stack(tokens, 1)], dim=1)
         if recorder is not None:

@@ -233,7 +233,7 @@ class Trainer:
             record_routes=self.is_moe and (rt.replay in _REPLAY_ENGINE or self.measure_routing),
             router_noise=ro.router_noise, pr2_predictors=self.predictors, pr2_in_weights=rt.pr2_bias_in_weights,
             pr2_feature_sample_rate=rt.pr2_feature_sample_rate, device=self.accelerator.device,
-            sampler=getattr(ro, "sampler", "native"))
+            sampler=getattr(ro, "sampler", "native"), compact_finished=getattr(ro, "compact_finished", True))
         # counters (all checkpointed)
         self.iteration = 0          # generation iterations done
         self.step = 0               # trained steps done = policy version

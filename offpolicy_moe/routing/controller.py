@@ -99,6 +99,7 @@ class Recorder:
         self._chunks: dict[int, list[torch.Tensor]] = {}
         self._shapes: dict[int, list[tuple[int, int]]] = {}
         self.final_len: int | None = None  # set by the generate guard: len of sequences
+        self._scatter: tuple[torch.Tensor, int] | None = None   # (rows, batch): later calls feed only these rows
 
     @property
     def num_calls(self) -> int:
@@ -106,8 +107,22 @@ class Recorder:
 
     def _add(self, layer: int, idx: torch.Tensor, b: int, s: int) -> None:
         dt = storage_dtype(self._ctl.num_experts)
-        self._chunks.setdefault(layer, []).append(idx.detach().reshape(b, s, -1).to(dt))
+        chunk = idx.detach().reshape(b, s, -1).to(dt)
+        if self._scatter is not None:
+            rows, batch = self._scatter
+            if b != rows.numel():
+                raise ValueError(f"recorder expected calls on the {rows.numel()} active rows of {batch}, got {b} rows")
+            full = torch.full((batch, s, chunk.shape[-1]), sentinel_for(dt), dtype=dt, device=chunk.device)
+            full[rows.to(chunk.device)] = chunk
+            chunk, b = full, batch
+        self._chunks.setdefault(layer, []).append(chunk)
         self._shapes.setdefault(layer, []).append((b, s))
+
+    def scatter_rows(self, rows: torch.Tensor, batch: int) -> None:
+        """Later calls run on rows ``rows`` of a ``batch``-row batch only (finished sequences dropped from decoding):
+        their routes are written to those rows and the other rows get the "not recorded" sentinel, so the trace
+        keeps the full batch layout."""
+        self._scatter = (rows.long(), int(batch))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Re-index the batch of everything recorded so far (``index[b]``: the recorded row that becomes row ``b``),
