@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="model dtype (bfloat16 on a GPU for realistic ratios)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32)
@@ -66,7 +68,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = args.device
-    model = build(dev, args.layers, args.hidden, args.experts, args.top_k, 1024)
+    model = build(dev, args.layers, args.hidden, args.experts, args.top_k, 1024).to(getattr(torch, args.dtype))
     ctl = RoutingController(model)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(3, 1024, (args.batch, args.seq), generator=g).to(dev)
