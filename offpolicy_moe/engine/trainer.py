@@ -205,6 +205,7 @@ class Trainer:
 
             self.predictors = PR2Predictors.from_controller(self.controller)
         self.ref_model = None   # created after the SFT warm start when algo.kl.coef > 0
+        self.ref_controller = None
 
         params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
         if self.predictors is not None:
@@ -277,10 +278,31 @@ class Trainer:
         return iteration_seed(self.cfg.seed, iteration, self.rank, salt)
 
     # ------------------------------------------------------------------ routing contexts
-    def _replay_ctx(self, routes: Any):
-        if routes is None or self.controller is None:
+    def _make_ref_model(self, state: Optional[dict] = None) -> None:
+        """The frozen reference policy for the KL penalty (a copy of the current weights, or ``state``), with its
+        own routing controller: under R3/R2 its log-probs replay the same routes as the actor's."""
+        self.ref_model = copy.deepcopy(self.unwrapped).eval()
+        if state is not None:
+            self.ref_model.load_state_dict(state)
+        for p in self.ref_model.parameters():
+            p.requires_grad_(False)
+        self.ref_controller = None
+        if self.controller is not None:
+            from offpolicy_moe.routing import RoutingController
+
+            self.ref_controller = RoutingController(self.ref_model)
+
+    def _controller_for(self, model: torch.nn.Module):
+        """The routing controller hooking ``model`` (the reference model has its own)."""
+        if self.ref_model is not None and model is self.ref_model:
+            return self.ref_controller
+        return self.controller
+
+    def _replay_ctx(self, routes: Any, controller: Any = None):
+        controller = self.controller if controller is None else controller
+        if routes is None or controller is None:
             return contextlib.nullcontext()
-        return self.controller.replay(routes)
+        return controller.replay(routes)
 
     def _routes_for_update(self, batch: RolloutBatch) -> Any:
         replay = self.cfg.algo.routing.replay
@@ -302,20 +324,20 @@ class Trainer:
         ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         if routes is not None and hasattr(routes, "to"):
             routes = routes.to(dev)
-        if record and self.controller is None:
+        ctl = self._controller_for(model)
+        if record and ctl is None:
             raise RuntimeError("route recording needs a RoutingController (an MoE model with routing enabled)")
-        share = bool(getattr(self.cfg.trainer, "share_prompt", True)) \
-            and not (self.controller is not None and self.controller.active)
+        share = bool(getattr(self.cfg.trainer, "share_prompt", True)) and not (ctl is not None and ctl.active)
         packing = None
-        if share and self.controller is not None and (routes is not None or record):
+        if share and ctl is not None and (routes is not None or record):
             from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
 
             packing = plan_group_packing(ids, am, batch.prompt_len) if takes_4d_mask(self.unwrapped) else None
             if packing is not None and routes is not None:
                 packed_routes = packing.pack_trace(routes)
                 packing, routes = (None, routes) if packed_routes is None else (packing, packed_routes)
-        rec_ctx = self.controller.record() if record else contextlib.nullcontext()
-        with self._replay_ctx(routes), rec_ctx as rec:
+        rec_ctx = ctl.record() if record else contextlib.nullcontext()
+        with self._replay_ctx(routes, ctl), rec_ctx as rec:
             logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.cfg.rollout.temperature,
                                      response_mask=batch.response_mask.to(dev),
                                      share_prompt=share and routes is None and not record, packing=packing)
@@ -729,8 +751,7 @@ class Trainer:
         if self.predictors is not None and st["predictors"] is not None:
             self.predictors.load_state_dict(st["predictors"])
         if st.get("ref_model") is not None:
-            self.ref_model = copy.deepcopy(self.unwrapped).eval()
-            self.ref_model.load_state_dict(st["ref_model"])
+            self._make_ref_model(st["ref_model"])
         self.iteration, self.step, self.updates = st["iteration"], st["step"], st["updates"]
         self.nan_skipped, self.sft_done = st["nan_skipped"], st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
@@ -846,9 +867,7 @@ class Trainer:
             self._seed_everything(cfg.seed + 1)
             self.console.write(f"SFT done: loss {sft.get('sft/loss', float('nan')):.4f}")
         if cfg.algo.kl.coef > 0:
-            self.ref_model = copy.deepcopy(self.unwrapped).eval()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
+            self._make_ref_model()
         self._sync_engine(0)
         t0 = time.perf_counter()
         ev = self.evaluate()

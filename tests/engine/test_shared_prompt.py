@@ -414,3 +414,29 @@ def test_packed_replay_equals_plain_replay_on_other_families(family):
     for k in ga:
         scale = max(ga[k].abs().max().item(), 1e-3)
         torch.testing.assert_close(gb[k], ga[k], rtol=0, atol=5e-5 * scale, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
+    """KL to the reference under R3: the reference policy gets its own routing controller and replays the engine's
+    routes like the actor, so at the first on-policy update (reference = current weights) the KL is exactly 0.
+    Without replay on the reference (its own top-k where the noisy engine chose other experts) it is not."""
+    from offpolicy_moe.engine.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = ["preset=[grpo,r3]", "algo.kl.coef=0.1", "rollout.router_noise=0.5", "rollout.dtype=float32",
+           "algo.routing.metrics=false", "trainer.eval_every=0"]
+    kl = {}
+    for replay_ref in (True, False):
+        tr = Trainer(tiny_config(tmp_path / f"ref{replay_ref}", *cfg))
+        tr._open_loggers()
+        tr._start()
+        assert tr.ref_model is not None and tr.ref_controller is not None
+        if not replay_ref:
+            tr.ref_controller = None
+        b = tr._generate(0)
+        b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
+        tr._prepare(b)
+        kl[replay_ref] = tr.update(b)["actor/kl_ref"]
+        tr.logger.close()
+    assert kl[True] == 0.0
+    assert kl[False] > 1e-6
