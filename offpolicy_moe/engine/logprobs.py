@@ -25,55 +25,16 @@ than half of the rows repeat a prompt.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Optional
 
 import torch
 
+from offpolicy_moe.engine.layout import accepts_kwarg, position_ids_from_mask, prompt_groups
 from offpolicy_moe.engine.packing import GroupPacking, plan_group_packing, takes_4d_mask
 
 __all__ = ["position_ids_from_mask", "prompt_groups", "response_logprobs"]
 
 _SHARE_MODES = (False, True, "auto", "pack", "cache")
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each token counting only real tokens (left padding gets position 0), as ``generate`` does."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-@functools.lru_cache(maxsize=64)
-def _forward_params(cls: type) -> frozenset:
-    """Names of ``cls.forward``'s parameters (cached per class: ``inspect.signature`` costs ~0.3 ms a call)."""
-    try:
-        return frozenset(inspect.signature(cls.forward).parameters)
-    except (TypeError, ValueError, AttributeError):
-        return frozenset()
-
-
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    return _accepts(model, "logits_to_keep")
-
-
-def _accepts(model: torch.nn.Module, name: str) -> bool:
-    return name in _forward_params(type(model))
-
-
-def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows with the same prompt: ``(first [U], inverse [B])`` with ``first[u]`` the first row holding distinct
-    prompt ``u`` and ``inverse[b]`` the distinct prompt of row ``b``, so ``prompt[first][inverse] == prompt``.
-    Two prompts are the same when their masks and their ids on unmasked positions are equal (pad ids ignored)."""
-    am = attention_mask[:, :prompt_len].long()
-    key = torch.cat([input_ids[:, :prompt_len].long() * am, am], dim=1)
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)
-    B = input_ids.shape[0]
-    U = int(inverse.max()) + 1 if B else 0
-    rows = torch.arange(B, device=inverse.device)
-    first = torch.full((U,), B, dtype=torch.long, device=inverse.device).scatter_reduce(
-        0, inverse, rows, reduce="amin", include_self=True)
-    return first, inverse
 
 
 def _checkpointing(model: torch.nn.Module) -> bool:
@@ -84,7 +45,8 @@ def _checkpointing(model: torch.nn.Module) -> bool:
 
 
 def _can_share(model: torch.nn.Module) -> bool:
-    return _accepts(model, "past_key_values") and _accepts(model, "position_ids") and not _checkpointing(model)
+    return accepts_kwarg(model, "past_key_values") and accepts_kwarg(model, "position_ids") \
+        and not _checkpointing(model)
 
 
 def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -104,7 +66,7 @@ def _shared_prompt_logits(model: torch.nn.Module, base: torch.nn.Module, input_i
     P = prompt_len
     pos = position_ids_from_mask(attention_mask)
     cache = DynamicCache(config=getattr(base, "config", None))
-    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(base) else {}
+    keep = {"logits_to_keep": 1} if accepts_kwarg(base, "logits_to_keep") else {}
     # the prompt pass goes to the unwrapped module (a DDP wrapper takes ONE forward per backward; the response pass
     # below is that forward, and its graph reaches the prompt pass's parameters through the cache)
     out = base(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=pos[first, :P],
@@ -162,7 +124,7 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     if logits is None:
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-        if _accepts_logits_to_keep(base):
+        if accepts_kwarg(base, "logits_to_keep"):
             logits = model(**kwargs, logits_to_keep=T + 1).logits[:, :-1]
         else:
             logits = model(**kwargs).logits[:, prompt_len - 1:-1]

@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 
+from offpolicy_moe.engine.layout import position_ids_from_mask, prompt_groups
+
 __all__ = ["GroupPacking", "plan_group_packing", "takes_4d_mask", "DEFAULT_MAX_MASK_ELEMENTS"]
 
 DEFAULT_MAX_MASK_ELEMENTS = 1 << 22      # 4M mask entries (16 MiB in fp32)
@@ -141,8 +143,6 @@ def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
                        max_mask_elements: int = DEFAULT_MAX_MASK_ELEMENTS) -> Optional[GroupPacking]:
     """The packed layout of a batch whose rows repeat prompts, or None when packing does not pay or does not fit:
     fewer than half of the rows repeat a prompt (``2U > B``), or ``U * L * L > max_mask_elements``."""
-    from offpolicy_moe.engine.logprobs import position_ids_from_mask, prompt_groups
-
     B, S = input_ids.shape
     P, R = prompt_len, S - prompt_len - 1
     if B == 0 or not 0 < P < S:

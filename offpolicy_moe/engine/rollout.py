@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.layout import accepts_kwarg
 
 __all__ = ["RolloutEngine", "HFRolloutEngine", "resolve_dtype"]
 
@@ -94,15 +95,6 @@ def _cat_traces(traces: list) -> Any:
     return cat_traces(traces, side="right")     # responses are right-padded
 
 
-def _accepts_kwarg(model: torch.nn.Module, name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _supports_native_loop(model: torch.nn.Module) -> bool:
     try:
         import transformers  # noqa: F401
@@ -111,7 +103,7 @@ def _supports_native_loop(model: torch.nn.Module) -> bool:
         return False
     cfg = getattr(model, "config", None)
     return (cfg is not None and not getattr(cfg, "is_encoder_decoder", False)
-            and _accepts_kwarg(model, "past_key_values") and _accepts_kwarg(model, "position_ids"))
+            and accepts_kwarg(model, "past_key_values") and accepts_kwarg(model, "position_ids"))
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -152,7 +144,7 @@ class HFRolloutEngine(RolloutEngine):
         self.last_generate_seconds = 0.0
         # the own sampling loop needs a Hugging Face causal LM that takes a DynamicCache
         self.sampler = sampler if (sampler == "hf" or _supports_native_loop(self.model)) else "hf"
-        self._keeps_logits = _accepts_kwarg(self.model, "logits_to_keep")
+        self._keeps_logits = accepts_kwarg(self.model, "logits_to_keep")
         self.compact_finished = bool(compact_finished)
         self._sync_targets = self.model.state_dict(keep_vars=True)     # name -> the engine's own tensor
         self.controller = None

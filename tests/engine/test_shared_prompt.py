@@ -54,7 +54,7 @@ def _grads(model, fn):
 
 
 def test_prompt_groups_matches_brute_force():
-    from offpolicy_moe.engine.logprobs import prompt_groups
+    from offpolicy_moe.engine.layout import prompt_groups
 
     ids, am, _ = _batch()
     P = 6
