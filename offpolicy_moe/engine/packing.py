@@ -88,6 +88,9 @@ class GroupPacking:
         """``[U, L, V]`` packed logits → ``[B, T, V]``: token 0 of row ``b`` is predicted at the prompt's last
         position of its packed row, token ``t >= 1`` at its own token ``t - 1``."""
         P = self.prompt_len
+        if tuple(logits.shape[:2]) != (self.num_rows, self.length):
+            raise ValueError(f"packed logits have [U, L] = {tuple(logits.shape[:2])}, the packing "
+                             f"{(self.num_rows, self.length)}")
         first = logits[:, P - 1].index_select(0, self.inverse).unsqueeze(1)
         if self.fed == 0:
             return first
@@ -99,6 +102,10 @@ class GroupPacking:
         different routes on a real prompt token."""
         ids = trace.ids
         P, R = self.prompt_len, self.fed
+        want = (int(self.inverse.shape[0]), P + R + 1)
+        if tuple(ids.shape[:2]) != want:
+            raise ValueError(f"route trace has [B, S] = {tuple(ids.shape[:2])} but the packed batch was planned for "
+                             f"[B, S] = {want}: lay the trace out exactly like the input_ids")
         prompt = ids[:, :P]
         ref = prompt.index_select(0, self.first).index_select(0, self.inverse)
         real = self.prompt_mask.bool()[:, :, None, None]

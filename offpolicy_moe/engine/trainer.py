@@ -332,7 +332,8 @@ class Trainer:
         if share and ctl is not None and (routes is not None or record):
             from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
 
-            packing = plan_group_packing(ids, am, batch.prompt_len) if takes_4d_mask(self.unwrapped) else None
+            base = model.module if hasattr(model, "module") else model
+            packing = plan_group_packing(ids, am, batch.prompt_len) if takes_4d_mask(base) else None
             if packing is not None and routes is not None:
                 packed_routes = packing.pack_trace(routes)
                 packing, routes = (None, routes) if packed_routes is None else (packing, packed_routes)

@@ -122,13 +122,25 @@ class Recorder:
         """Later calls run on rows ``rows`` of a ``batch``-row batch only (finished sequences dropped from decoding):
         their routes are written to those rows and the other rows get the "not recorded" sentinel, so the trace
         keeps the full batch layout."""
-        self._scatter = (rows.long(), int(batch))
+        rows = torch.as_tensor(rows).long()
+        if rows.dim() != 1 or int(batch) < 1 or rows.numel() > int(batch) \
+                or (rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < int(batch))) \
+                or rows.unique().numel() != rows.numel():
+            raise ValueError(f"scatter_rows needs distinct 1-D row ids in [0, {batch}), got {rows.tolist()[:16]}")
+        self._scatter = (rows, int(batch))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Re-index the batch of everything recorded so far (``index[b]``: the recorded row that becomes row ``b``),
         as a KV cache's ``batch_select_indices`` does: a prompt prefilled once per group and repeated to its G
         samples is recorded once and repeated the same way, so later (decode) calls see a consistent batch."""
-        index = index.long()
+        index = torch.as_tensor(index).long()
+        recorded = {b for shapes in self._shapes.values() for b, _ in shapes}
+        if index.dim() != 1 or len(recorded) > 1:
+            raise ValueError(f"select_rows needs a 1-D row index and one recorded batch size, got index shape "
+                             f"{tuple(index.shape)} and batch sizes {sorted(recorded)}")
+        if recorded and index.numel() and not (0 <= int(index.min()) and int(index.max()) < min(recorded)):
+            raise ValueError(f"select_rows index out of range [0, {min(recorded)}): "
+                             f"min {int(index.min())}, max {int(index.max())}")
         for layer, chunks in self._chunks.items():
             self._chunks[layer] = [c.index_select(0, index.to(c.device)) for c in chunks]
             self._shapes[layer] = [(int(index.numel()), s) for _, s in self._shapes[layer]]

@@ -440,3 +440,34 @@ def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
         tr.logger.close()
     assert kl[True] == 0.0
     assert kl[False] > 1e-6
+
+
+def test_bad_layouts_are_refused_by_name():
+    """A trace, logits or packing that do not match the planned batch, and bad recorder row indices: clear errors."""
+    from offpolicy_moe.engine.logprobs import response_logprobs
+    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.routing import RouteTrace, RoutingController
+
+    ids, am, ram = _batch(U=5, G=4, P=6, T=5)
+    plan = plan_group_packing(ids, am, 6)
+    for shape in ((20, 12, 2, 2), (19, 11, 2, 2)):           # one position too many / one row short
+        tr = RouteTrace.from_ids(torch.zeros(shape, dtype=torch.uint8), num_experts=8, top_k=2)
+        with pytest.raises(ValueError, match=r"route trace has \[B, S\]"):
+            plan.pack_trace(tr)
+    with pytest.raises(ValueError, match="packed logits"):
+        plan.response_logits(torch.zeros(5, 21, 7))
+    model, _ = _model()
+    with pytest.raises(ValueError, match="packing was planned for"):
+        response_logprobs(model, ids[:8], am[:8], 6, packing=plan)
+    with pytest.raises(ValueError, match="packing was planned for"):
+        response_logprobs(model, ids[:, :10], am[:, :10], 6, packing=plan)
+    ctl = RoutingController(model)
+    with torch.no_grad(), ctl.record() as rec:
+        model(input_ids=ids[:3, :6])
+        with pytest.raises(ValueError, match="out of range"):
+            rec.select_rows(torch.tensor([0, 3]))
+        with pytest.raises(ValueError, match="1-D"):
+            rec.select_rows(torch.tensor([[0, 1]]))
+        for rows, batch in (([0, 0], 4), ([4], 4), ([[0]], 4), ([0, 1], 0)):
+            with pytest.raises(ValueError, match="scatter_rows"):
+                rec.scatter_rows(torch.tensor(rows), batch)
