@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _bench_job import JOB_ARGS, LEAN, add_job_args, job_overrides
+
 
 def _common_setup(args):
     import torch
@@ -132,21 +134,7 @@ def run_ours(args) -> dict:
     from offpolicy_moe.engine.trainer import Trainer
 
     run_dir = tempfile.mkdtemp(prefix="ours_bench_")
-    overrides = [
-        "preset=[grpo]", f"seed={args.seed}", f"run_dir={run_dir}",
-        f"task.max_digits={args.digits}",
-        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.num_experts={args.experts}",
-        "rollout.dtype=float32", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-        "buffer.staleness=0", "algo.routing.replay=none", "algo.correction.mode=none",
-        "algo.loss.agg=token-mean", f"optim.lr={args.lr}", "optim.grad_clip=1.0",
-        f"trainer.steps={args.steps + 2}", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
-        f"trainer.eval_every={10**6}", f"trainer.log_every={10**6}", f"trainer.threads={args.threads}",
-        "logging.loggers=[jsonl]", "logging.progress=false", "task.eval_size=8",
-        # measurements TRL has no equivalent of are off: routing metrics (the engine would record routes) and the
-        # counterfactual "with R3" mismatch pass; put them back with --ours-set algo.routing.metrics=true
-        "algo.routing.metrics=false", "trainer.mismatch_metrics=false",
-    ] + list(args.ours_set)
+    overrides = job_overrides(args, args.steps + 2) + [f"run_dir={run_dir}"] + LEAN + list(args.ours_set)
     cfg = load_config(None, overrides)
     stamps: list[float] = []
     cpu: list[float] = []
@@ -180,8 +168,7 @@ def _child(args) -> None:
 
 def _spawn(system: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", "--system", system]
-    for k in ("steps", "threads", "prompts", "group", "max_new_tokens", "layers", "hidden", "experts", "digits",
-              "lr", "seed"):
+    for k in ("steps",) + JOB_ARGS:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     for o in args.ours_set:
         cmd += ["--ours-set", o]
@@ -207,16 +194,7 @@ def main() -> None:
     p.add_argument("--system", choices=["ours", "trl"], default="ours", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="timed RL steps (one warm-up step is added)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=6)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--digits", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    add_job_args(p)
     p.add_argument("--out", type=str, default=None)
     p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer override for ours (e.g. algo.routing.metrics=true)")

@@ -24,24 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from _bench_job import add_job_args, job_overrides
+
 PHASES = [("perf/time_generate_s", "generation"), ("perf/time_old_logp_s", "old-logp recompute"),
           ("perf/time_update_s", "update (fwd+bwd+step)"), ("perf/time_other_s", "other (buffer, sync, log)"),
           ("perf/time_step_s", "whole step")]
-
-
-def bench_overrides(args) -> list[str]:
-    """The benchmark job of bench_vs_trl.py as trainer overrides."""
-    return [
-        "preset=[grpo]", f"seed={args.seed}", f"task.max_digits={args.digits}",
-        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.num_experts={args.experts}",
-        "rollout.dtype=float32", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-        "buffer.staleness=0", "algo.routing.replay=none", "algo.correction.mode=none",
-        f"optim.lr={args.lr}", "optim.grad_clip=1.0",
-        f"trainer.steps={args.steps + 2}", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
-        f"trainer.eval_every={10**6}", f"trainer.log_every={10**6}", f"trainer.threads={args.threads}",
-        "task.eval_size=8", "logging.loggers=[jsonl]", "logging.progress=false",
-    ]
 
 
 def profile(args) -> dict:
@@ -52,7 +39,7 @@ def profile(args) -> dict:
     from offpolicy_moe.engine.trainer import Trainer
 
     run_dir = tempfile.mkdtemp(prefix="profile_step_")
-    cfg = load_config(None, bench_overrides(args) + [f"run_dir={run_dir}"] + list(args.set))
+    cfg = load_config(None, job_overrides(args, args.steps + 2) + [f"run_dir={run_dir}"] + list(args.set))
     rows: list[dict] = []
     prof_holder: dict = {}
 
@@ -103,16 +90,7 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="timed steps (a warm-up and a final step are added)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=6)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--digits", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    add_job_args(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra trainer override")
     p.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top operators of one step")
     p.add_argument("--top", type=int, default=25)
