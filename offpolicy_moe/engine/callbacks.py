@@ -10,12 +10,11 @@ Note for ``on_batch``: a batch whose ``old_logp`` is fused into the update (``ba
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from offpolicy_moe.engine.batch import RolloutBatch
 
-if TYPE_CHECKING:   # annotations only: the trainer imports this module
-    from offpolicy_moe.engine.trainer import Trainer
+Trainer = Any     # the :class:`~offpolicy_moe.engine.trainer.Trainer` (which imports this module)
 
 __all__ = ["Callback", "CallbackList", "FunctionCallback"]
 
@@ -23,10 +22,10 @@ __all__ = ["Callback", "CallbackList", "FunctionCallback"]
 class Callback:
     """Base class of run observers; every method is a no-op, override the ones you need."""
 
-    def on_batch(self, trainer: "Trainer", batch: RolloutBatch) -> None:
+    def on_batch(self, trainer: Trainer, batch: RolloutBatch) -> None:
         """A batch was released by the staleness buffer and is about to be trained on."""
 
-    def on_step_end(self, trainer: "Trainer", step: int, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         """Trained step ``step`` is done: logged, and checkpointed when due; ``metrics`` are this process's."""
 
 
@@ -34,15 +33,15 @@ class FunctionCallback(Callback):
     """A callback made of plain functions with the signatures of :class:`Callback`'s methods (either may be
     omitted)."""
 
-    def __init__(self, *, on_batch: Optional[Callable[["Trainer", RolloutBatch], None]] = None,
-                 on_step_end: Optional[Callable[["Trainer", int, dict], None]] = None):
+    def __init__(self, *, on_batch: Optional[Callable[[Trainer, RolloutBatch], None]] = None,
+                 on_step_end: Optional[Callable[[Trainer, int, dict], None]] = None):
         self._on_batch, self._on_step_end = on_batch, on_step_end
 
-    def on_batch(self, trainer: "Trainer", batch: RolloutBatch) -> None:
+    def on_batch(self, trainer: Trainer, batch: RolloutBatch) -> None:
         if self._on_batch is not None:
             self._on_batch(trainer, batch)
 
-    def on_step_end(self, trainer: "Trainer", step: int, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         if self._on_step_end is not None:
             self._on_step_end(trainer, step, metrics)
 
@@ -57,10 +56,10 @@ class CallbackList(Callback):
                 raise TypeError(f"callbacks must be offpolicy_moe.engine.callbacks.Callback instances, got "
                                 f"{type(cb).__name__}")
 
-    def on_batch(self, trainer: "Trainer", batch: RolloutBatch) -> None:
+    def on_batch(self, trainer: Trainer, batch: RolloutBatch) -> None:
         for cb in self.callbacks:
             cb.on_batch(trainer, batch)
 
-    def on_step_end(self, trainer: "Trainer", step: int, metrics: dict[str, float]) -> None:
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         for cb in self.callbacks:
             cb.on_step_end(trainer, step, metrics)

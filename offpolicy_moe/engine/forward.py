@@ -37,15 +37,18 @@ class RoutedForward:
 
     ``controller`` hooks the actor (``None`` for a dense model or when routing is off); a reference model registered
     with :meth:`set_reference` gets its own controller, so it replays the same routes as the actor.  ``replay`` is
-    ``algo.routing.replay``; ``share_prompt`` is ``trainer.share_prompt``; ``temperature`` is ``rollout.temperature``.
+    ``algo.routing.replay``; ``share_prompt`` is ``trainer.share_prompt``; ``temperature`` is ``rollout.temperature``;
+    ``group_size`` (``rollout.group_size``) is the width of a packed row, so a forward on part of a group (a
+    micro-batch) packs rows as wide as the whole group's and gives bit for bit the same log-probs.
     """
 
     def __init__(self, *, device: torch.device, controller: Optional[RoutingController], replay: str,
-                 share_prompt: bool, temperature: float):
+                 share_prompt: bool, temperature: float, group_size: Optional[int] = None):
         self.device = device
         self.controller = controller
         self.replay = replay
         self.share_prompt = bool(share_prompt)
+        self.group_size = group_size
         self.temperature = float(temperature)
         self.ref_model: Optional[torch.nn.Module] = None
         self.ref_controller: Optional[RoutingController] = None
@@ -90,18 +93,20 @@ class RoutedForward:
             raise RuntimeError("route recording needs a RoutingController (an MoE model with routing enabled)")
         share = self.share_prompt and not (ctl is not None and ctl.active)
         packing = None
-        if share and ctl is not None and (routes is not None or record):
-            base = model.module if hasattr(model, "module") else model
-            packing = plan_group_packing(ids, am, batch.prompt_len) if takes_4d_mask(base) else None
+        if share and takes_4d_mask(model.module if hasattr(model, "module") else model):
+            packing = plan_group_packing(ids, am, batch.prompt_len, samples_per_row=self.group_size)
             if packing is not None and routes is not None:
                 packed_routes = packing.pack_trace(routes)
                 packing, routes = (None, routes) if packed_routes is None else (packing, packed_routes)
         replay_ctx = ctl.replay(routes) if (routes is not None and ctl is not None) else contextlib.nullcontext()
         rec_ctx = ctl.record() if record else contextlib.nullcontext()
+        # no packing planned (no 4-D masks, or it did not fit or pay): share through the prompt's KV cache, where no
+        # routes flow
+        cache = packing is None and share and routes is None and not record
         with replay_ctx, rec_ctx as rec:
             logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.temperature,
                                      response_mask=batch.response_mask.to(dev),
-                                     share_prompt=share and routes is None and not record, packing=packing)
+                                     share_prompt="cache" if cache else False, packing=packing)
         if not record:
             return logp
         trace = rec.trace()

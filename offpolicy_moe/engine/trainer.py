@@ -133,7 +133,7 @@ class Trainer:
                                       seed=cfg.seed)
         self.forward = RoutedForward(device=self.accelerator.device, controller=self.controller, replay=rt.replay,
                                      share_prompt=getattr(tc, "share_prompt", True),
-                                     temperature=cfg.rollout.temperature)
+                                     temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size)
         self.engine = self._build_engine()
         loss = loss_spec(cfg.algo.loss, self.world)
         self.old_logp = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,

@@ -420,7 +420,7 @@ def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
         tr.start()
         assert tr.ref_model is not None and tr.ref_controller is not None
         if not replay_ref:
-            tr.ref_controller = None
+            tr.forward.ref_controller = None
         b = tr.generate(0)
         b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
         tr.prepare(b)
