@@ -15,7 +15,7 @@ positions, right-padded after the end-of-sequence token):
 * ``version``         the policy version (number of trained steps) of the weights that generated the batch
 * ``generated_at``    the trainer iteration that generated the batch (used to check no batch is lost or reused)
 
-Rewards and advantages are NOT stored: they are computed when the batch is consumed (algorithms.md, Staleness).
+Rewards and advantages are NOT stored: they are computed when the batch is consumed.
 """
 from __future__ import annotations
 

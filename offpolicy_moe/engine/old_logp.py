@@ -102,7 +102,8 @@ class OldLogpPass:
             or (src == "engine" and cfg.trainer.mismatch_metrics)
         # the R3 counterfactual of a run without replay costs a whole extra forward: only with mismatch_metrics
         need_r3 = self.is_moe and batch.routes is not None and (
-            (src == "trainer" and replay in REPLAY_ENGINE) or (self.measure_routing and bool(cfg.trainer.mismatch_metrics)))
+            (src == "trainer" and replay in REPLAY_ENGINE)
+            or (self.measure_routing and bool(cfg.trainer.mismatch_metrics)))
         extras: dict[str, float] = {}
         lp_own = lp_r3 = None
         with eval_mode(self.model) as model:

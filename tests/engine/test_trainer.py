@@ -16,7 +16,7 @@ import torch
 from offpolicy_moe.engine.checkpoint import CheckpointError
 from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError
 from offpolicy_moe.engine.metrics import DOCUMENTED_KEYS, is_documented
-from offpolicy_moe.engine.callbacks import Callback, FunctionCallback
+from offpolicy_moe.engine.callbacks import FunctionCallback
 from offpolicy_moe.engine.launch import train
 from offpolicy_moe.engine.trainer import Trainer, TrainingStopped, iteration_seed
 from tests.engine.tiny import tiny_config
