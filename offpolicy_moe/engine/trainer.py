@@ -39,7 +39,8 @@ import torch
 
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.buffer import StalenessBuffer
-from offpolicy_moe.engine.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, rng_state,
+from offpolicy_moe.engine.checkpoint import (CheckpointError, clean_checkpoint_root, gather_rng_states,
+                                             latest_checkpoint, load_checkpoint, restore_metrics, resume_checkpoint,
                                              save_checkpoint, set_rng_state)
 from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError, check_run_dir, is_finite
 from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger, clean_metrics
@@ -701,11 +702,8 @@ class Trainer:
             "format": "offpolicy_moe.trainer/1",
             "iteration": self.iteration, "step": self.step, "updates": self.updates,
             "nan_skipped": self.nan_skipped, "sft_done": self.sft_done,
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "buffer": self.buffer.state_dict(), "engine_version": self.engine.version,
-            "predictors": self.predictors.state_dict() if self.predictors is not None else None,
-            "ref_model": self.ref_model.state_dict() if self.ref_model is not None else None,
-            "rng": rng_state(), "metrics_offset": self.jsonl.offset() if self.jsonl is not None else 0,
+            "metrics_offset": self.jsonl.offset() if self.jsonl is not None else 0,
             "last_metrics": self.last_metrics,
             "model_signature": self._model_signature(),
             "world_size": self.world,
@@ -722,16 +720,19 @@ class Trainer:
     def save(self) -> Optional[Path]:
         """Checkpoint ``step_<step>`` (main process writes; all processes wait)."""
         self.accelerator.wait_for_everyone()
-        path = None
+        path, rngs = None, gather_rng_states(self.accelerator)   # every rank's RNG states (collective)
         if self.is_main:
-            path = save_checkpoint(self.ckpt_root, self.step, self.unwrapped.state_dict(), self._state(),
+            path = save_checkpoint(self.ckpt_root, self.step, model=self.unwrapped, optimizer=self.optimizer,
+                                   scheduler=self.scheduler, extra=self._state(), rng_states=rngs,
+                                   modules={"ref_model": self.ref_model, "predictors": self.predictors},
                                    keep=self.cfg.trainer.keep_checkpoints)
         self.accelerator.wait_for_everyone()
         return path
 
     def load(self, path: Path) -> None:
         """Restore everything from a checkpoint folder; clear errors when it does not fit the configured model."""
-        model_state, st = load_checkpoint(path)
+        ck = load_checkpoint(path, rank=self.rank)
+        model_state, st = ck.model, ck.state
         if st.get("format") != "offpolicy_moe.trainer/1":
             raise CheckpointError(f"{str(path)!r} is not an offpolicy_moe trainer checkpoint")
         mine, theirs = self._model_signature(), st.get("model_signature", {})
@@ -749,17 +750,17 @@ class Trainer:
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.buffer.load_state_dict(st["buffer"])
-        if self.predictors is not None and st["predictors"] is not None:
-            self.predictors.load_state_dict(st["predictors"])
-        if st.get("ref_model") is not None:
-            self._make_ref_model(st["ref_model"])
+        if self.predictors is not None and "predictors" in ck.modules:
+            self.predictors.load_state_dict(ck.modules["predictors"])
+        if "ref_model" in ck.modules:
+            self._make_ref_model(ck.modules["ref_model"])
         self.iteration, self.step, self.updates = st["iteration"], st["step"], st["updates"]
         self.nan_skipped, self.sft_done = st["nan_skipped"], st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
         self._sync_engine(st["engine_version"])
-        set_rng_state(st["rng"])
+        set_rng_state(ck.rng)
         if self.is_main:
-            JsonlLogger.truncate(self.metrics_path, st["metrics_offset"])
+            restore_metrics(self.metrics_path, st["metrics_offset"], path)
 
     def _sync_engine(self, version: int) -> None:
         self.engine.sync(self.unwrapped.state_dict(), version,
@@ -825,8 +826,11 @@ class Trainer:
         status, error = "failed", None
         try:
             resumed_from = None
+            for line in clean_checkpoint_root(self.ckpt_root) if self.is_main else ():
+                print(f"offpolicy-moe: checkpoints: {line}", file=sys.stderr)
+            self.accelerator.wait_for_everyone()
             if self.resume:
-                ck = latest_checkpoint(self.ckpt_root)
+                ck = resume_checkpoint(self.ckpt_root)
                 if ck is not None:
                     self.load(ck)
                     resumed_from = ck
