@@ -42,6 +42,7 @@ from offpolicy_moe.engine.buffer import StalenessBuffer
 from offpolicy_moe.engine.checkpoint import (CheckpointError, clean_checkpoint_root, gather_rng_states,
                                              latest_checkpoint, load_checkpoint, restore_metrics, resume_checkpoint,
                                              save_checkpoint, set_rng_state)
+from offpolicy_moe.engine.export import export_final
 from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError, check_run_dir, is_finite
 from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger, clean_metrics
 from offpolicy_moe.engine.logprobs import response_logprobs
@@ -843,6 +844,8 @@ class Trainer:
             else:
                 self._start()
             self._loop()
+            if self.cfg.trainer.export_final and self.is_main:   # RUN_DIR/export (Hugging Face folder)
+                export_final(self.run_dir, self.unwrapped, self.tok, self.predictors)
             status = "completed"
         except KeyboardInterrupt:
             status, error = "stopped", "interrupted"
