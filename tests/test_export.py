@@ -155,3 +155,14 @@ def test_export_errors_are_one_line(pr2_run, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert cli_main(["export", str(tmp_path), str(tmp_path / "b")]) == 1
     assert "config.yaml" in capsys.readouterr().err
+
+
+def test_sweeps_do_not_export_unless_asked(tmp_path):
+    from offpolicy_moe.report.experiment import load_experiment, plan_runs
+
+    f = tmp_path / "exp.yaml"
+    f.write_text("name: e\nbase: {trainer.steps: 1}\ngrid:\n  buffer.staleness: [0]\n")
+    assert [r.config.trainer.export_final for r in plan_runs(load_experiment(f), seeds=[0])] == [False]
+    f.write_text("name: e\nbase: {trainer.export_final: true}\ngrid:\n  buffer.staleness: [0]\n")
+    assert [r.config.trainer.export_final for r in plan_runs(load_experiment(f), seeds=[0])] == [True]
+    assert load_config(None, []).trainer.export_final is True          # train and demo: on by default
