@@ -12,12 +12,15 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from offpolicy_moe.cli import main as cli_main
 from offpolicy_moe.config.load import load_config
+from offpolicy_moe.engine.checkpoint import load_checkpoint
 from offpolicy_moe.engine.trainer import train
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.presets import tiny_qwen3_moe_config
+from offpolicy_moe.report.experiment import load_experiment, plan_runs
 from offpolicy_moe.tasks import encode_prompts, make_task
 from offpolicy_moe.tasks.tokenizer import build_char_tokenizer
 
@@ -99,8 +102,6 @@ def test_export_of_embedded_model_loads_with_plain_transformers_and_matches(pr2_
 def test_pr2_predictors_are_written_beside_the_model_as_documented(pr2_run, tmp_path):
     out = tmp_path / "hf"
     assert cli_main(["export", str(pr2_run), str(out)]) == 0           # newest checkpoint: step 2
-    from offpolicy_moe.engine.checkpoint import load_checkpoint
-
     want = load_checkpoint(pr2_run / "checkpoints" / "step_2").modules["predictors"]
     with safe_open(str(out / "pr2_predictors.safetensors"), "pt") as f:
         meta = f.metadata()
@@ -111,8 +112,6 @@ def test_pr2_predictors_are_written_beside_the_model_as_documented(pr2_run, tmp_
 
 
 def test_export_final_writes_the_final_policy(pr2_run):
-    from transformers import AutoModelForCausalLM
-
     # save_pretrained writes transformers' on-disk expert layout: compare after loading it back
     final = AutoModelForCausalLM.from_pretrained(pr2_run / "export").state_dict()
     ck = load_file(str(pr2_run / "checkpoints" / "step_2" / "model.safetensors"))
@@ -125,8 +124,6 @@ def test_export_of_a_local_model_path_run(tmp_path):
     special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
     conf = tiny_qwen3_moe_config(len(tok), num_layers=1, hidden_size=32, num_experts=4, top_k=2,
                                  special_ids=special)
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(conf).save_pretrained(base)
     tok.save_pretrained(base)
@@ -158,8 +155,6 @@ def test_export_errors_are_one_line(pr2_run, tmp_path, capsys):
 
 
 def test_sweeps_do_not_export_unless_asked(tmp_path):
-    from offpolicy_moe.report.experiment import load_experiment, plan_runs
-
     f = tmp_path / "exp.yaml"
     f.write_text("name: e\nbase: {trainer.steps: 1}\ngrid:\n  buffer.staleness: [0]\n")
     assert [r.config.trainer.export_final for r in plan_runs(load_experiment(f), seeds=[0])] == [False]

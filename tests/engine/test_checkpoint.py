@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from offpolicy_moe.engine.checkpoint import (CheckpointError, clean_checkpoint_root, convert_legacy_checkpoint,
                                              latest_checkpoint, load_checkpoint, main, restore_metrics,

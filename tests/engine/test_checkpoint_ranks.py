@@ -2,26 +2,24 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
+import torch.distributed as dist
+
+from offpolicy_moe.engine.checkpoint import gather_rng_states, load_checkpoint, save_checkpoint, set_rng_state
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def worker(ckpt_root: str, out: str) -> None:
     """Two gloo processes: different RNG streams per rank, one checkpoint, each rank restores and draws."""
-    import random
-
-    import numpy as np
-    import torch.distributed as dist
-
-    from offpolicy_moe.engine.checkpoint import gather_rng_states, load_checkpoint, save_checkpoint, set_rng_state
-
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
     random.seed(10 + rank), np.random.seed(20 + rank), torch.manual_seed(30 + rank)

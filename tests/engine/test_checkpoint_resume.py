@@ -1,6 +1,7 @@
 """Resuming real runs from damaged, hostile and old-format checkpoints (tiny MoE, CPU, one thread)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -120,8 +121,6 @@ class Payload:
 
 
 def _rehash(ckpt: Path) -> None:
-    import hashlib
-
     m = json.loads((ckpt / "manifest.json").read_text())
     for n in m["files"]:
         b = (ckpt / n).read_bytes()
