@@ -110,6 +110,7 @@ def _write_raw_payload(f: Path, marker: Path) -> None:
     f.write_bytes(pickle.dumps(Payload(marker)))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")   # the raw payload is protocol 4
 @pytest.mark.parametrize("name", ["state.pt", "rng_0.pt", "model.safetensors", "predictors.safetensors",
                                   "manifest.json"])
 @pytest.mark.parametrize("writer", [_write_torch_payload, _write_raw_payload])
