@@ -38,6 +38,7 @@ from offpolicy_moe.engine.buffer import StalenessBuffer
 from offpolicy_moe.engine.callbacks import Callback, CallbackList
 from offpolicy_moe.engine.checkpoint import set_rng_state
 from offpolicy_moe.engine.checkpoint_state import CheckpointState
+from offpolicy_moe.engine.export import export_final
 from offpolicy_moe.engine.forward import REPLAY_ENGINE, RoutedForward
 from offpolicy_moe.engine.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.engine.old_logp import OldLogpPass
@@ -144,7 +145,7 @@ class Trainer:
                                           scheduler=self.scheduler, accelerator=self.accelerator, task=self.task,
                                           predictors=self.predictors)
         self.checkpoints = CheckpointState(self.run_dir.ckpt_root, model=self.unwrapped, world=self.world,
-                                           keep=tc.keep_checkpoints)
+                                           keep=tc.keep_checkpoints, accelerator=self.accelerator)
         # counters (all checkpointed; updates / nan_skipped live in the policy update)
         self.iteration = 0          # generation iterations done
         self.step = 0               # trained steps done = policy version
@@ -262,37 +263,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Optional[Path]:
-        """Checkpoint ``step_<step>`` (main process writes; all processes wait)."""
+        """Checkpoint ``step_<step>`` (main process writes; every process gives its RNG states; all wait)."""
         self.accelerator.wait_for_everyone()
-        path = None
-        if self.is_main:
-            state = self.checkpoints.build(
-                counters={"iteration": self.iteration, "step": self.step, "updates": self.updates,
-                          "nan_skipped": self.nan_skipped, "sft_done": self.sft_done},
-                optimizer=self.optimizer, scheduler=self.scheduler, buffer=self.buffer,
-                engine_version=self.engine.version, predictors=self.predictors, ref_model=self.ref_model,
-                metrics_offset=self.run_dir.metrics_offset(), last_metrics=self.last_metrics)
-            path = self.checkpoints.save(self.step, state)
+        state = self.checkpoints.build(
+            counters={"iteration": self.iteration, "step": self.step, "updates": self.updates,
+                      "nan_skipped": self.nan_skipped, "sft_done": self.sft_done},
+            buffer=self.buffer, engine_version=self.engine.version,
+            metrics_offset=self.run_dir.metrics_offset(), last_metrics=self.last_metrics) if self.is_main else None
+        path = self.checkpoints.save(self.step, state, optimizer=self.optimizer, scheduler=self.scheduler,
+                                     modules={"ref_model": self.ref_model, "predictors": self.predictors},
+                                     is_main=self.is_main)
         self.accelerator.wait_for_everyone()
         return path
 
     def load(self, path: Path) -> None:
         """Restore everything from a checkpoint folder; clear errors when it does not fit the configured model."""
-        st = self.checkpoints.load(path)
+        ck = self.checkpoints.load(path, rank=self.rank)
+        st = ck.state
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.buffer.load_state_dict(st["buffer"])
-        if self.predictors is not None and st["predictors"] is not None:
-            self.predictors.load_state_dict(st["predictors"])
-        if st.get("ref_model") is not None:
-            self.make_ref_model(st["ref_model"])
+        if self.predictors is not None and "predictors" in ck.modules:
+            self.predictors.load_state_dict(ck.modules["predictors"])
+        if "ref_model" in ck.modules:
+            self.make_ref_model(ck.modules["ref_model"])
         self.iteration, self.step = st["iteration"], st["step"]
         self.policy_update.updates, self.policy_update.nan_skipped = st["updates"], st["nan_skipped"]
         self.sft_done = st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
         self.sync_engine(st["engine_version"])
-        set_rng_state(st["rng"])
-        self.run_dir.truncate_metrics(st["metrics_offset"])
+        set_rng_state(ck.rng)
+        self.run_dir.restore_metrics(st["metrics_offset"], path)
 
     # ------------------------------------------------------------------ logging
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -315,7 +316,9 @@ class Trainer:
         t_start = time.perf_counter()
         status, error = "failed", None
         try:
-            resumed_from = self.run_dir.latest_checkpoint() if self.resume else None
+            self.run_dir.clean_checkpoints()
+            self.accelerator.wait_for_everyone()
+            resumed_from = self.run_dir.resume_checkpoint() if self.resume else None
             if resumed_from is not None:
                 self.load(resumed_from)
             elif self.resume:
@@ -327,6 +330,8 @@ class Trainer:
             else:
                 self.start()
             self.loop()
+            if self.cfg.trainer.export_final and self.is_main:   # RUN_DIR/export (a Hugging Face folder)
+                export_final(self.run_dir.path, self.unwrapped, self.tok, self.predictors)
             status = "completed"
         except KeyboardInterrupt:
             status, error = "stopped", "interrupted"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from offpolicy_moe.engine.checkpoint import CheckpointError
 from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError
@@ -33,7 +34,7 @@ def strip_perf(rows):
 
 
 def final_weights(run_dir, step):
-    return torch.load(Path(run_dir) / "checkpoints" / f"step_{step}" / "model.pt")
+    return load_file(str(Path(run_dir) / "checkpoints" / f"step_{step}" / "model.safetensors"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
