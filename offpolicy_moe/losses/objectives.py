@@ -13,14 +13,15 @@ Metrics are detached float32 0-d tensors (no host sync); use :func:`metrics_to_f
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Optional
 
 import torch
 
 from ._common import Metrics, apply_weights, check_clip, frac, masked_max, masked_mean, prepare
-from ._validate import LOG_RATIO_BOUND
 from .aggregation import Count, aggregate
+from .registry import register_policy_loss
 
 GRPO_CLIP = (0.2, 0.2)
 GSPO_CLIP = (3e-4, 4e-4)
@@ -42,6 +43,27 @@ def _clipped_surrogate(
     return loss, low, high
 
 
+def check_grpo_options(
+    clip_low: Optional[float] = None, clip_high: Optional[float] = None, dual_clip: Optional[float] = None
+) -> None:
+    """One-line ValueError for a bad GRPO option: ``clip_low`` in [0, 1), ``clip_high`` >= 0, ``dual_clip`` > 1."""
+    if clip_low is not None:
+        check_clip("clip_low", clip_low)
+    if clip_high is not None:
+        check_clip("clip_high", clip_high)
+    if dual_clip is not None and not (
+        isinstance(dual_clip, (int, float)) and not isinstance(dual_clip, bool) and math.isfinite(dual_clip)
+        and dual_clip > 1.0
+    ):
+        raise ValueError(f"dual_clip must be a finite number > 1 (or None), got {dual_clip!r}")
+
+
+def check_gspo_options(clip_low: Optional[float] = None, clip_high: Optional[float] = None) -> None:
+    """One-line ValueError for a bad GSPO option: ``clip_low`` in [0, 1), ``clip_high`` >= 0."""
+    check_grpo_options(clip_low, clip_high)
+
+
+@register_policy_loss("grpo", clips=True, check_options=check_grpo_options)
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -69,11 +91,11 @@ def grpo_loss(
     (masked mean of ``old_logp - logp``), ``actor/ratio_mean``, ``actor/ratio_max``.
     """
     agg = "token-mean" if agg is None else agg
-    lo = check_clip("clip_low", GRPO_CLIP[0] if clip_low is None else clip_low)
-    hi = check_clip("clip_high", GRPO_CLIP[1] if clip_high is None else clip_high)
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
-        raise ValueError(f"dual_clip must be a number > 1 (or None), got {dual_clip!r}")
-    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    check_grpo_options(clip_low, clip_high, dual_clip)
+    lo = float(GRPO_CLIP[0] if clip_low is None else clip_low)
+    hi = float(GRPO_CLIP[1] if clip_high is None else clip_high)
+    x = prepare(logp, old_logp, advantages, mask, weights, agg,
+                num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     ratio = torch.exp(x.log_ratio)
     loss_mat, low, high = _clipped_surrogate(ratio, x.adv, lo, hi)
     dual_active = torch.zeros_like(x.mask)
@@ -97,6 +119,7 @@ def grpo_loss(
     return loss, metrics
 
 
+@register_policy_loss("gspo", clips=True, sequence_level=True, check_options=check_gspo_options)
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -125,9 +148,11 @@ def gspo_loss(
     (mean of s_i over non-empty sequences), ``gspo/seq_clipfrac``.
     """
     agg = "seq-mean-token-mean" if agg is None else agg
-    lo = check_clip("clip_low", GSPO_CLIP[0] if clip_low is None else clip_low)
-    hi = check_clip("clip_high", GSPO_CLIP[1] if clip_high is None else clip_high)
-    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    check_gspo_options(clip_low, clip_high)
+    lo = float(GSPO_CLIP[0] if clip_low is None else clip_low)
+    hi = float(GSPO_CLIP[1] if clip_high is None else clip_high)
+    x = prepare(logp, old_logp, advantages, mask, weights, agg,
+                num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     if agg in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         warnings.warn(
             f"gspo_loss with agg={agg!r} weights each sequence by its length; GSPO's objective is "
@@ -135,9 +160,7 @@ def gspo_loss(
             stacklevel=2,
         )
     n_tok = x.mask.sum(-1)
-    seq_log = (x.raw_log_ratio.detach().sum(-1) / n_tok.clamp(min=1).to(logp.dtype)).clamp(
-        -LOG_RATIO_BOUND, LOG_RATIO_BOUND
-    )
+    seq_log = (x.raw_log_ratio.detach().sum(-1) / n_tok.clamp(min=1).to(x.logp.dtype)).clamp(-x.bound, x.bound)
     log_s = x.logp - x.logp.detach() + seq_log.unsqueeze(-1)
     s = torch.exp(log_s)
     loss_mat, low, high = _clipped_surrogate(s, x.adv, lo, hi)
@@ -159,6 +182,7 @@ def gspo_loss(
     return loss, metrics
 
 
+@register_policy_loss("unclipped")
 def unclipped_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -178,7 +202,8 @@ def unclipped_loss(
     Metrics: ``actor/ppo_kl``, ``actor/ratio_mean``, ``actor/ratio_max``.
     """
     agg = "token-mean" if agg is None else agg
-    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    x = prepare(logp, old_logp, advantages, mask, weights, agg,
+                num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     ratio = torch.exp(x.log_ratio)
     loss = aggregate(
         apply_weights(-x.adv * ratio, x.weights), x.mask, agg,
@@ -205,4 +230,7 @@ def metrics_to_floats(metrics: dict) -> dict[str, float]:
     return {k: out[k] for k in metrics}
 
 
-__all__ = ["grpo_loss", "gspo_loss", "unclipped_loss", "metrics_to_floats", "GRPO_CLIP", "GSPO_CLIP"]
+__all__ = [
+    "grpo_loss", "gspo_loss", "unclipped_loss", "metrics_to_floats", "check_grpo_options", "check_gspo_options",
+    "GRPO_CLIP", "GSPO_CLIP",
+]
