@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import json
 import math
 import os
@@ -221,10 +220,11 @@ class Trainer:
         if self.predictors is not None:
             self.predictors.to(self.accelerator.device)
 
-        from offpolicy_moe.losses import get_policy_loss
+        from offpolicy_moe.losses import get_loss_spec, resolve_loss_options
 
-        self.loss_fn = get_policy_loss(cfg.algo.loss.name)
-        self.loss_params = set(inspect.signature(self.loss_fn).parameters)
+        self.loss_spec = get_loss_spec(cfg.algo.loss.name)
+        self.loss_fn = self.loss_spec.fn
+        self.loss_opts = resolve_loss_options(cfg.algo.loss.name, cfg.algo.loss.options)
         self.buffer = StalenessBuffer(cfg.buffer.staleness, cfg.buffer.mode, max_delay=cfg.buffer.max_delay,
                                       seed=cfg.seed)
         ro = cfg.rollout
@@ -379,7 +379,7 @@ class Trainer:
                 and cfg.trainer.updates_per_step == 1 and cfg.algo.correction.mode == "none"
                 and cfg.algo.routing.replay in ("none", "r3")
                 and (not self.measure_routing or (cfg.algo.routing.replay == "none" and cfg.trainer.grad_accum == 1))
-                and cfg.algo.loss.name != "m2po" and "on_batch" not in self.hooks)
+                and not self.loss_spec.needs_global_pass and "on_batch" not in self.hooks)
 
     @torch.no_grad()
     def _prepare(self, batch: RolloutBatch) -> None:
@@ -457,11 +457,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the update
     def _loss_options(self) -> dict:
-        lc = self.cfg.algo.loss
-        opts = {"clip_low": lc.clip_low, "clip_high": lc.clip_high, "dual_clip": lc.dual_clip,
-                "tau": lc.m2po_tau, "variant": lc.m2po_variant, "scope": lc.m2po_scope}
-        out = {k: v for k, v in opts.items() if k in self.loss_params and v is not None}
-        if "process_group" in self.loss_params and self.world > 1:
+        """The loss's validated options (``algo.loss.options``) plus the process group if it takes one."""
+        out = dict(self.loss_opts)
+        if self.loss_spec.distributed and self.world > 1:
             out["process_group"] = torch.distributed.group.WORLD
         return out
 
@@ -569,10 +567,9 @@ class Trainer:
             parts = [batch.index_select(m) for m in micro_idx]
             part_routes = [routes.index_select(m) if routes is not None else None for m in micro_idx]
             n_tok, n_seq = global_counts([p.response_mask.to(dev) for p in parts], self._process_group())
-            extra_opts: dict = {}
-            if cfg.algo.loss.name == "m2po" and cfg.algo.loss.m2po_scope == "global" \
-                    and (len(parts) > 1 or self.world > 1):
-                extra_opts = self._m2po_global(parts, part_routes, micro_idx, adv, dev)
+            extra_opts: list[dict] = [{} for _ in parts]
+            if self.loss_spec.wants_global_pass(self.loss_opts) and (len(parts) > 1 or self.world > 1):
+                extra_opts = self._global_pass(parts, part_routes, micro_idx, adv, dev)
             losses: list[float] = []
             ok = True
             for j, (p, m_idx) in enumerate(zip(parts, micro_idx)):
@@ -591,10 +588,7 @@ class Trainer:
                     kw = dict(agg=cfg.algo.loss.agg, num_tokens=n_tok, num_seqs=n_seq, norm_length=norm_length,
                               weights=weights.index_select(0, m_idx).to(dev) if weights is not None else None,
                               **opts)
-                    if "m2po_keep" in extra_opts:
-                        kw["m2po_keep"] = extra_opts["m2po_keep"][j]
-                    if "m2po_cap" in extra_opts:
-                        kw["m2po_cap"] = extra_opts["m2po_cap"]
+                    kw.update(extra_opts[j])
                     if fused:
                         old_lp = logp.detach()
                         fused_old.index_copy_(0, m_idx.to(dev), old_lp.float())
@@ -666,20 +660,15 @@ class Trainer:
         metrics["_tokens"] = float(t_tokens)
         return metrics
 
-    def _m2po_global(self, parts, part_routes, micro_idx, adv, dev) -> dict:
-        """One no-grad pass over the mini-batch's micro-batches → the M2PO selection (or cap) over all of them."""
-        from offpolicy_moe.losses import m2po_adaptive_cap, m2po_mask
-
+    def _global_pass(self, parts, part_routes, micro_idx, adv, dev) -> list[dict]:
+        """One no-grad pass over the mini-batch's micro-batches → the loss's selection over all of them
+        (e.g. M2PO's mask or cap), as extra keyword arguments for each micro-batch's loss call."""
         model = self.unwrapped
         with torch.no_grad():
             lrs = [(self._logp(model, p, r) - p.old_logp.to(dev)) for p, r in zip(parts, part_routes)]
         advs = [adv.index_select(0, m).to(dev) for m in micro_idx]
         masks = [p.response_mask.to(dev) for p in parts]
-        lc = self.cfg.algo.loss
-        if lc.m2po_variant == "adaptive_clip":
-            return {"m2po_cap": m2po_adaptive_cap(lrs, advs, masks, tau=lc.m2po_tau,
-                                                  process_group=self._process_group())}
-        return {"m2po_keep": m2po_mask(lrs, advs, masks, tau=lc.m2po_tau, process_group=self._process_group())}
+        return self.loss_spec.run_global_pass(lrs, advs, masks, self.loss_opts, self._process_group())
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

@@ -224,12 +224,28 @@ def resolve_loss_options(name: str, options: Optional[Mapping[str, Any]] = None)
             raise ValueError(f"loss {name!r} has no option {key!r}{hint}; its options: {known}")
     given = {k: v for k, v in opts.items() if v is not None}
     if spec.check_options is not None:
-        spec.check_options(**given)
+        try:
+            spec.check_options(**given)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"loss {name!r}: {err}") from None
     return given
+
+
+def loss_options_problem(name: str, options: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The one-line problem with ``options`` for loss ``name`` (see :func:`resolve_loss_options`), or None if fine.
+
+    The config validator's entry point: it reports the message under ``algo.loss.options``.
+    """
+    try:
+        resolve_loss_options(name, options)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
 
 
 __all__ = [
     "LossSpec",
+    "loss_options_problem",
     "register_policy_loss",
     "unregister_policy_loss",
     "get_loss_spec",
