@@ -11,7 +11,7 @@ Rules (E = error, W = warning):
 | # | keys | rule | why |
 |---|------|------|-----|
 | 1 | every enum-like string key (table ``ENUMS``) | value in its allowed set | typo guard (OmegaConf checks only types) |
-| 2 | ``algo.loss.name`` | registered in ``offpolicy_moe.losses`` (built-ins when the registry is absent) | E |
+| 2 | ``algo.loss.name`` | registered in ``offpolicy_moe.losses`` | E |
 | 3 | ``algo.loss.agg`` | ``None`` or an aggregation mode of algorithms.md | E |
 | 4 | ``buffer.staleness`` | ≥ 0 | E: a delay line cannot be negative |
 | 5-8 | ``algo.loss.options`` | every key an option of the chosen loss (did-you-mean on a typo), every value accepted by the loss's own check (``offpolicy_moe.losses.resolve_loss_options``) | E |
@@ -45,10 +45,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from offpolicy_moe.losses import get_loss_spec, loss_options_problem
+from offpolicy_moe.losses import get_loss_spec, list_policy_losses, loss_options_problem
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-BUILTIN_LOSSES = ("grpo", "gspo", "m2po", "unclipped")
 LOGGERS = ("console", "jsonl", "wandb")
 
 # dotted key -> allowed values (rule 1)
@@ -95,7 +94,7 @@ def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
 
     # 2./3. loss name and aggregation
     if not _loss_is_registered(loss.name):
-        E(f"algo.loss.name: unknown loss {loss.name!r}; registered: {', '.join(sorted(_registered_losses()))}")
+        E(f"algo.loss.name: unknown loss {loss.name!r}; registered: {', '.join(list_policy_losses())}")
     if loss.agg is not None and loss.agg not in AGG_MODES:
         E(f"algo.loss.agg: unknown aggregation {loss.agg!r}; expected one of {', '.join(AGG_MODES)} (or null)")
 
@@ -281,34 +280,8 @@ def _model_presets() -> tuple[str, ...]:
 
 
 def _loss_is_registered(name: str) -> bool:
-    """Ask ``offpolicy_moe.losses.get_policy_loss`` when importable, else check the built-in names."""
-    try:
-        from offpolicy_moe.losses import get_policy_loss
-    except ImportError:
-        return name in _registered_losses()
-    try:
-        get_policy_loss(name)
-    except (KeyError, ValueError, LookupError):
-        return False
-    return True
-
-
-def _registered_losses() -> set[str]:
-    try:
-        from offpolicy_moe import losses as L  # floor 1; may not exist in a partial build
-    except ImportError:
-        return set(BUILTIN_LOSSES)
-    for attr in ("available_policy_losses", "list_policy_losses", "registered_policy_losses"):
-        fn = getattr(L, attr, None)
-        if callable(fn):
-            try:
-                return set(fn())
-            except Exception:  # noqa: BLE001 - fall through to the registry dict
-                pass
-    reg = getattr(L, "POLICY_LOSS_REGISTRY", None)
-    if isinstance(reg, dict) and reg:
-        return set(reg)
-    return set(BUILTIN_LOSSES)
+    """Whether ``name`` is in the loss registry (``offpolicy_moe.losses.list_policy_losses``)."""
+    return name in list_policy_losses()
 
 
 def _get(cfg: Any, dotted: str) -> Any:

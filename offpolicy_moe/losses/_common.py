@@ -106,8 +106,8 @@ def prepare(
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Detached mean of ``x`` over ``mask``; 0 when nothing is valid."""
-    x = x.detach()
+    """Detached mean of ``x`` over ``mask`` (summed in at least float32); 0 when nothing is valid."""
+    x = x.detach().to(compute_dtype(x.dtype))
     s = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
     return (s / mask.sum().clamp(min=1).to(x.dtype)).to(torch.float32)
 
