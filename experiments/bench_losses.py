@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from offpolicy_moe.losses import (
+    cispo_loss,
     correction_weights,
     grpo_loss,
     gspo_loss,
@@ -89,6 +90,7 @@ def bench_objectives(B: int, T: int, device: torch.device, repeats: int) -> list
         ("m2po (mask)", m2po_loss, {}),
         ("m2po (adaptive_clip)", m2po_loss, {"variant": "adaptive_clip"}),
         ("unclipped", unclipped_loss, {}),
+        ("cispo", cispo_loss, {}),
     ]
     rows = []
     for name, fn, opts in cases:

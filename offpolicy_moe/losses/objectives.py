@@ -19,19 +19,8 @@ from typing import Optional
 
 import torch
 
-from ._common import (
-    Metrics,
-    apply_weights,
-    check_clip,
-    count_valid,
-    finish_lean,
-    frac,
-    masked_max,
-    masked_mean,
-    prepare,
-    prepare_lean,
-    share,
-)
+from ._closed_form import count_valid, finish_lean, prepare_lean, share
+from ._common import Metrics, apply_weights, check_clip, frac, masked_max, masked_mean, prepare
 from .aggregation import Count, aggregate
 from .registry import register_policy_loss
 

@@ -147,7 +147,7 @@ def test_bad_counts_and_norm_length_raise_naming_the_argument(fn):
         fn(logp, old, adv, mask, num_tokens=torch.tensor([3, 4]))
     for bad in (0, -2, math.nan, math.inf):
         with pytest.raises(ValueError, match=r"^norm_length must be a finite number > 0"):
-            fn(logp, old, adv, mask, norm_length=bad, agg="seq-mean-token-sum-norm")
+            fn(logp, old, adv, mask, norm_length=bad, agg="seq-mean-token-mean")
     fn(logp, old, adv, mask, num_tokens=torch.tensor(7), num_seqs=3)  # valid counts pass
 
 
