@@ -20,10 +20,11 @@ reads them from ``config`` (attribute or mapping access):
 * verl's own clip keys feed the options of the same meaning when the loss has them:
   ``clip_ratio_low`` / ``clip_ratio_high`` (falling back to ``clip_ratio``) give ``clip_low`` /
   ``clip_high``, ``clip_ratio_c`` gives ``dual_clip``; a value under the loss's key wins;
-* a loss that declares a mini-batch-wide pass gets verl's default process group when its options
-  ask for that pass and torch.distributed is initialised: verl calls the loss per micro-batch, so
-  the selection then spans the data-parallel ranks of that call (every rank must call in lockstep;
-  set the loss's own option to per-call selection, e.g. M2PO ``scope: local``, to avoid that);
+* verl calls the loss once per micro-batch, so a loss with a mini-batch-wide pass (M2PO's
+  selection) selects over that call's tokens.  ``register(cross_rank=True)`` gives such a loss
+  verl's default process group (when its options ask for the pass and torch.distributed is
+  initialised), so the selection spans the data-parallel ranks of each call; every rank must then
+  call in lockstep (not with verl's dynamic batch size, whose micro-batch counts differ by rank);
 * global counts: ``global_batch_info = {dp_size, batch_num_tokens, global_batch_size}`` as verl
   passes them; the loss is then multiplied by ``dp_size`` (DDP averages over ranks), and
   ``loss_scale_factor`` is the ``seq-mean-token-sum-norm`` constant.
@@ -100,7 +101,9 @@ def loss_options(spec: LossSpec, config: Any) -> dict:
     return resolve_loss_options(spec.name, opts)
 
 
-def _runtime(spec: LossSpec, options: dict) -> dict:
+def _runtime(spec: LossSpec, options: dict, cross_rank: bool) -> dict:
+    if not cross_rank:
+        return {}
     if spec.distributed and spec.wants_global_pass(options) and dist.is_available() and dist.is_initialized():
         return {"process_group": dist.group.WORLD}
     return {}
@@ -123,7 +126,7 @@ def _batch_info(config: Any) -> tuple[dict, float]:
     return kw, scale
 
 
-def make_verl_loss(name: str) -> Callable:
+def make_verl_loss(name: str, *, cross_rank: bool = False) -> Callable:
     """Wrap our objective ``name`` with verl's policy-loss calling convention (options per call from ``config``)."""
     spec = get_loss_spec(name)
     fn = spec.fn
@@ -141,7 +144,7 @@ def make_verl_loss(name: str) -> Callable:
         opts = loss_options(spec, config)
         loss, metrics = fn(
             log_prob, old_log_prob, advantages, response_mask,
-            agg=loss_agg_mode, weights=rollout_is_weights, **counts, **opts, **_runtime(spec, opts),
+            agg=loss_agg_mode, weights=rollout_is_weights, **counts, **opts, **_runtime(spec, opts, cross_rank),
         )
         out = metrics_to_floats(metrics)
         # verl's own metric names, next to ours
@@ -166,10 +169,12 @@ def _core_algos():
         ) from err
 
 
-def register(prefix: str = "offpolicy_moe", names: Optional[tuple] = None) -> list[str]:
+def register(prefix: str = "offpolicy_moe", names: Optional[tuple] = None, *, cross_rank: bool = False) -> list[str]:
     """Register our objectives (default: every loss in the registry) into verl under ``<prefix>/<name>``.
 
-    Returns the registered names.  Idempotent: a name already registered is left as it is.
+    ``cross_rank=True`` lets a loss with a mini-batch-wide pass select across data-parallel ranks
+    (see the module docstring).  Returns the registered names.  Idempotent: a name already
+    registered is left as it is.
     """
     core = _core_algos()
     names = tuple(list_policy_losses()) if names is None else tuple(names)
@@ -178,7 +183,7 @@ def register(prefix: str = "offpolicy_moe", names: Optional[tuple] = None) -> li
     for name in names:
         full = f"{prefix}/{name}"
         if registry is None or full not in registry:
-            core.register_policy_loss(full)(make_verl_loss(name))
+            core.register_policy_loss(full)(make_verl_loss(name, cross_rank=cross_rank))
         done.append(full)
     return done
 

@@ -1,5 +1,6 @@
 """Losses that describe themselves: options, capabilities, global pass; callers that never name a loss."""
 import ast
+import dataclasses
 import pathlib
 import sys
 import types
@@ -165,3 +166,24 @@ def test_verl_registers_cispo_and_user_losses_with_options_under_their_key(fake_
             fake_verl["offpolicy_moe/m2po"](old, logp, adv_bt, mask, "token-mean", {"m2po": {"tua": 0.1}}, None)
     finally:
         unregister_policy_loss("test_verl_scaled")
+
+
+def test_verl_cross_rank_process_group_only_when_asked(monkeypatch):
+    """Per-call selection by default (safe with verl's uneven micro-batch counts); the world group on request."""
+    from offpolicy_moe.integrations import verl as opm_verl
+
+    seen = []
+    spec = get_loss_spec("m2po")
+
+    def spy(logp, old_logp, advantages, mask, **kw):
+        seen.append(kw.get("process_group"))
+        return spec.fn(logp, old_logp, advantages, mask, **{k: v for k, v in kw.items() if k != "process_group"})
+
+    monkeypatch.setattr(opm_verl.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(opm_verl.dist, "group", types.SimpleNamespace(WORLD="WORLD"))
+    monkeypatch.setattr(opm_verl, "get_loss_spec", lambda name: dataclasses.replace(spec, fn=spy))
+    logp, old, adv, mask, _ = make_batch(B=4, T=5, seed=9)
+    for cross_rank, cfg, expected in ((False, None, None), (True, None, "WORLD"),
+                                      (True, {"m2po": {"scope": "local"}}, None)):
+        opm_verl.make_verl_loss("m2po", cross_rank=cross_rank)(old, logp, adv, mask, "token-mean", cfg, None)
+        assert seen[-1] == expected, (cross_rank, cfg)
