@@ -7,7 +7,7 @@ so a misspelt key or a wrong type fails before any compute, naming the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -71,14 +71,11 @@ class BufferConfig:
 class LossConfig:
     """Policy objective and its options (algorithms.md)."""
 
-    name: str = "grpo"                # grpo | gspo | m2po | unclipped | any registered name
+    name: str = "grpo"                # grpo | gspo | m2po | cispo | unclipped | any registered name
     agg: Optional[str] = None         # None = the objective's default aggregation
-    clip_low: Optional[float] = None  # None = the objective's default
-    clip_high: Optional[float] = None
-    dual_clip: Optional[float] = None
-    m2po_tau: float = 0.04
-    m2po_variant: str = "mask"        # mask | adaptive_clip
-    m2po_scope: str = "global"        # global | local
+    # the loss's own options, checked against its signature (offpolicy_moe.losses.resolve_loss_options), e.g.
+    # grpo {clip_low, clip_high, dual_clip}, m2po {tau, variant, scope}; a missing or null key = the loss's default
+    options: dict[str, Any] = field(default_factory=dict)
     adv_norm: str = "std"             # std | none
     norm_length: Optional[int] = None # seq-mean-token-sum-norm constant (default: max_new_tokens)
 

@@ -11,13 +11,10 @@ Rules (E = error, W = warning):
 | # | keys | rule | why |
 |---|------|------|-----|
 | 1 | every enum-like string key (table ``ENUMS``) | value in its allowed set | typo guard (OmegaConf checks only types) |
-| 2 | ``algo.loss.name`` | registered in ``offpolicy_moe.losses`` (built-ins when the registry is absent) | E |
+| 2 | ``algo.loss.name`` | registered in ``offpolicy_moe.losses`` | E |
 | 3 | ``algo.loss.agg`` | ``None`` or an aggregation mode of algorithms.md | E |
 | 4 | ``buffer.staleness`` | ≥ 0 | E: a delay line cannot be negative |
-| 5 | ``algo.loss.m2po_tau`` | > 0 | E: τ ≤ 0 masks every trust-region token (M2PO, arXiv 2510.01161) |
-| 6 | ``algo.loss.clip_low``, ``clip_high`` | ≥ 0, ``clip_low`` < 1 | E: 1 − ε_low must stay positive |
-| 7 | ``algo.loss.dual_clip`` | ``None`` or > 1 | E: dual-clip constant c > 1 (Ye et al., arXiv 1912.09729) |
-| 8 | ``algo.loss.name`` ∈ {m2po, unclipped} with ``clip_low``/``clip_high``/``dual_clip`` | W: ignored, these objectives do not clip |
+| 5-8 | ``algo.loss.options`` | every key an option of the chosen loss (did-you-mean on a typo), every value accepted by the loss's own check (``offpolicy_moe.losses.resolve_loss_options``) | E |
 | 9 | ``algo.correction.mode`` ≠ none with ``algo.old_logp_source`` = engine | E: bypass already makes the ratio π_θ/μ; correction weights would count the mismatch twice |
 | 10 | ``algo.correction.high`` > 0, ``low`` ≥ 0, ``low`` < ``high`` | E |
 | 11 | ``algo.correction.mode`` = truncate with ``high`` < 1 | W: TIS cap below 1 shrinks every weight |
@@ -25,7 +22,7 @@ Rules (E = error, W = warning):
 | 13 | ``algo.routing.replay`` = r2 with ``algo.old_logp_source`` = engine | E: R2 records routes in the trainer's old-log-prob pass, which bypass skips |
 | 14 | ``algo.routing.replay`` = r2 with ``trainer.updates_per_step`` = 1 | W: R2 only fixes drift across mini-steps (R3 paper, arXiv 2510.11370) |
 | 15 | ``algo.routing.pr2_lr_mult`` > 0, ``pr2_feature_sample_rate`` ∈ (0, 1] | E |
-| 16 | ``algo.loss.name`` = gspo with ``algo.loss.agg`` ∉ {None, seq-mean-token-mean} | W: token sums length-weight sequences (GSPO, arXiv 2507.18071; TRL #3823) |
+| 16 | a sequence-level loss (registry capability, e.g. gspo) with ``algo.loss.agg`` ∉ {None, seq-mean-token-mean} | W: token sums length-weight sequences (GSPO, arXiv 2507.18071; TRL #3823) |
 | 17 | ``rollout.group_size`` < 2 with ``algo.loss.adv_norm`` = std | W: every group-normalised advantage is 0 |
 | 18 | ``rollout.group_size``, ``prompts_per_step``, ``max_new_tokens``, ``batch_size`` ≥ 1 | E |
 | 19 | ``rollout.temperature`` > 0, ``rollout.top_p`` ∈ (0, 1], ``rollout.router_noise`` ≥ 0 | E |
@@ -48,8 +45,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from offpolicy_moe.losses import get_loss_spec, list_policy_losses, loss_options_problem
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-BUILTIN_LOSSES = ("grpo", "gspo", "m2po", "unclipped")
 LOGGERS = ("console", "jsonl", "wandb")
 
 # dotted key -> allowed values (rule 1)
@@ -58,8 +56,6 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "algo.correction.mode": ("none", "truncate", "mask"),
     "algo.correction.level": ("token", "sequence", "geometric"),
     "algo.old_logp_source": ("trainer", "engine", "proximal"),
-    "algo.loss.m2po_variant": ("mask", "adaptive_clip"),
-    "algo.loss.m2po_scope": ("global", "local"),
     "algo.loss.adv_norm": ("std", "none"),
     "algo.kl.kind": ("k1", "k2", "k3", "k3+"),
     "buffer.mode": ("fixed", "bounded"),
@@ -98,27 +94,17 @@ def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
 
     # 2./3. loss name and aggregation
     if not _loss_is_registered(loss.name):
-        E(f"algo.loss.name: unknown loss {loss.name!r}; registered: {', '.join(sorted(_registered_losses()))}")
+        E(f"algo.loss.name: unknown loss {loss.name!r}; registered: {', '.join(list_policy_losses())}")
     if loss.agg is not None and loss.agg not in AGG_MODES:
         E(f"algo.loss.agg: unknown aggregation {loss.agg!r}; expected one of {', '.join(AGG_MODES)} (or null)")
 
     # 4.-8. objective parameters
     if cfg.buffer.staleness < 0:
         E(f"buffer.staleness: must be >= 0, got {cfg.buffer.staleness}")
-    if not loss.m2po_tau > 0:
-        E(f"algo.loss.m2po_tau: the M2 budget tau must be > 0, got {loss.m2po_tau}")
-    for name in ("clip_low", "clip_high"):
-        v = getattr(loss, name)
-        if v is not None and v < 0:
-            E(f"algo.loss.{name}: clip ranges must be >= 0, got {v}")
-    if loss.clip_low is not None and loss.clip_low >= 1:
-        E(f"algo.loss.clip_low: must be < 1 (the lower bound 1 - clip_low must stay positive), got {loss.clip_low}")
-    if loss.dual_clip is not None and not loss.dual_clip > 1:
-        E(f"algo.loss.dual_clip: the dual-clip constant must be > 1 (or null), got {loss.dual_clip}")
-    if loss.name in ("m2po", "unclipped"):
-        set_clips = [n for n in ("clip_low", "clip_high", "dual_clip") if getattr(loss, n) is not None]
-        if set_clips:
-            W(f"algo.loss.{'/'.join(set_clips)}: ignored with algo.loss.name={loss.name} (no ratio clipping)")
+    if _loss_is_registered(loss.name):
+        problem = loss_options_problem(loss.name, loss.options)
+        if problem:
+            E(f"algo.loss.options: {problem}")
 
     # 9.-11. mismatch correction
     if corr.mode != "none" and a.old_logp_source == "engine":
@@ -156,10 +142,11 @@ def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
         E(f"algo.routing.pr2_feature_sample_rate: must be in (0, 1], got {rt.pr2_feature_sample_rate}")
 
     # 16.-17. aggregation and advantages
-    if loss.name == "gspo" and loss.agg not in (None, "seq-mean-token-mean"):
+    if _loss_is_registered(loss.name) and get_loss_spec(loss.name).sequence_level \
+            and loss.agg not in (None, "seq-mean-token-mean"):
         W(
-            f"algo.loss.agg={loss.agg} with algo.loss.name=gspo: token-level sums weight each sequence by its "
-            "length; GSPO is defined with seq-mean-token-mean"
+            f"algo.loss.agg={loss.agg} with algo.loss.name={loss.name} (a sequence-level ratio): token-level sums "
+            "weight each sequence by its length; use seq-mean-token-mean"
         )
     ro = cfg.rollout
     if ro.group_size < 2 and loss.adv_norm == "std":
@@ -293,34 +280,8 @@ def _model_presets() -> tuple[str, ...]:
 
 
 def _loss_is_registered(name: str) -> bool:
-    """Ask ``offpolicy_moe.losses.get_policy_loss`` when importable, else check the built-in names."""
-    try:
-        from offpolicy_moe.losses import get_policy_loss
-    except ImportError:
-        return name in _registered_losses()
-    try:
-        get_policy_loss(name)
-    except (KeyError, ValueError, LookupError):
-        return False
-    return True
-
-
-def _registered_losses() -> set[str]:
-    try:
-        from offpolicy_moe import losses as L  # floor 1; may not exist in a partial build
-    except ImportError:
-        return set(BUILTIN_LOSSES)
-    for attr in ("available_policy_losses", "list_policy_losses", "registered_policy_losses"):
-        fn = getattr(L, attr, None)
-        if callable(fn):
-            try:
-                return set(fn())
-            except Exception:  # noqa: BLE001 - fall through to the registry dict
-                pass
-    reg = getattr(L, "POLICY_LOSS_REGISTRY", None)
-    if isinstance(reg, dict) and reg:
-        return set(reg)
-    return set(BUILTIN_LOSSES)
+    """Whether ``name`` is in the loss registry (``offpolicy_moe.losses.list_policy_losses``)."""
+    return name in list_policy_losses()
 
 
 def _get(cfg: Any, dotted: str) -> Any:

@@ -46,7 +46,7 @@ from offpolicy_moe.engine.optim import adamw, lr_schedule
 from offpolicy_moe.engine.rollout import make_engine
 from offpolicy_moe.engine.run_dir import RunDir
 from offpolicy_moe.engine.sft import sft_warm_start
-from offpolicy_moe.engine.update import PolicyUpdate, loss_spec
+from offpolicy_moe.engine.update import PolicyUpdate, loss_setup
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
 from offpolicy_moe.tasks import evaluate_greedy, make_task
@@ -136,10 +136,10 @@ class Trainer:
                                      share_prompt=getattr(tc, "share_prompt", True),
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size)
         self.engine = self._build_engine()
-        loss = loss_spec(cfg.algo.loss, self.world)
+        loss = loss_setup(cfg.algo.loss, self.world)
         self.old_logp = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
                                     measure_routing=self.measure_routing,
-                                    needs_global_pass=loss.global_pass is not None)
+                                    needs_global_pass=loss.spec.needs_global_pass)
         self.policy_update = PolicyUpdate(cfg, loss=loss, forward=self.forward, old_pass=self.old_logp,
                                           model=self.model, bare_model=self.unwrapped, optimizer=self.optimizer,
                                           scheduler=self.scheduler, accelerator=self.accelerator, task=self.task,
