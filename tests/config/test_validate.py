@@ -92,7 +92,6 @@ def test_config_error_is_value_error():
         (["algo.loss.clip_low=0.2"], ["m2po"], ["clip_low", "m2po"]),
         ([], ["r2"], ["r2", "trainer.updates_per_step"]),
         (["trainer.updates_per_step=3"], [], ["trainer.updates_per_step"]),
-        (["buffer.staleness=10", "trainer.steps=10"], [], ["buffer.staleness", "trainer.steps"]),
         (["algo.correction.high=0.5"], ["tis"], ["algo.correction.high"]),
     ],
 )
