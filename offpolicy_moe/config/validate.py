@@ -63,8 +63,9 @@ class Findings:
         self.warnings: list[str] = []
 
     def error(self, msg: str) -> None:
-        """Record an error (one line, starting with the key)."""
-        self.errors.append(msg)
+        """Record an error (one line, starting with the key); a repeated message is kept once."""
+        if msg not in self.errors:
+            self.errors.append(msg)
 
     def warn(self, msg: str) -> None:
         """Record a warning (one line, starting with the key)."""
