@@ -106,7 +106,8 @@ def iteration_budget(steps: int, staleness: int, mode: str) -> int:
 def steps_within_budget(staleness: int, mode: str, max_delay: Optional[int], seed: int, steps: int) -> int:
     """Trained steps a run reaches within :func:`iteration_budget`, found by driving the run's own buffer (same
     seed, so the same arrival delays) with placeholder batches: a batch's version is the number of steps trained when
-    it was generated, as in the trainer's loop."""
+    it was generated, as in the trainer's loop. It stops early once the remaining steps are out of reach (at most one
+    per iteration), so a result below ``steps`` is a lower bound."""
     buffer = StalenessBuffer(staleness, mode, max_delay=max_delay, seed=seed)
     trained, budget = 0, iteration_budget(steps, staleness, mode)
     for iteration in range(budget):
@@ -131,5 +132,5 @@ def check_buffer_feasible(cfg) -> None:
     if reached < steps:
         budget = iteration_budget(steps, b.staleness, b.mode)
         raise ConfigError(f"buffer.max_delay={b.max_delay}: with buffer.staleness={b.staleness} the bounded buffer "
-                          f"drops most batches and trains only {reached} of trainer.steps={steps} steps in "
+                          f"drops most batches and trains at most {reached} of trainer.steps={steps} steps in "
                           f"{budget} iterations; lower buffer.max_delay (at most buffer.staleness drops none)")
