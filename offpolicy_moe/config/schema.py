@@ -40,7 +40,8 @@ class TaskConfig:
     name: str = "arithmetic"          # arithmetic | jsonl:<path> (prompt/answer records)
     min_digits: int = ranged(1, ge=1)
     max_digits: int = ranged(1, ge=1)
-    num_terms: int = ranged(3, ge=2)               # operands per problem (1-digit, 3 terms: 1,000 problems, SFT generalises)
+    # operands per problem (1-digit, 3 terms: 1,000 problems, SFT generalises)
+    num_terms: int = ranged(3, ge=2)
     operators: str = "+"              # subset of "+-*"
     reward: str = ranged("exact", choices=REWARD_KINDS)            # exact | partial (per-digit credit)
     train_size: int = ranged(4096, ge=1)
@@ -77,7 +78,8 @@ class RolloutConfig:
     temperature: float = ranged(1.0, gt=0)
     top_p: float = ranged(1.0, gt=0, le=1)
     batch_size: int = ranged(128, ge=1)            # sequences per generate call
-    sampler: str = ranged("native", choices=SAMPLERS)          # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
+    # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
+    sampler: str = ranged("native", choices=SAMPLERS)
     compact_finished: bool = True     # native sampler: finished sequences leave the decode batch
 
 
@@ -86,8 +88,10 @@ class BufferConfig:
     """Staleness buffer (algorithms.md, 'Staleness')."""
 
     staleness: int = ranged(0, ge=0)               # k: a batch generated at step v is consumed at step v + k
-    mode: str = ranged("fixed", choices=BUFFER_MODES)              # fixed (exact delay line) | bounded (drop batches older than k)
-    max_delay: Optional[int] = ranged(None, ge=0, optional=True)  # bounded mode: simulated arrival latency ~ U{0..max_delay} (None = k)
+    # fixed (exact delay line) | bounded (drop batches older than k)
+    mode: str = ranged("fixed", choices=BUFFER_MODES)
+    # bounded mode: simulated arrival latency ~ U{0..max_delay} (None = k)
+    max_delay: Optional[int] = ranged(None, ge=0, optional=True)
 
 
 @dataclass
@@ -121,7 +125,8 @@ class RoutingConfig:
     """Routing mechanism for MoE policies."""
 
     replay: str = ranged("none", choices=REPLAY_MODES)             # none | r2 | r3 | pr2
-    pr2_lr_mult: float = ranged(3.0, gt=0)         # predictor lr = lr x this; the paper uses 1e3 with a policy lr of 1e-6
+    # predictor lr = lr x this; the paper uses 1e3 with a policy lr of 1e-6
+    pr2_lr_mult: float = ranged(3.0, gt=0)
     pr2_bias_in_weights: bool = True
     pr2_feature_sample_rate: float = ranged(0.125, gt=0, le=1)
     metrics: bool = True              # routing mismatch metrics even without replay

@@ -25,7 +25,7 @@ def read_jsonl_records(path: str) -> list[tuple[str, str]]:
     if os.path.isdir(path):
         raise ValueError(f"task file {path!r} is a folder, not a JSONL file")
     if not os.path.isfile(path):
-        raise ValueError(f"task file {path!r} does not exist (task.name='jsonl:<path>')")
+        raise ValueError(f"task file {path!r} does not exist")
     rows: list[tuple[str, str]] = []
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
