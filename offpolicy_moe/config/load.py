@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -177,6 +178,8 @@ def _resolve(user: DictConfig, source: str, overrides: Sequence[str], presets: S
     for key, value in rest:
         try:
             frag = OmegaConf.from_dotlist([f"{key}={value}"])
+        except yaml.YAMLError:   # not YAML (e.g. `task.operators=*`, read as an alias): take the text as written
+            frag = OmegaConf.create(nest_dotted({key: value}))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override '{key}={value}': {_exc_text(exc)}") from None
         cfg = _merge(cfg, frag, f"override '{key}={value}'")

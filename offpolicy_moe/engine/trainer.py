@@ -32,9 +32,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
-from offpolicy_moe.config.validate import validate
+from offpolicy_moe.config.preflight import preflight
 from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.buffer import StalenessBuffer
+from offpolicy_moe.engine.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
 from offpolicy_moe.engine.callbacks import Callback, CallbackList
 from offpolicy_moe.engine.checkpoint import set_rng_state
 from offpolicy_moe.engine.checkpoint_state import CheckpointState
@@ -89,12 +89,13 @@ def _accelerator() -> Accelerator:
 
 
 def _check_config(cfg: Any) -> None:
-    """Every cross-field rule lives in :func:`offpolicy_moe.config.validate.validate` (raises ConfigError); a
-    training run also needs at least one step."""
-    for w in validate(cfg):
+    """The checks ``train --dry-run`` makes, before any compute: every rule of
+    :func:`offpolicy_moe.config.validate.validate`, the file-reading :func:`offpolicy_moe.config.preflight.preflight`
+    (task file, model folder and tokenizer, answers that fit), and a bounded buffer that can train
+    ``trainer.steps`` steps (raise ConfigError; warnings are printed)."""
+    for w in preflight(cfg):
         print(f"offpolicy-moe: warning: {w}", file=sys.stderr)
-    if cfg.trainer.steps < 1:
-        raise ValueError(f"trainer.steps must be >= 1 to train, got {cfg.trainer.steps}")
+    check_buffer_feasible(cfg)
 
 
 class Trainer:
@@ -377,7 +378,7 @@ class Trainer:
     def loop(self) -> None:
         """Iterations until ``trainer.steps`` steps are trained (module docstring, steps 1-5)."""
         cfg, tc = self.cfg, self.cfg.trainer
-        max_iterations = tc.steps + cfg.buffer.staleness + 10 * tc.steps * (cfg.buffer.mode == "bounded")
+        max_iterations = iteration_budget(tc.steps, cfg.buffer.staleness, cfg.buffer.mode)
         while self.step < tc.steps:
             if self.iteration >= max_iterations:
                 raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {self.step} "

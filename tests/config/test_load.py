@@ -157,3 +157,9 @@ def test_save_resolved_roundtrip(tmp_path):
     back = load_config(path)
     assert back == cfg
     assert OmegaConf.create(path.read_text()).algo.routing.replay == "r2"
+
+
+def test_override_value_that_is_not_yaml_is_taken_as_text():
+    """`task.operators=*` used to end in a YAML ScannerError traceback (read as an alias)."""
+    assert load_config(overrides=["task.operators=*"]).task.operators == "*"
+    assert load_config(overrides=["task.operators=+*"]).task.operators == "+*"

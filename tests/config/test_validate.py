@@ -95,7 +95,6 @@ def test_config_error_is_value_error():
         (["rollout.group_size=1"], [], ["rollout.group_size", "adv_norm"]),
         ([], ["r2"], ["r2", "trainer.updates_per_step"]),
         (["trainer.updates_per_step=3"], [], ["trainer.updates_per_step"]),
-        (["buffer.staleness=10", "trainer.steps=10"], [], ["buffer.staleness", "trainer.steps"]),
         (["algo.correction.high=0.5"], ["tis"], ["algo.correction.high"]),
     ],
 )
