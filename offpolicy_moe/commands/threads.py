@@ -1,0 +1,57 @@
+"""``trainer.threads: 0`` (auto): how many CPU threads one training process uses.
+
+Measured on a 2-core x86-64 VM (``experiments/bench_threads.py``, the README's ``train`` example, 20 steps): one
+thread was 5.7x faster than torch's default of two on the shared machine, and as fast with another process keeping a
+core busy. The small models this project trains on a CPU are bound by per-operator dispatch, not by arithmetic, so
+a second thread buys little and costs a lot as soon as a core is contended. So:
+
+* at most :data:`SMALL_MACHINE_CORES` cores: 1 thread per process;
+* more cores: the cores not already busy (``os.cpu_count() - loadavg(1 min)``), shared among the processes of the
+  run, at least 1.
+
+An explicit ``trainer.threads=N`` (N >= 1) is used as given.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+#: machines with at most this many cores get 1 thread per process
+SMALL_MACHINE_CORES = 2
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The thread count of one process and why it was chosen."""
+
+    threads: int
+    setting: str        # "auto" or the explicit number
+    reason: str
+
+    def as_dict(self) -> dict:
+        """JSON-ready record (for ``env.json`` and ``segments.jsonl``)."""
+        return asdict(self)
+
+
+def choose_threads(setting: int, cores: int, load1: float, processes: int = 1) -> ThreadChoice:
+    """Threads per process for ``trainer.threads=setting`` (0 = auto) on ``cores`` cores at 1-minute load ``load1``.
+
+    auto: 1 when ``cores <= SMALL_MACHINE_CORES``, else ``max(1, floor((cores - load1) / processes))``.
+    """
+    if setting and setting > 0:
+        return ThreadChoice(int(setting), str(setting), "trainer.threads")
+    if cores <= SMALL_MACHINE_CORES:
+        return ThreadChoice(1, "auto", f"{cores} cores (<= {SMALL_MACHINE_CORES}): 1 thread per process")
+    free = max(0.0, cores - max(0.0, load1))
+    n = max(1, math.floor(free / max(1, processes)))
+    return ThreadChoice(n, "auto", f"{cores} cores, load average {load1:.1f}, {processes} process(es)")
+
+
+def machine_threads(setting: int, processes: int = 1) -> ThreadChoice:
+    """:func:`choose_threads` for this machine (``os.cpu_count()``, ``os.getloadavg()``)."""
+    try:
+        load1 = os.getloadavg()[0]
+    except OSError:          # not available on this platform
+        load1 = 0.0
+    return choose_threads(setting, os.cpu_count() or 1, load1, processes)
