@@ -25,10 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from offpolicy_moe.report.names import check_axes, check_metrics
 from offpolicy_moe.report.runs import RunRecord, axis_order, load_runs, natural_sort
 
 DASH = "–"
 FORMATS = ("md", "csv", "latex", "console")
+#: the per-run aggregation of tables AND plots when neither the command line, the entry nor the sweep's
+#: ``report.agg`` names one (see :func:`offpolicy_moe.report.spec.default_agg`)
+DEFAULT_AGG = "final"
 
 
 @dataclass
@@ -188,7 +192,7 @@ def build_table(
     rows: Sequence[str] | str,
     cols: Sequence[str] | str | None,
     metrics: Sequence[MetricSpec] | str,
-    agg: str = "final",
+    agg: str = DEFAULT_AGG,
     where: Optional[dict[str, str]] = None,
     runs: Optional[list[RunRecord]] = None,
 ) -> Table:
@@ -211,10 +215,8 @@ def build_table(
     sel = [r for r in all_runs if all(r.value_of(k) == v for k, v in where.items())]
     if not sel:
         raise ValueError(f"no run matches --where {where}")
-    for ax in [*rows, *cols]:
-        if all(r.value_of(ax) is None for r in sel):
-            known = sorted({a for r in sel for a in r.axes})
-            raise ValueError(f"unknown axis '{ax}': not a sweep axis ({', '.join(known) or 'none'}) nor a config key")
+    check_axes(sel, [*rows, *cols])
+    check_metrics([r for r in sel if r.completed] or sel, [m.name for m in mspecs])
     used = set(rows) | set(cols) | set(where) | {"seed"}
     for ax in sorted({a for r in sel for a in r.axes} - used):
         labels = sorted({r.axes.get(ax, "") for r in sel})
