@@ -140,10 +140,10 @@ class TrainerConfig:
     sft_batch_size: int = 64
     eval_every: int = 25
     log_every: int = 10
-    checkpoint_every: int = 0         # 0 = only at the end
+    checkpoint_every: int = 50        # also at the last step; 0 = only at the end (a stop loses the run)
     on_nan: str = "skip"              # skip (count in actor/nan_skipped) | stop
     deterministic: bool = True
-    threads: int = 0                  # 0 = torch default
+    threads: int = 0                  # 0 = auto (commands/threads.py: 1 per process on <= 2 cores)
     fuse_old_logp: bool = True        # on-policy single update: take old_logp from the update forward (no extra pass)
     share_prompt: bool = True         # trainer forwards run each distinct prompt once (no route replay/recording)
     keep_checkpoints: int = 2         # newest checkpoints kept (0 = all)
