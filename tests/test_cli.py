@@ -111,3 +111,7 @@ def test_auto_threads_policy():
     assert choose_threads(0, 16, 40.0).threads == 1
     assert choose_threads(3, 2, 9.0).threads == 3            # an explicit setting is used as given
     assert choose_threads(0, 2, 0.0).setting == "auto"
+    # OMP_NUM_THREADS (a sweep's --threads, or the user's) wins under auto, not over an explicit setting
+    assert choose_threads(0, 16, 0.0, env_threads="2").threads == 2
+    assert choose_threads(4, 16, 0.0, env_threads="2").threads == 4
+    assert choose_threads(0, 16, 0.0, env_threads="x").threads == 16

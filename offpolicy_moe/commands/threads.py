@@ -9,13 +9,15 @@ a second thread buys little and costs a lot as soon as a core is contended. So:
 * more cores: the cores not already busy (``os.cpu_count() - loadavg(1 min)``), shared among the processes of the
   run, at least 1.
 
-An explicit ``trainer.threads=N`` (N >= 1) is used as given.
+An explicit ``trainer.threads=N`` (N >= 1) is used as given; under auto, ``OMP_NUM_THREADS`` (set by the user, or
+by ``offpolicy-moe sweep --threads`` for each of its runs) wins over the rule above.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 #: machines with at most this many cores get 1 thread per process
 SMALL_MACHINE_CORES = 2
@@ -34,13 +36,17 @@ class ThreadChoice:
         return asdict(self)
 
 
-def choose_threads(setting: int, cores: int, load1: float, processes: int = 1) -> ThreadChoice:
+def choose_threads(setting: int, cores: int, load1: float, processes: int = 1,
+                   env_threads: Optional[str] = None) -> ThreadChoice:
     """Threads per process for ``trainer.threads=setting`` (0 = auto) on ``cores`` cores at 1-minute load ``load1``.
 
-    auto: 1 when ``cores <= SMALL_MACHINE_CORES``, else ``max(1, floor((cores - load1) / processes))``.
+    auto: ``env_threads`` (``$OMP_NUM_THREADS``) when it is a positive integer; else 1 when
+    ``cores <= SMALL_MACHINE_CORES``; else ``max(1, floor((cores - load1) / processes))``.
     """
     if setting and setting > 0:
         return ThreadChoice(int(setting), str(setting), "trainer.threads")
+    if env_threads is not None and env_threads.strip().isdigit() and int(env_threads) > 0:
+        return ThreadChoice(int(env_threads), "auto", "OMP_NUM_THREADS")
     if cores <= SMALL_MACHINE_CORES:
         return ThreadChoice(1, "auto", f"{cores} cores (<= {SMALL_MACHINE_CORES}): 1 thread per process")
     free = max(0.0, cores - max(0.0, load1))
@@ -49,9 +55,9 @@ def choose_threads(setting: int, cores: int, load1: float, processes: int = 1) -
 
 
 def machine_threads(setting: int, processes: int = 1) -> ThreadChoice:
-    """:func:`choose_threads` for this machine (``os.cpu_count()``, ``os.getloadavg()``)."""
+    """:func:`choose_threads` for this machine (``os.cpu_count()``, ``os.getloadavg()``, ``$OMP_NUM_THREADS``)."""
     try:
         load1 = os.getloadavg()[0]
     except OSError:          # not available on this platform
         load1 = 0.0
-    return choose_threads(setting, os.cpu_count() or 1, load1, processes)
+    return choose_threads(setting, os.cpu_count() or 1, load1, processes, os.environ.get("OMP_NUM_THREADS"))
