@@ -94,6 +94,9 @@ def test_budget_already_reached_is_nothing_to_resume(trained, tmp_path, capsys):
     rd = _copy(trained, tmp_path / "r")
     assert main(["train", "--run-dir", str(rd), "--resume"]) == 2
     assert "trainer.steps=N with N > 2" in _err(capsys)
+    # a meaning change is named first, even when the step budget is also reached
+    assert main(["train", "--run-dir", str(rd), "--resume", "optim.lr=1"]) == 2
+    assert "optim.lr" in _err(capsys)
 
 
 def test_extend_keys_are_only_budget_cadence_and_logging():

@@ -105,9 +105,6 @@ def plan_resume(run_dir: str | os.PathLike, config: Optional[str], overrides: Se
     new.run_dir = str(rd)
     saved.run_dir = str(rd)
     step = checkpoint_step(ck)
-    if new.trainer.steps <= step:
-        raise ResumeError(f"--resume: nothing to resume in '{rd}': its checkpoint is at step {step} and "
-                          f"trainer.steps={new.trainer.steps}; pass trainer.steps=N with N > {step} to extend it")
     changed = config_changes(saved, new)
     meaning = [k for k in changed if not extends_only(k)]
     if meaning and not force_change:
@@ -115,6 +112,9 @@ def plan_resume(run_dir: str | os.PathLike, config: Optional[str], overrides: Se
         raise ResumeError(f"--resume would change what the run means ({listed}); only keys that extend a run may "
                           "change (trainer.steps, logging, eval/checkpoint cadence); pass --force-change to "
                           "continue anyway (recorded in segments.jsonl), or start a new --run-dir")
+    if new.trainer.steps <= step:
+        raise ResumeError(f"--resume: nothing to resume in '{rd}': its checkpoint is at step {step} and "
+                          f"trainer.steps={new.trainer.steps}; pass trainer.steps=N with N > {step} to extend it")
     return ResumePlan(new, ck, step, changed, meaning)
 
 
