@@ -62,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "_unavailable", None):
-        print(f"offpolicy-moe: command '{args.command}' is not available in this build", file=sys.stderr)
+        print(f"offpolicy-moe {args.command}: error: this command is not available in this build", file=sys.stderr)
         return 2
     try:
         return int(args._run(args) or 0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -26,9 +27,13 @@ def test_presets_are_found_in_the_package_folder():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("src")       # a copy: the build's build/ and egg-info stay out of the checkout
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "offpolicy_moe", src / "offpolicy_moe", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         capture_output=True, text=True, cwd=out,
     )
     if proc.returncode != 0 and "No module named pip" in proc.stderr:
