@@ -27,6 +27,7 @@ even after the ``with`` block closed.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -34,7 +35,9 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from .adapters import RouterAdapter, UnsupportedRouterError, get_router_adapter, ROUTER_ADAPTERS
+from .adapters import (NUM_EXPERTS_ATTRS, REFUSED_ROUTERS, ROUTER_ADAPTERS, TOP_K_ATTRS, RouterAdapter,
+                       UnsupportedRouterError)
+from .intercept import TopKIntercept
 from .pr2 import FeatureCache, PR2Predictors
 from .trace import RouteTrace, TraceValidationError, sentinel_for, storage_dtype
 
@@ -58,8 +61,11 @@ class _Slot:
     name: str
     router: nn.Module
     block: nn.Module
-    adapter: RouterAdapter
+    adapter: RouterAdapter | None  # None: the generic rule (the router's own forward, top-k intercepted)
     layer_id: int
+    scope: nn.Module | None = None  # generic rule: the module whose forward holds the top-k (router or block)
+    num_experts: int = 0
+    top_k: int = 0
 
 
 @dataclass
@@ -236,6 +242,43 @@ def _parse_layer_id(name: str) -> int:
     return int(m[-1])
 
 
+def _find_int(router: nn.Module, block: nn.Module, model: nn.Module, attrs: Sequence[str], cls: str,
+              what: str) -> int:
+    """The first integer attribute among ``attrs`` on the router, its block, then the model config."""
+    cfg = getattr(model, "config", None)
+    owners = [router, block, cfg, getattr(cfg, "text_config", None), getattr(cfg, "ffn_config", None)]
+    for owner in owners:
+        for a in attrs:
+            v = getattr(owner, a, None) if owner is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return int(v)
+    raise UnsupportedRouterError(f"router class {cls!r}: cannot find its {what} (looked for {list(attrs)} on the "
+                                 f"router, its block and the config)")
+
+
+def _selects_in_forward(router: nn.Module) -> bool:
+    """Whether the router's own forward (or a method it calls) runs the top-k, else its block does."""
+    try:
+        src = inspect.getsource(type(router))
+    except (OSError, TypeError):
+        return True
+    return "topk" in src
+
+
+def _hidden_size(model: nn.Module, router: nn.Module) -> int:
+    """Width of the router input: the config's ``hidden_size`` (text config for multimodal models), else the
+    router's weight. Never assumes a ``.weight`` or ``.hidden_dim`` attribute."""
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        v = getattr(c, "hidden_size", None) if c is not None else None
+        if isinstance(v, int) and v > 0:
+            return v
+    for p in router.parameters():
+        if p.dim() == 2:
+            return int(p.shape[1])
+    raise UnsupportedRouterError(f"cannot tell the hidden size of router {type(router).__name__}")
+
+
 class RoutingController:
     """Record / replay / offset the routing of a Hugging Face MoE model through router forward hooks.
 
@@ -256,18 +299,17 @@ class RoutingController:
                 "routes cannot be recorded or replayed; load the model without use_kernels")
         self._slots = self._discover(model)
         a = self._slots[0]
-        self.num_experts = a.adapter.num_experts(a.router)
-        self.top_k = a.adapter.top_k(a.router)
+        self.num_experts, self.top_k = a.num_experts, a.top_k
         for s in self._slots:
-            ek = (s.adapter.num_experts(s.router), s.adapter.top_k(s.router))
+            ek = (s.num_experts, s.top_k)
             if ek != (self.num_experts, self.top_k):
                 raise UnsupportedRouterError(f"router {s.name} has (num_experts, top_k) = {ek} but {a.name} has "
                                              f"{(self.num_experts, self.top_k)}: mixed router shapes are unsupported")
-        w = getattr(a.router, "weight", None)
-        self.hidden_size = int(w.shape[1]) if w is not None else int(getattr(a.router, "hidden_dim"))
+        self.hidden_size = _hidden_size(model, a.router)
         self.layer_ids: tuple[int, ...] = tuple(s.layer_id for s in self._slots)
         self.router_names: tuple[str, ...] = tuple(s.name for s in self._slots)
-        self.families: tuple[str, ...] = tuple(sorted({s.adapter.family for s in self._slots}))
+        self.families: tuple[str, ...] = tuple(sorted({s.adapter.family if s.adapter is not None else "generic"
+                                                       for s in self._slots}))
         # mutable state, only changed inside context managers
         self._handles: list = []
         self._users = 0
@@ -281,6 +323,7 @@ class RoutingController:
         self._tape_pos = 0
         self._shape: dict[int, tuple[int, int]] = {}
         self._fired: dict[int, bool] = {}
+        self._modes: dict[int, TopKIntercept] = {}
         self._gen_guard_users = 0
         self._had_generate_attr = False
         self._orig_generate: Any = None
@@ -306,10 +349,30 @@ class RoutingController:
             raise ValueError(f"no MoE router found in {type(model).__name__}: a dense model has no routing to record "
                              f"or replay")
         slots = []
-        for i, (n, m) in enumerate(found):
-            adapter = get_router_adapter(m)
+        refused = []
+        for n, m in found:
+            cls = type(m).__name__
+            if cls in REFUSED_ROUTERS and cls not in ROUTER_ADAPTERS:
+                refused.append((n, cls))
+                continue
             parent = names[n.rsplit(".", 1)[0]] if "." in n else model
-            slots.append(_Slot(i, n, m, parent, adapter, _parse_layer_id(n)))
+            adapter = ROUTER_ADAPTERS.get(cls)
+            slot = _Slot(len(slots), n, m, parent, adapter, _parse_layer_id(n))
+            if adapter is not None:
+                slot.num_experts, slot.top_k = adapter.num_experts(m), adapter.top_k(m)
+            else:
+                slot.num_experts = _find_int(m, parent, model, NUM_EXPERTS_ATTRS, cls, "number of experts")
+                slot.top_k = _find_int(m, parent, model, TOP_K_ATTRS, cls, "top-k")
+                slot.scope = m if _selects_in_forward(m) else parent
+            slots.append(slot)
+        if not slots:
+            cls = refused[0][1]
+            raise UnsupportedRouterError(f"router class {cls!r} cannot be recorded or replayed: "
+                                         f"{REFUSED_ROUTERS[cls]}")
+        if any(c != "DeepseekV4HashRouter" for _, c in refused):
+            n, cls = next((n, c) for n, c in refused if c != "DeepseekV4HashRouter")
+            raise UnsupportedRouterError(f"router class {cls!r} ({n}) cannot be recorded or replayed: "
+                                         f"{REFUSED_ROUTERS[cls]}")
         slots.sort(key=lambda s: s.layer_id)
         for i, s in enumerate(slots):
             s.index = i
@@ -339,7 +402,13 @@ class RoutingController:
                 for s in self._slots:
                     self._handles.append(s.block.register_forward_pre_hook(self._make_block_pre(s.index), with_kwargs=True))
                     self._handles.append(s.block.register_forward_hook(self._make_block_post(s)))
-                    self._handles.append(s.router.register_forward_hook(self._make_router_hook(s)))
+                    if s.adapter is not None:
+                        self._handles.append(s.router.register_forward_hook(self._make_router_hook(s)))
+                        continue
+                    self._handles.append(s.router.register_forward_pre_hook(self._make_fired(s.index)))
+                    self._handles.append(s.scope.register_forward_pre_hook(self._make_scope_pre(s),
+                                                                           with_kwargs=True))
+                    self._handles.append(s.scope.register_forward_hook(self._make_scope_post(s), always_call=True))
             except Exception:
                 self._remove_hooks()
                 raise
@@ -354,6 +423,10 @@ class RoutingController:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for mode in self._modes.values():
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        self._modes.clear()
         self._shape.clear()
         self._fired.clear()
 
@@ -458,6 +531,117 @@ class RoutingController:
             return (logits, weights, idx) + tuple(output[3:])
 
         return hook
+
+    # ------------------------------------------------------------------------------- the generic rule
+    def _make_fired(self, i: int):
+        def pre(module, args):
+            self._fired[i] = True
+        return pre
+
+    def _make_scope_pre(self, s: _Slot):
+        """Open a :class:`TopKIntercept` for this call with the route to force and the logit shift to apply."""
+        i = s.index
+
+        def pre(module, args, kwargs):
+            h = args[0] if args else kwargs.get("hidden_states")
+            n = h.numel() // h.shape[-1]
+            b, sl = self._shape.get(i, (1, n))
+            if b * sl != n:
+                raise ValueError(f"router of MoE layer {i} saw {n} tokens but its block saw [B, s] = {(b, sl)}")
+            mode = self._plan_call(s, module, args, kwargs, h, n, b, sl)
+            self._modes[i] = mode
+            if mode is not None:
+                mode.__enter__()
+        return pre
+
+    def _plan_call(self, s: _Slot, module, args, kwargs, h, n: int, b: int, sl: int) -> TopKIntercept | None:
+        i, e, k = s.index, s.num_experts, s.top_k
+        if self._tape_replay is _OWN:
+            return None
+        if self._tape_replay is not None:
+            if self._tape_pos >= len(self._tape_replay):
+                raise RuntimeError("gradient-checkpoint recompute called more routers than the forward did")
+            entry = self._tape_replay[self._tape_pos]
+            self._tape_pos += 1
+            if entry is None:
+                return TopKIntercept(n, e, k)
+            idx, dw = entry
+            return TopKIntercept(n, e, k, forced=idx, shift=dw)
+        d_sel = d_w = None
+        if self._offsets is not None:
+            with torch.no_grad():
+                d = self._offsets.predictors(i, h.reshape(n, -1)).float()
+            d_sel, d_w = d, (d if self._offsets.in_weights else None)
+        if self._noise is not None:
+            z = torch.randn((n, e), generator=self._noise.generator, dtype=torch.float32,
+                            device=h.device if self._noise.generator is None else self._noise.generator.device)
+            z = z.to(h.device) * self._noise.sigma
+            d_sel = z if d_sel is None else d_sel + z
+            d_w = z if d_w is None else d_w + z
+        forced = rows = None
+        if d_sel is not None and d_sel is not d_w:  # selection and weights see different logits: probe first
+            forced = self._probe(s, module, args, kwargs, n, d_sel).used
+        if self._replay is not None:
+            ids, rec = self._replay.rows(h.device)
+            tb, ts = ids.shape[:2]
+            if (tb, ts) != (b, sl):
+                raise ValueError(f"replay trace has [B, S] = {(tb, ts)} but the forward's MoE layer {i} saw "
+                                 f"[B, s] = {(b, sl)}: lay the trace out exactly like the input_ids")
+            rep = ids[:, :, i].reshape(n, -1)
+            if forced is not None and rec is not None:
+                forced = torch.where(rec.reshape(n, 1), rep, forced)
+            else:
+                forced, rows = rep, (None if rec is None else rec.reshape(n))
+        mode = TopKIntercept(n, e, k, forced=forced, forced_rows=rows, shift=d_w)
+        mode.d_w = d_w
+        mode.modified = forced is not None or d_w is not None
+        mode.own_probe = None
+        if mode.modified and (d_w is not None or forced is not None) and (
+                self._captures or any(r.which == "own" for r in self._recorders)):
+            mode.own_probe = self._probe(s, module, args, kwargs, n, None)
+        return mode
+
+    def _probe(self, s: _Slot, module, args, kwargs, n: int, shift) -> TopKIntercept:
+        """Run the scope's forward once more without gradients (hooks bypassed) to learn a selection."""
+        probe = TopKIntercept(n, s.num_experts, s.top_k, shift=shift)
+        with torch.no_grad(), probe:
+            module.forward(*args, **kwargs)
+        if probe.used is None:
+            raise RouterBypassError(f"{type(module).__name__} ran no top-k over {s.num_experts} experts")
+        return probe
+
+    def _make_scope_post(self, s: _Slot):
+        i = s.index
+
+        def post(module, args, output):
+            mode = self._modes.pop(i, None)
+            if mode is None:
+                return None
+            mode.__exit__(None, None, None)
+            if mode.used is None:
+                raise RouterBypassError(f"{type(module).__name__} of MoE layer {i} ran no top-k over "
+                                        f"{s.num_experts} experts with k={s.top_k}: its selection cannot be seen")
+            if self._tape_replay is not None:
+                return self._swap_logits(output, mode)
+            b, sl = self._shape.get(i, (1, mode.n))
+            own = mode.own if getattr(mode, "own_probe", None) is None else mode.own_probe.own
+            for r in self._recorders:
+                r._add(i, mode.used if r.which == "used" else own, b, sl)
+            for c in self._captures:
+                probe = mode.own_probe or mode
+                c._add(i, probe.logits.reshape(mode.n, -1), own, b, sl)
+            if self._tape is not None:
+                self._tape.append((mode.used.detach(), None if mode.d_w is None else mode.d_w.detach())
+                                  if mode.modified else None)
+            return self._swap_logits(output, mode)
+        return post
+
+    @staticmethod
+    def _swap_logits(output, mode: TopKIntercept):
+        """Hand back the unshifted router logits where the router returned the shifted ones."""
+        if mode.shifted is None or not isinstance(output, tuple):
+            return None
+        return tuple(mode.logits if o is mode.shifted else o for o in output)
 
     # ------------------------------------------------------------------------------------------- contexts
     @contextlib.contextmanager
