@@ -105,7 +105,25 @@ class Recorder:
         self._chunks: dict[int, list[torch.Tensor]] = {}
         self._shapes: dict[int, list[tuple[int, int]]] = {}
         self.final_len: int | None = None  # set by the generate guard: len of sequences
+        self._tokens: list[torch.Tensor] = []
+        self._tokens_ok = True  # False once the calls' token ids cannot be laid out like the routes
         self._scatter: tuple[torch.Tensor, int] | None = None   # (rows, batch): later calls feed only these rows
+
+    def _add_tokens(self, ids: torch.Tensor) -> None:
+        if self._scatter is not None or (self._tokens and self._tokens[0].shape[0] != ids.shape[0]):
+            self._tokens_ok = False
+        if self._tokens_ok:
+            self._tokens.append(ids.detach().to(torch.int32))
+
+    def _trace_tokens(self, t: RouteTrace) -> torch.Tensor | None:
+        """The token ids laid out like the trace ``t`` (-1 beyond the fed tokens), or None when unknown."""
+        if not self._tokens_ok or not self._tokens:
+            return None
+        tok = torch.cat([x.to(t.device) for x in self._tokens], 1)
+        if tok.shape[0] != t.batch_size or tok.shape[1] > t.seq_len:
+            return None
+        pad = torch.full((tok.shape[0], t.seq_len - tok.shape[1]), -1, dtype=tok.dtype, device=tok.device)
+        return torch.cat([tok, pad], 1)
 
     @property
     def num_calls(self) -> int:
@@ -147,6 +165,7 @@ class Recorder:
         if recorded and index.numel() and not (0 <= int(index.min()) and int(index.max()) < min(recorded)):
             raise ValueError(f"select_rows index out of range [0, {min(recorded)}): "
                              f"min {int(index.min())}, max {int(index.max())}")
+        self._tokens = [c.index_select(0, index.to(c.device)) for c in self._tokens]
         for layer, chunks in self._chunks.items():
             self._chunks[layer] = [c.index_select(0, index.to(c.device)) for c in chunks]
             self._shapes[layer] = [(int(index.numel()), s) for _, s in self._shapes[layer]]
@@ -179,7 +198,7 @@ class Recorder:
                 raise ValueError(f"recorded {t.seq_len} positions but generate returned sequences of length "
                                  f"{self.final_len}: the cache was re-fed (use_cache=False / assisted decoding?)")
             t = t.pad_to(self.final_len, "right")
-        return t
+        return t.with_tokens(self._trace_tokens(t))
 
 
 class RouterCapture:
@@ -236,7 +255,7 @@ class RouterCapture:
 
 
 def _parse_layer_id(name: str) -> int:
-    m = re.findall(r"layers\.(\d+)\.", name + ".")
+    m = re.findall(r"(?:layers|blocks|layer|h)\.(\d+)\.", name + ".")
     if not m:
         raise UnsupportedRouterError(f"cannot find the decoder-layer index in router module name {name!r}")
     return int(m[-1])
@@ -324,6 +343,7 @@ class RoutingController:
         self._shape: dict[int, tuple[int, int]] = {}
         self._fired: dict[int, bool] = {}
         self._modes: dict[int, TopKIntercept] = {}
+        self._last_shape: tuple[int, int] | None = None
         self._gen_guard_users = 0
         self._had_generate_attr = False
         self._orig_generate: Any = None
@@ -399,6 +419,7 @@ class RoutingController:
     def _acquire(self) -> None:
         if self._users == 0:
             try:
+                self._handles.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
                 for s in self._slots:
                     self._handles.append(s.block.register_forward_pre_hook(self._make_block_pre(s.index), with_kwargs=True))
                     self._handles.append(s.block.register_forward_hook(self._make_block_post(s)))
@@ -446,9 +467,11 @@ class RoutingController:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"MoE block of layer {i} was called without a hidden_states tensor")
             if x.dim() == 3:
-                self._shape[i] = (int(x.shape[0]), int(x.shape[1]))
-            else:
-                self._shape[i] = (1, int(x.reshape(-1, x.shape[-1]).shape[0]))
+                self._shape[i] = self._last_shape = (int(x.shape[0]), int(x.shape[1]))
+            else:  # a block fed flattened tokens: the batch layout of the last 3-D block call, when it fits
+                n = int(x.reshape(-1, x.shape[-1]).shape[0])
+                last = self._last_shape
+                self._shape[i] = last if last is not None and last[0] * last[1] == n else (1, n)
             self._fired[i] = False
             return None
         return pre
@@ -531,6 +554,23 @@ class RoutingController:
             return (logits, weights, idx) + tuple(output[3:])
 
         return hook
+
+    def _model_pre(self, module, args, kwargs):
+        """Model-level pre-hook: the batch layout of this forward, the token check of a replayed trace, and the
+        token ids recorders tie their routes to."""
+        ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            emb = kwargs.get("inputs_embeds")
+            self._last_shape = tuple(int(d) for d in emb.shape[:2]) if isinstance(emb, torch.Tensor) else None
+            for r in self._recorders:
+                r._tokens_ok = False
+            return None
+        self._last_shape = (int(ids.shape[0]), int(ids.shape[1]))
+        if self._replay is not None and self._replay.trace.tokens is not None and self._tape_replay is None:
+            self._replay.trace.check_tokens(ids)
+        for r in self._recorders:
+            r._add_tokens(ids)
+        return None
 
     # ------------------------------------------------------------------------------- the generic rule
     def _make_fired(self, i: int):
