@@ -148,7 +148,7 @@ REFUSED_ROUTERS: dict[str, str] = {
 #: Attribute names that hold E (routed experts) and K (experts per token) on routers, blocks or configs.
 NUM_EXPERTS_ATTRS = ("num_router_classes", "n_routed_experts", "num_experts", "num_local_experts", "n_experts",
                      "moe_num_experts", "num_routed_experts", "expert_num")
-TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "moe_top_k", "moe_topk", "moe_k", "k")
+TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "top_k_experts", "topk", "moe_top_k", "moe_topk", "moe_k", "k")
 
 
 def register_router_adapter(class_name: str, adapter: RouterAdapter) -> None:

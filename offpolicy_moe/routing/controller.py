@@ -585,7 +585,7 @@ class RoutingController:
         def pre(module, args, kwargs):
             h = args[0] if args else kwargs.get("hidden_states")
             n = h.numel() // h.shape[-1]
-            b, sl = self._shape.get(i, (1, n))
+            b, sl = self._call_shape(i, h, n)
             if b * sl != n:
                 raise ValueError(f"router of MoE layer {i} saw {n} tokens but its block saw [B, s] = {(b, sl)}")
             mode = self._plan_call(s, module, args, kwargs, h, n, b, sl)
@@ -593,6 +593,15 @@ class RoutingController:
             if mode is not None:
                 mode.__enter__()
         return pre
+
+    def _call_shape(self, i: int, h: torch.Tensor, n: int) -> tuple[int, int]:
+        """``[B, s]`` of this router call: the router input's own when 3-D, else its block's, else the forward's."""
+        if h.dim() == 3:
+            return int(h.shape[0]), int(h.shape[1])
+        for shape in (self._shape.get(i), self._last_shape):
+            if shape is not None and shape[0] * shape[1] == n:
+                return shape
+        return 1, n
 
     def _plan_call(self, s: _Slot, module, args, kwargs, h, n: int, b: int, sl: int) -> TopKIntercept | None:
         i, e, k = s.index, s.num_experts, s.top_k
@@ -633,10 +642,8 @@ class RoutingController:
             else:
                 forced, rows = rep, (None if rec is None else rec.reshape(n))
         mode = TopKIntercept(n, e, k, forced=forced, forced_rows=rows, shift=d_w)
-        mode.d_w = d_w
-        mode.modified = forced is not None or d_w is not None
-        mode.own_probe = None
-        if mode.modified and (d_w is not None or forced is not None) and (
+        mode.bs = (b, sl)
+        if mode.modified and (
                 self._captures or any(r.which == "own" for r in self._recorders)):
             mode.own_probe = self._probe(s, module, args, kwargs, n, None)
         return mode
@@ -663,7 +670,7 @@ class RoutingController:
                                         f"{s.num_experts} experts with k={s.top_k}: its selection cannot be seen")
             if self._tape_replay is not None:
                 return self._swap_logits(output, mode)
-            b, sl = self._shape.get(i, (1, mode.n))
+            b, sl = mode.bs
             own = mode.own if getattr(mode, "own_probe", None) is None else mode.own_probe.own
             for r in self._recorders:
                 r._add(i, mode.used if r.which == "used" else own, b, sl)
@@ -671,7 +678,7 @@ class RoutingController:
                 probe = mode.own_probe or mode
                 c._add(i, probe.logits.reshape(mode.n, -1), own, b, sl)
             if self._tape is not None:
-                self._tape.append((mode.used.detach(), None if mode.d_w is None else mode.d_w.detach())
+                self._tape.append((mode.used.detach(), None if mode.shift is None else mode.shift.detach())
                                   if mode.modified else None)
             return self._swap_logits(output, mode)
         return post

@@ -44,7 +44,7 @@ class TopKIntercept(TorchFunctionMode):
 
     After the call: ``logits`` (unshifted ``[N, E]`` or None), ``own`` (the real top-k ids of the last matching
     top-k, ``[N, K]``), ``used`` (the ids the rule went on with), ``shifted`` (the shifted tensor handed to the
-    router, to swap back in its outputs).
+    router, to swap back in its outputs); ``shift`` (the weights' logit shift, kept for gradient checkpointing).
     """
 
     def __init__(self, n: int, num_experts: int, top_k: int, forced: torch.Tensor | None = None,
@@ -57,6 +57,9 @@ class TopKIntercept(TorchFunctionMode):
         self.own: torch.Tensor | None = None
         self.used: torch.Tensor | None = None
         self._unmasked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.bs: tuple[int, int] = (1, self.n)  # [B, s] layout of the call, set by the controller
+        self.modified = forced is not None or shift is not None
+        self.own_probe: "TopKIntercept | None" = None  # unshifted, unforced pass that gives the router's own choice
 
     def _is_expert_topk(self, x, k, dim) -> bool:
         return (isinstance(x, torch.Tensor) and x.dim() >= 2 and int(k) == self.k and x.shape[-1] == self.e

@@ -26,11 +26,12 @@ _SPECIAL = {
                            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4),
     "qwen3_next": dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
                        linear_num_value_heads=4),
-    "gemma4_text": dict(allow_global_per_layer_attribute_access=True),
+    "gemma4_text": dict(allow_global_per_layer_attribute_access=True, enable_moe_block=True, num_experts=8,
+                        top_k_experts=2, moe_intermediate_size=16),
     "dots3_note_text": dict(allow_global_per_layer_attribute_access=True),
     "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=128,
-                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
-                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2)),
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2, moe_normalize_expert_weights=1.0)),
 }
 
 
