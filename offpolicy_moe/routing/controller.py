@@ -37,6 +37,7 @@ from torch import nn
 
 from .adapters import (NUM_EXPERTS_ATTRS, REFUSED_ROUTERS, ROUTER_ADAPTERS, TOP_K_ATTRS, RouterAdapter,
                        UnsupportedRouterError)
+from .aux import load_balancing_loss
 from .intercept import TopKIntercept
 from .pr2 import FeatureCache, PR2Predictors
 from .trace import RouteTrace, TraceValidationError, sentinel_for, storage_dtype
@@ -344,6 +345,7 @@ class RoutingController:
         self._fired: dict[int, bool] = {}
         self._modes: dict[int, TopKIntercept] = {}
         self._last_shape: tuple[int, int] | None = None
+        self._aux: list | None = None  # (logits, used ids) of each router call under replay(aux_from_used=True)
         self._gen_guard_users = 0
         self._had_generate_attr = False
         self._orig_generate: Any = None
@@ -357,9 +359,10 @@ class RoutingController:
         spec = rec.get("router_logits") if isinstance(rec, dict) else None
         if spec is not None:
             target = getattr(spec, "target_class", spec if isinstance(spec, type) else None)
+        found = []
         if target is not None:
             found = [(n, m) for n, m in names.items() if isinstance(m, target)]
-        else:
+        if not found:  # no declared router class, or user code replaced the routers
             found = [(n, m) for n, m in names.items()
                      if type(m) is not nn.Linear and n.rsplit(".", 1)[-1] in ("gate", "router")
                      and _ROUTER_NAME.search(type(m).__name__)]
@@ -545,6 +548,8 @@ class RoutingController:
                 weights = ad.weights(router, lw, idx)
             for r in self._recorders:
                 r._add(i, idx if r.which == "used" else own, b, sl)
+            if self._aux is not None:
+                self._aux.append((logits, idx))
             for c in self._captures:
                 c._add(i, logits, own, b, sl)
             if self._tape is not None:
@@ -674,6 +679,8 @@ class RoutingController:
             own = mode.own if getattr(mode, "own_probe", None) is None else mode.own_probe.own
             for r in self._recorders:
                 r._add(i, mode.used if r.which == "used" else own, b, sl)
+            if self._aux is not None and mode.logits is not None:
+                self._aux.append((mode.logits.reshape(mode.n, -1), mode.used))
             for c in self._captures:
                 probe = mode.own_probe or mode
                 c._add(i, probe.logits.reshape(mode.n, -1), own, b, sl)
@@ -689,6 +696,22 @@ class RoutingController:
         if mode.shifted is None or not isinstance(output, tuple):
             return None
         return tuple(mode.logits if o is mode.shifted else o for o in output)
+
+    def load_balancing_loss(self, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Aux loss of the experts actually used in the router calls since the last call (under
+        ``replay(aux_from_used=True)``), pooled over MoE layers: ``E * sum_e f_e P_e`` (``routing/aux.py``).
+
+        ``token_mask``: bool/int ``[B, S]`` of real tokens of the forward (applied to calls laid out ``[B, S]``).
+        Consumes the stored calls."""
+        if not self._aux:
+            raise RuntimeError("no router calls stored: run the forward inside `with ctl.replay(trace):` "
+                               "(aux_from_used=True) before load_balancing_loss()")
+        entries, self._aux[:] = list(self._aux), []
+        masks = None
+        if token_mask is not None:
+            flat = token_mask.reshape(-1).bool()
+            masks = [flat if flat.numel() == lg.shape[0] else None for lg, _ in entries]
+        return load_balancing_loss([e[0] for e in entries], [e[1] for e in entries], self.num_experts, masks)
 
     # ------------------------------------------------------------------------------------------- contexts
     @contextlib.contextmanager
@@ -711,13 +734,18 @@ class RoutingController:
                 self._recorders.remove(rec)
 
     @contextlib.contextmanager
-    def replay(self, trace: RouteTrace, validate: bool = True) -> Iterator[None]:
+    def replay(self, trace: RouteTrace, validate: bool = True, aux_from_used: bool = True) -> Iterator[None]:
         """Force the selection to ``trace`` (R3 / R2) where recorded; the router's own choice on sentinel rows.
 
         The trace must be laid out exactly like the forward's ``input_ids`` ``[B, S]``. Weights come from the
         current router's logits with the model's rule, gathered from the full distribution; router gradients flow.
         ``validate`` checks ids range, duplicates, partial rows and all-zero layers first (not the missing fraction:
-        call ``trace.validate(mask=..., max_missing=...)`` for that).
+        call ``trace.validate(mask=..., max_missing=...)`` for that). A trace tied to its tokens (``trace.tokens``)
+        is checked against each forward's ``input_ids`` first (:meth:`RouteTrace.check_tokens`).
+
+        ``aux_from_used``: keep each router call's logits and the ids actually used, so that
+        :meth:`load_balancing_loss` gives the aux loss of the replayed experts (transformers' own ``aux_loss``
+        re-derives the router's top-k, i.e. balances experts that did not run).
         """
         if not isinstance(trace, RouteTrace):
             raise TypeError(f"replay expects a RouteTrace, got {type(trace).__name__}")
@@ -733,6 +761,7 @@ class RoutingController:
             raise RuntimeError("replay contexts cannot be nested")
         with self._session():
             self._replay = _Replay(trace)
+            self._aux = [] if aux_from_used else None
             try:
                 yield
             finally:
