@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-__all__ = ["MoEFamily", "scan_moe_families"]
+from .adapters import REFUSED_ROUTERS, ROUTER_ADAPTERS
+
+__all__ = ["MoEFamily", "scan_moe_families", "describe_rule", "render_table"]
 
 _ROUTER_CLASS = re.compile(r"(TopK|Topk|Router$|Gating$|Gate$)")
 _NOT_ROUTER = re.compile(r"(Forget|Norm|MLP|Vision|Residual|DeltaNet|ACT)")
@@ -65,3 +67,47 @@ def scan_moe_families() -> list[MoEFamily]:
         if prev is None or mt.endswith("_text"):
             by_cls[routers] = fam
     return sorted(by_cls.values(), key=lambda f: f.model_type)
+
+
+_BIAS = re.compile(r"e_score_correction_bias|expert_bias|balancing_biases")
+_GROUP = re.compile(r"topk_group|num_group|n_group|group_limited")
+
+
+def describe_rule(router_cls: str, module) -> str:
+    """How the controller handles ``router_cls`` of modeling ``module``: a registered adapter, a refusal, or the
+    generic rule with the router's own steps read from its code (score function, selection bias, group limit...)."""
+    if router_cls in ROUTER_ADAPTERS:
+        return f"adapter `{ROUTER_ADAPTERS[router_cls].family}`"
+    if router_cls in REFUSED_ROUTERS:
+        return "refused: " + REFUSED_ROUTERS[router_cls].split(":")[0]
+    src = inspect.getsource(getattr(module, router_cls))
+    score = "sigmoid" if "sigmoid" in src else "softmax" if "softmax" in src else "logits"
+    steps = [score]
+    if _BIAS.search(src) or re.search(r"def forward\(self, hidden_states[^)]*bias", src):
+        steps.append("selection bias")
+    if _GROUP.search(src):
+        steps.append("group-limited")
+    if "moe_statics" in src:
+        steps.append("moe_statics")
+    if "norm_topk_prob" in src or "renormalize" in src or re.search(r"sum\(dim=-1, keepdim=True\)", src):
+        steps.append("renormalised")
+    if "routed_scaling_factor" in src:
+        steps.append("scaled")
+    if "topk" not in src:
+        steps.append("top-k in the block")
+    return "generic: " + ", ".join(steps)
+
+
+def render_table() -> str:
+    """The markdown table ``family -> router class -> rule`` of the installed transformers (docs/routing.md)."""
+    lines = ["| family (`model_type`) | router class | rule |", "|---|---|---|"]
+    for fam in scan_moe_families():
+        sub = model_type_to_module_name(fam.model_type)
+        mod = importlib.import_module(f"transformers.models.{sub}.modeling_{sub}")
+        for cls in fam.routers:
+            lines.append(f"| {fam.model_type} | `{cls}` | {describe_rule(cls, mod)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_table(), end="")

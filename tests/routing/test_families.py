@@ -2,13 +2,15 @@
 exactly or is refused with a message naming its router class and the reason."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from offpolicy_moe.routing import RouteTrace, RoutingController, TraceValidationError, UnsupportedRouterError
 from offpolicy_moe.routing.adapters import REFUSED_ROUTERS
-from offpolicy_moe.routing.families import scan_moe_families
+from offpolicy_moe.routing.families import render_table, scan_moe_families
 
 from family_models import VOCAB, make_family_model
 
@@ -205,3 +207,9 @@ def test_trace_tied_to_tokens_refuses_shifted_and_permuted():
     with torch.no_grad(), ctl.replay(trace.with_tokens(None)):  # untied: accepted unchecked
         model(input_ids=ids)
     _nothing_patched(model)
+
+
+def test_docs_table_is_generated_from_the_registry():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "routing.md").read_text()
+    start, end = "<!-- routing-table:start -->\n", "<!-- routing-table:end -->"
+    assert text[text.index(start) + len(start):text.index(end)] == render_table()
