@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from offpolicy_moe.routing import RouteTrace, RoutingController, TraceValidationError, UnsupportedRouterError
 from offpolicy_moe.routing.adapters import REFUSED_ROUTERS
 from offpolicy_moe.routing.families import render_table, scan_moe_families
 
-from family_models import VOCAB, make_family_model
+from family_models import VOCAB, make_family_model, tiny_config
 
 FAMILIES = scan_moe_families()
 #: families refused for a documented design limit of their routing (reason in REFUSED_ROUTERS)
@@ -213,3 +214,13 @@ def test_docs_table_is_generated_from_the_registry():
     text = (Path(__file__).resolve().parents[2] / "docs" / "routing.md").read_text()
     start, end = "<!-- routing-table:start -->\n", "<!-- routing-table:end -->"
     assert text[text.index(start) + len(start):text.index(end)] == render_table()
+
+
+def test_all_hash_routed_model_is_refused_as_hash_not_dense():
+    """DeepSeek-V4 with only hash-routed MoE layers: refused with the hash reason; one top-k layer: replayed."""
+    cfg = tiny_config("deepseek_v4")
+    cfg.mlp_layer_types = ["hash_moe", "hash_moe"]
+    with pytest.raises(UnsupportedRouterError, match="DeepseekV4HashRouter.*hash routing: experts are a function"):
+        RoutingController(AutoModelForCausalLM.from_config(cfg))
+    cfg.mlp_layer_types = ["hash_moe", "moe"]
+    assert RoutingController(AutoModelForCausalLM.from_config(cfg)).layer_ids == (1,)
