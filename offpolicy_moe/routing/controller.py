@@ -27,46 +27,27 @@ even after the ``with`` block closed.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .adapters import (NUM_EXPERTS_ATTRS, REFUSED_ROUTERS, ROUTER_ADAPTERS, TOP_K_ATTRS, RouterAdapter,
-                       UnsupportedRouterError)
+from .adapters import RouterAdapter, UnsupportedRouterError
 from .aux import load_balancing_loss
+from .discovery import Slot, discover_slots, hidden_size_of
+from .generic import _OWN, GenericRuleHooks, RouterBypassError
 from .intercept import TopKIntercept
 from .pr2 import FeatureCache, PR2Predictors
 from .trace import RouteTrace, TraceValidationError, sentinel_for, storage_dtype
 
 __all__ = ["RoutingController", "Recorder", "RouterCapture", "RouterBypassError", "UnsupportedGenerationError"]
 
-_OWN = object()  # recompute marker: every router uses its own choice
-_ROUTER_NAME = re.compile(r"(Router|TopK|Topk|Gating|Gate)$|Router|TopkRouter")
-
-
-class RouterBypassError(RuntimeError):
-    """An MoE block ran without calling its router (hub kernel / ``use_kernels``): hooks cannot see the routing."""
 
 
 class UnsupportedGenerationError(ValueError):
     """A generation mode whose routes cannot be recorded faithfully (beam search, assisted decoding, no cache)."""
 
-
-@dataclass
-class _Slot:
-    index: int  # MoE-layer index
-    name: str
-    router: nn.Module
-    block: nn.Module
-    adapter: RouterAdapter | None  # None: the generic rule (the router's own forward, top-k intercepted)
-    layer_id: int
-    scope: nn.Module | None = None  # generic rule: the module whose forward holds the top-k (router or block)
-    num_experts: int = 0
-    top_k: int = 0
 
 
 @dataclass
@@ -255,51 +236,7 @@ class RouterCapture:
         return torch.stack([self._ids[l] for l in self._check()], 1)
 
 
-def _parse_layer_id(name: str) -> int:
-    m = re.findall(r"(?:layers|blocks|layer|h)\.(\d+)\.", name + ".")
-    if not m:
-        raise UnsupportedRouterError(f"cannot find the decoder-layer index in router module name {name!r}")
-    return int(m[-1])
-
-
-def _find_int(router: nn.Module, block: nn.Module, model: nn.Module, attrs: Sequence[str], cls: str,
-              what: str) -> int:
-    """The first integer attribute among ``attrs`` on the router, its block, then the model config."""
-    cfg = getattr(model, "config", None)
-    owners = [router, block, cfg, getattr(cfg, "text_config", None), getattr(cfg, "ffn_config", None)]
-    for owner in owners:
-        for a in attrs:
-            v = getattr(owner, a, None) if owner is not None else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return int(v)
-    raise UnsupportedRouterError(f"router class {cls!r}: cannot find its {what} (looked for {list(attrs)} on the "
-                                 f"router, its block and the config)")
-
-
-def _selects_in_forward(router: nn.Module) -> bool:
-    """Whether the router's own forward (or a method it calls) runs the top-k, else its block does."""
-    try:
-        src = inspect.getsource(type(router))
-    except (OSError, TypeError):
-        return True
-    return "topk" in src
-
-
-def _hidden_size(model: nn.Module, router: nn.Module) -> int:
-    """Width of the router input: the config's ``hidden_size`` (text config for multimodal models), else the
-    router's weight. Never assumes a ``.weight`` or ``.hidden_dim`` attribute."""
-    cfg = getattr(model, "config", None)
-    for c in (cfg, getattr(cfg, "text_config", None)):
-        v = getattr(c, "hidden_size", None) if c is not None else None
-        if isinstance(v, int) and v > 0:
-            return v
-    for p in router.parameters():
-        if p.dim() == 2:
-            return int(p.shape[1])
-    raise UnsupportedRouterError(f"cannot tell the hidden size of router {type(router).__name__}")
-
-
-class RoutingController:
+class RoutingController(GenericRuleHooks):
     """Record / replay / offset the routing of a Hugging Face MoE model through router forward hooks.
 
     ``RoutingController(model)`` discovers every router module (the class named by
@@ -325,7 +262,7 @@ class RoutingController:
             if ek != (self.num_experts, self.top_k):
                 raise UnsupportedRouterError(f"router {s.name} has (num_experts, top_k) = {ek} but {a.name} has "
                                              f"{(self.num_experts, self.top_k)}: mixed router shapes are unsupported")
-        self.hidden_size = _hidden_size(model, a.router)
+        self.hidden_size = hidden_size_of(model, a.router)
         self.layer_ids: tuple[int, ...] = tuple(s.layer_id for s in self._slots)
         self.router_names: tuple[str, ...] = tuple(s.name for s in self._slots)
         self.families: tuple[str, ...] = tuple(sorted({s.adapter.family if s.adapter is not None else "generic"
@@ -351,55 +288,7 @@ class RoutingController:
         self._orig_generate: Any = None
 
     # ------------------------------------------------------------------------------------------- discovery
-    @staticmethod
-    def _discover(model: nn.Module) -> list[_Slot]:
-        names = dict(model.named_modules())
-        target = None
-        rec = getattr(model, "_can_record_outputs", None) or {}
-        spec = rec.get("router_logits") if isinstance(rec, dict) else None
-        if spec is not None:
-            target = getattr(spec, "target_class", spec if isinstance(spec, type) else None)
-        found = []
-        if target is not None:
-            found = [(n, m) for n, m in names.items() if isinstance(m, target)]
-        if not found:  # no declared router class, or user code replaced the routers
-            found = [(n, m) for n, m in names.items()
-                     if type(m) is not nn.Linear and n.rsplit(".", 1)[-1] in ("gate", "router")
-                     and _ROUTER_NAME.search(type(m).__name__)]
-            found += [(n, m) for n, m in names.items() if type(m).__name__ in ROUTER_ADAPTERS
-                      and (n, m) not in found]
-        if not found:
-            raise ValueError(f"no MoE router found in {type(model).__name__}: a dense model has no routing to record "
-                             f"or replay")
-        slots = []
-        refused = []
-        for n, m in found:
-            cls = type(m).__name__
-            if cls in REFUSED_ROUTERS and cls not in ROUTER_ADAPTERS:
-                refused.append((n, cls))
-                continue
-            parent = names[n.rsplit(".", 1)[0]] if "." in n else model
-            adapter = ROUTER_ADAPTERS.get(cls)
-            slot = _Slot(len(slots), n, m, parent, adapter, _parse_layer_id(n))
-            if adapter is not None:
-                slot.num_experts, slot.top_k = adapter.num_experts(m), adapter.top_k(m)
-            else:
-                slot.num_experts = _find_int(m, parent, model, NUM_EXPERTS_ATTRS, cls, "number of experts")
-                slot.top_k = _find_int(m, parent, model, TOP_K_ATTRS, cls, "top-k")
-                slot.scope = m if _selects_in_forward(m) else parent
-            slots.append(slot)
-        if not slots:
-            cls = refused[0][1]
-            raise UnsupportedRouterError(f"router class {cls!r} cannot be recorded or replayed: "
-                                         f"{REFUSED_ROUTERS[cls]}")
-        if any(c != "DeepseekV4HashRouter" for _, c in refused):
-            n, cls = next((n, c) for n, c in refused if c != "DeepseekV4HashRouter")
-            raise UnsupportedRouterError(f"router class {cls!r} ({n}) cannot be recorded or replayed: "
-                                         f"{REFUSED_ROUTERS[cls]}")
-        slots.sort(key=lambda s: s.layer_id)
-        for i, s in enumerate(slots):
-            s.index = i
-        return slots
+    _discover = staticmethod(discover_slots)
 
     @property
     def num_moe_layers(self) -> int:
@@ -479,7 +368,7 @@ class RoutingController:
             return None
         return pre
 
-    def _make_block_post(self, s: _Slot):
+    def _make_block_post(self, s: Slot):
         def post(module, args, output):
             if not self._fired.get(s.index, True):
                 raise RouterBypassError(f"MoE block {s.name.rsplit('.', 1)[0]} ({type(s.block).__name__}) ran without "
@@ -489,7 +378,7 @@ class RoutingController:
         return post
 
     # -------------------------------------------------------------------------------------------- the hook
-    def _make_router_hook(self, s: _Slot):
+    def _make_router_hook(self, s: Slot):
         i, ad, router = s.index, s.adapter, s.router
 
         def hook(module, args, output):
@@ -577,125 +466,7 @@ class RoutingController:
             r._add_tokens(ids)
         return None
 
-    # ------------------------------------------------------------------------------- the generic rule
-    def _make_fired(self, i: int):
-        def pre(module, args):
-            self._fired[i] = True
-        return pre
-
-    def _make_scope_pre(self, s: _Slot):
-        """Open a :class:`TopKIntercept` for this call with the route to force and the logit shift to apply."""
-        i = s.index
-
-        def pre(module, args, kwargs):
-            h = args[0] if args else kwargs.get("hidden_states")
-            n = h.numel() // h.shape[-1]
-            b, sl = self._call_shape(i, h, n)
-            if b * sl != n:
-                raise ValueError(f"router of MoE layer {i} saw {n} tokens but its block saw [B, s] = {(b, sl)}")
-            mode = self._plan_call(s, module, args, kwargs, h, n, b, sl)
-            self._modes[i] = mode
-            if mode is not None:
-                mode.__enter__()
-        return pre
-
-    def _call_shape(self, i: int, h: torch.Tensor, n: int) -> tuple[int, int]:
-        """``[B, s]`` of this router call: the router input's own when 3-D, else its block's, else the forward's."""
-        if h.dim() == 3:
-            return int(h.shape[0]), int(h.shape[1])
-        for shape in (self._shape.get(i), self._last_shape):
-            if shape is not None and shape[0] * shape[1] == n:
-                return shape
-        return 1, n
-
-    def _plan_call(self, s: _Slot, module, args, kwargs, h, n: int, b: int, sl: int) -> TopKIntercept | None:
-        i, e, k = s.index, s.num_experts, s.top_k
-        if self._tape_replay is _OWN:
-            return None
-        if self._tape_replay is not None:
-            if self._tape_pos >= len(self._tape_replay):
-                raise RuntimeError("gradient-checkpoint recompute called more routers than the forward did")
-            entry = self._tape_replay[self._tape_pos]
-            self._tape_pos += 1
-            if entry is None:
-                return TopKIntercept(n, e, k)
-            idx, dw = entry
-            return TopKIntercept(n, e, k, forced=idx, shift=dw)
-        d_sel = d_w = None
-        if self._offsets is not None:
-            with torch.no_grad():
-                d = self._offsets.predictors(i, h.reshape(n, -1)).float()
-            d_sel, d_w = d, (d if self._offsets.in_weights else None)
-        if self._noise is not None:
-            z = torch.randn((n, e), generator=self._noise.generator, dtype=torch.float32,
-                            device=h.device if self._noise.generator is None else self._noise.generator.device)
-            z = z.to(h.device) * self._noise.sigma
-            d_sel = z if d_sel is None else d_sel + z
-            d_w = z if d_w is None else d_w + z
-        forced = rows = None
-        if d_sel is not None and d_sel is not d_w:  # selection and weights see different logits: probe first
-            forced = self._probe(s, module, args, kwargs, n, d_sel).used
-        if self._replay is not None:
-            ids, rec = self._replay.rows(h.device)
-            tb, ts = ids.shape[:2]
-            if (tb, ts) != (b, sl):
-                raise ValueError(f"replay trace has [B, S] = {(tb, ts)} but the forward's MoE layer {i} saw "
-                                 f"[B, s] = {(b, sl)}: lay the trace out exactly like the input_ids")
-            rep = ids[:, :, i].reshape(n, -1)
-            if forced is not None and rec is not None:
-                forced = torch.where(rec.reshape(n, 1), rep, forced)
-            else:
-                forced, rows = rep, (None if rec is None else rec.reshape(n))
-        mode = TopKIntercept(n, e, k, forced=forced, forced_rows=rows, shift=d_w)
-        mode.bs = (b, sl)
-        if mode.modified and (
-                self._captures or any(r.which == "own" for r in self._recorders)):
-            mode.own_probe = self._probe(s, module, args, kwargs, n, None)
-        return mode
-
-    def _probe(self, s: _Slot, module, args, kwargs, n: int, shift) -> TopKIntercept:
-        """Run the scope's forward once more without gradients (hooks bypassed) to learn a selection."""
-        probe = TopKIntercept(n, s.num_experts, s.top_k, shift=shift)
-        with torch.no_grad(), probe:
-            module.forward(*args, **kwargs)
-        if probe.used is None:
-            raise RouterBypassError(f"{type(module).__name__} ran no top-k over {s.num_experts} experts")
-        return probe
-
-    def _make_scope_post(self, s: _Slot):
-        i = s.index
-
-        def post(module, args, output):
-            mode = self._modes.pop(i, None)
-            if mode is None:
-                return None
-            mode.__exit__(None, None, None)
-            if mode.used is None:
-                raise RouterBypassError(f"{type(module).__name__} of MoE layer {i} ran no top-k over "
-                                        f"{s.num_experts} experts with k={s.top_k}: its selection cannot be seen")
-            if self._tape_replay is not None:
-                return self._swap_logits(output, mode)
-            b, sl = mode.bs
-            own = mode.own if getattr(mode, "own_probe", None) is None else mode.own_probe.own
-            for r in self._recorders:
-                r._add(i, mode.used if r.which == "used" else own, b, sl)
-            if self._aux is not None and mode.logits is not None:
-                self._aux.append((mode.logits.reshape(mode.n, -1), mode.used))
-            for c in self._captures:
-                probe = mode.own_probe or mode
-                c._add(i, probe.logits.reshape(mode.n, -1), own, b, sl)
-            if self._tape is not None:
-                self._tape.append((mode.used.detach(), None if mode.shift is None else mode.shift.detach())
-                                  if mode.modified else None)
-            return self._swap_logits(output, mode)
-        return post
-
-    @staticmethod
-    def _swap_logits(output, mode: TopKIntercept):
-        """Hand back the unshifted router logits where the router returned the shifted ones."""
-        if mode.shifted is None or not isinstance(output, tuple):
-            return None
-        return tuple(mode.logits if o is mode.shifted else o for o in output)
+    # the generic rule's hooks: GenericRuleHooks (routing/generic.py)
 
     def load_balancing_loss(self, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Aux loss of the experts actually used in the router calls since the last call (under
