@@ -43,7 +43,8 @@ from offpolicy_moe.engine.checkpoint import (CheckpointError, latest_checkpoint,
                                              save_checkpoint, set_rng_state)
 from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError, check_run_dir, is_finite
 from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger, clean_metrics
-from offpolicy_moe.engine.logprobs import response_logprobs
+from offpolicy_moe.engine.forward_plan import MODES as FORWARD_MODES, ForwardPlan
+from offpolicy_moe.engine.logprobs import plan_shared_forward, response_logprobs
 from offpolicy_moe.engine.rollout import HFRolloutEngine
 
 __all__ = ["Trainer", "train", "TrainingStopped", "iteration_seed"]
@@ -328,20 +329,21 @@ class Trainer:
         if record and ctl is None:
             raise RuntimeError("route recording needs a RoutingController (an MoE model with routing enabled)")
         share = bool(getattr(self.cfg.trainer, "share_prompt", True)) and not (ctl is not None and ctl.active)
-        packing = None
-        if share and ctl is not None and (routes is not None or record):
-            from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
-
-            base = model.module if hasattr(model, "module") else model
-            packing = plan_group_packing(ids, am, batch.prompt_len) if takes_4d_mask(base) else None
+        replaying = routes is not None or record
+        plan, packing = ForwardPlan("plain"), None
+        if share and (ctl is not None or not replaying):   # replayed/recorded traces: packing only (re-laid out)
+            plan, packing = plan_shared_forward(model, ids, am, batch.prompt_len, True,
+                                                allowed=("plain", "pack") if replaying else FORWARD_MODES)
             if packing is not None and routes is not None:
                 packed_routes = packing.pack_trace(routes)
                 packing, routes = (None, routes) if packed_routes is None else (packing, packed_routes)
+                plan = plan if packing is not None else ForwardPlan("plain", plan.costs)
+        self.forward_metrics = plan.metrics()
         rec_ctx = ctl.record() if record else contextlib.nullcontext()
         with self._replay_ctx(routes, ctl), rec_ctx as rec:
             logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.cfg.rollout.temperature,
                                      response_mask=batch.response_mask.to(dev),
-                                     share_prompt=share and routes is None and not record, packing=packing)
+                                     share_prompt="cache" if plan.mode == "cache" else False, packing=packing)
         if not record:
             return logp
         trace = rec.trace()
@@ -663,6 +665,7 @@ class Trainer:
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/nan_skipped"] = float(self.nan_skipped)
         metrics["actor/updates"] = float(self.updates)
+        metrics.update(getattr(self, "forward_metrics", {}))    # perf/forward_*: the last update forward's plan
         metrics["_tokens"] = float(t_tokens)
         return metrics
 
