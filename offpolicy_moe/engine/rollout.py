@@ -25,6 +25,7 @@ from contextlib import ExitStack
 from typing import Any, Optional, Sequence
 
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.layout import accepts_kwarg
@@ -189,22 +190,24 @@ class HFRolloutEngine(RolloutEngine):
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                     return_dict_in_generate=True, output_scores=True, num_beams=1)
 
-    def _process_scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampling distribution's scores from float32 next-token logits, as ``generate``'s logits processors
-        compute them: ``z / temperature`` (when ≠ 1), then top-p (nucleus, Holtzman et al. arXiv 1904.09751): in
-        ascending order of score, tokens whose cumulative probability is ``<= 1 - top_p`` get ``-inf`` (the most
-        likely token is always kept)."""
-        scores = logits
+    def _warpers(self) -> LogitsProcessorList:
+        """The logits processors ``generate`` applies for this engine's sampling settings, in its order:
+        temperature (only when ≠ 1), then top-p (only when < 1)."""
+        procs = LogitsProcessorList()
         if self.temperature != 1.0:
-            scores = scores / self.temperature
+            procs.append(TemperatureLogitsWarper(self.temperature))
         if self.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=False)
-            cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-            drop_sorted = cum <= (1 - self.top_p)
-            drop_sorted[..., -1:] = False
-            drop = drop_sorted.scatter(1, order, drop_sorted)
-            scores = scores.masked_fill(drop, -float("inf"))
-        return scores
+            procs.append(TopPLogitsWarper(self.top_p))
+        return procs
+
+    def _process_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution's scores from float32 next-token logits, by the same logits processors
+        ``generate`` runs (transformers' ``TemperatureLogitsWarper`` then ``TopPLogitsWarper``): ``z / temperature``,
+        then top-p (nucleus, Holtzman et al. arXiv 1904.09751) sets to ``-inf`` the least likely tokens whose
+        cumulative probability is ``<= 1 - top_p`` (the most likely token is always kept).  Neither reads the
+        sequence so far."""
+        warpers = self._warpers()
+        return warpers(None, logits) if warpers else logits
 
     def _shared_prefill_groups(self, ids: torch.Tensor, am: torch.Tensor, group_size: int) -> int:
         """``group_size`` when the rows come in blocks of ``group_size`` identical prompts and the router hooks (if
