@@ -5,7 +5,8 @@ For every (new tokens T, group size G) of the grid, the job of ``bench_vs_trl.py
 tokens and the nominal token count is the real one) runs as interleaved pairs (ours, TRL, ours, TRL, ...), each
 run in a fresh process.  Reported per cell: median s/step and rollout tokens/s of each, the median of the per-pair
 ratios, ours' and TRL's peak resident memory (``ru_maxrss`` of the process), ours' cost per token (s/step / (prompts
-x G x T)), which forward the cost model picked for ours' update (``perf/forward_*``), and the load average after the
+x G x T)), the same ratio in process CPU time (``cpu_ratio``: time stolen by other tenants of a shared machine does
+not inflate it), which forward the cost model picked for ours' update (``perf/forward_*``), and the load average after the
 cell.  Writes JSON and a plot (ratio and cost per token against T, one line per G).
 
 With ``--threads`` > 1 a quick matmul calibration runs first: if 2 threads are not at least ``--min-speedup`` x
@@ -62,9 +63,14 @@ def run_cell(T: int, G: int, args) -> dict:
     med = {s: statistics.median(statistics.median(r["step_times"]) for r in rs) for s, rs in runs.items()}
     pairs = [statistics.median(t["step_times"]) / statistics.median(o["step_times"])
              for o, t in zip(runs["ours"], runs["trl"])]
+    cpu_pairs = [statistics.median(t["cpu_step_times"]) / statistics.median(o["cpu_step_times"])
+                 for o, t in zip(runs["ours"], runs["trl"])]
     return {"T": T, "G": G, "steps": a.steps, "repeats": args.repeats,
             "s_per_step": med, "tokens_per_s": {s: n_tok / v for s, v in med.items()},
             "ratio": statistics.median(pairs), "pair_ratios": pairs,
+            "cpu_ratio": statistics.median(cpu_pairs), "cpu_pair_ratios": cpu_pairs,
+            "cpu_s_per_step": {s: statistics.median(statistics.median(r["cpu_step_times"]) for r in rs)
+                               for s, rs in runs.items()},
             "ours_s_per_token_ms": 1e3 * med["ours"] / n_tok, "trl_s_per_token_ms": 1e3 * med["trl"] / n_tok,
             "peak_rss_mb": {s: max(r["peak_rss_mb"] for r in rs) for s, rs in runs.items()},
             "forward_plan": runs["ours"][-1].get("forward_plan", {}), "loadavg": os.getloadavg()}
@@ -81,7 +87,8 @@ def plot(cells: list[dict], path: Path) -> None:
     for G in sorted({c["G"] for c in cells}):
         cs = sorted((c for c in cells if c["G"] == G), key=lambda c: c["T"])
         Ts = [c["T"] for c in cs]
-        ax1.plot(Ts, [c["ratio"] for c in cs], "o-", label=f"G={G}")
+        ax1.plot(Ts, [c["ratio"] for c in cs], "o-", label=f"G={G} wall")
+        ax1.plot(Ts, [c["cpu_ratio"] for c in cs], "s:", label=f"G={G} CPU time")
         ax2.plot(Ts, [c["ours_s_per_token_ms"] for c in cs], "o-", label=f"ours G={G}")
         ax2.plot(Ts, [c["trl_s_per_token_ms"] for c in cs], "x--", label=f"TRL G={G}")
     ax1.axhline(2.0, color="grey", lw=0.8, ls=":")
@@ -98,12 +105,12 @@ def plot(cells: list[dict], path: Path) -> None:
 
 def table(cells: list[dict]) -> str:
     """Markdown table of the cells."""
-    rows = ["| T | G | steps x pairs | ours s/step | TRL s/step | ours/TRL | ours ms/token | ours forward | "
-            "peak RSS ours / TRL (MiB) | load avg |", "|" + " --- |" * 10]
+    rows = ["| T | G | steps x pairs | ours s/step | TRL s/step | ours/TRL (wall) | ours/TRL (CPU) | ours ms/token | "
+            "ours forward | peak RSS ours / TRL (MiB) | load avg |", "|" + " --- |" * 11]
     for c in sorted(cells, key=lambda c: (c["G"], c["T"])):
         fwd = [k.split("_")[-1] for k, v in c["forward_plan"].items() if v == 1.0 and "est" not in k]
         rows.append(f"| {c['T']} | {c['G']} | {c['steps']} x {c['repeats']} | {c['s_per_step']['ours']:.2f} | "
-                    f"{c['s_per_step']['trl']:.2f} | {c['ratio']:.2f}x | {c['ours_s_per_token_ms']:.3f} | "
+                    f"{c['s_per_step']['trl']:.2f} | {c['ratio']:.2f}x | {c['cpu_ratio']:.2f}x | {c['ours_s_per_token_ms']:.3f} | "
                     f"{','.join(fwd) or '-'} | {c['peak_rss_mb']['ours']:.0f} / {c['peak_rss_mb']['trl']:.0f} | "
                     f"{c['loadavg'][0]:.2f} |")
     return "\n".join(rows)
@@ -138,7 +145,7 @@ def main() -> None:
             c = run_cell(T, G, args)
             cells.append(c)
             print(f"T={T:4d} G={G:3d}: ours {c['s_per_step']['ours']:.2f} s/step, TRL {c['s_per_step']['trl']:.2f}"
-                  f" s/step, ratio {c['ratio']:.2f}x (pairs {', '.join(f'{r:.2f}' for r in c['pair_ratios'])}), "
+                  f" s/step, ratio {c['ratio']:.2f}x (CPU {c['cpu_ratio']:.2f}x; pairs {', '.join(f'{r:.2f}' for r in c['pair_ratios'])}), "
                   f"peak RSS {c['peak_rss_mb']}, forward {c['forward_plan']}, load {c['loadavg']}", flush=True)
             out.write_text(json.dumps({"args": vars(args), "cells": cells, "date": time.strftime("%Y-%m-%d %H:%M"),
                                        }, indent=2))

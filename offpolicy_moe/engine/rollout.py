@@ -28,6 +28,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.kv_cache import preallocated_cache
 from offpolicy_moe.engine.layout import accepts_kwarg
 
 __all__ = ["RolloutEngine", "HFRolloutEngine", "resolve_dtype"]
@@ -229,11 +230,9 @@ class HFRolloutEngine(RolloutEngine):
         and, once a quarter of the decoded rows has finished, leave the decode batch (``compact_finished``; not with
         router noise or PR2, whose per-token draws follow the batch); stops when every row has finished or after
         ``max_new_tokens``.  Returns ``(sequences [B, P+T'], scores [B, T', V])``."""
-        from transformers import DynamicCache
-
         model, tok = self.model, self.tokenizer
-        B = ids.shape[0]
-        cache = DynamicCache(config=model.config)
+        B, P = ids.shape
+        cache = preallocated_cache(model.config, P + self.max_new_tokens)      # no per-token torch.cat of the cache
         pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
         keep = {"logits_to_keep": 1} if self._keeps_logits else {}
         g = self._shared_prefill_groups(ids, am, group_size)
@@ -250,7 +249,8 @@ class HFRolloutEngine(RolloutEngine):
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
         tokens, scores_all = [], []
-        mask, last_pos = am, pos[:, -1:]
+        mask_buf = torch.cat([am, am.new_ones((B, self.max_new_tokens))], dim=1)    # mask[:, :P+t+1] at step t
+        last_pos = pos[:, -1:]
         fed = torch.arange(B, device=ids.device)          # rows still fed to the model
         compact = self.compact_finished and self.router_noise == 0 and self.pr2_predictors is None
         for t in range(self.max_new_tokens):
@@ -270,10 +270,10 @@ class HFRolloutEngine(RolloutEngine):
             if compact and 4 * int(still.sum()) <= 3 * fed.numel():   # >= 1/4 of the fed rows finished: drop them
                 keep_rows = still.nonzero().flatten()
                 cache.batch_select_indices(keep_rows)
-                mask, last_pos, fed = mask[keep_rows], last_pos[keep_rows], fed[keep_rows]
+                mask_buf, last_pos, fed = mask_buf[keep_rows], last_pos[keep_rows], fed[keep_rows]
                 if recorder is not None:
                     recorder.scatter_rows(fed, B)
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            mask = mask_buf[:, :P + t + 1]
             last_pos = last_pos + 1
             out = model(input_ids=nxt.index_select(0, fed).unsqueeze(1), attention_mask=mask, position_ids=last_pos,
                         past_key_values=cache, use_cache=True, **keep)
