@@ -35,8 +35,8 @@ __all__ = ["ForwardCostModel", "ForwardPlan", "forward_costs", "choose_forward",
 
 MODES = ("plain", "pack", "cache")
 ENTRY_FACTOR = 2.7          # CPU attention (softmax over a dense additive mask) per multiply-add, against matmuls
-PASS_OVERHEAD = 512.0       # fixed cost of one extra forward+backward, in token units
-CACHE_COPY = 0.2            # cost of repeating one cached position to one row (all layers), in token units
+PASS_OVERHEAD = 384.0       # fixed cost of one extra forward+backward, in token units
+CACHE_COPY = 0.02            # cost of repeating one cached position to one row (all layers), in token units
 MARGIN = 0.85               # a shared forward must be estimated at most this fraction of the plain one
 
 

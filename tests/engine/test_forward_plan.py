@@ -68,10 +68,11 @@ def test_costs_match_loop_reference_and_choice_is_the_cheapest(P, R, counts):
             assert all(costs[m][0] > cm.margin * costs["plain"][0] for m in allowed if m in costs and m != "plain")
 
 
-def test_choice_on_the_anchor_model_packs_short_and_runs_long_responses_plain():
+def test_choice_on_the_anchor_model_shares_short_and_runs_long_responses_plain():
     cm = ForwardCostModel.from_config(ANCHOR)
     for G in (4, 8, 16):
-        assert choose_forward(forward_costs(7, 7, [G] * 16, cm), MODES) == "pack"       # 8 new tokens
+        assert choose_forward(forward_costs(7, 7, [G] * 16, cm), MODES) != "plain"      # 8 new tokens
+        assert choose_forward(forward_costs(7, 7, [G] * 16, cm), ("plain", "pack")) == "pack"
         for T in (64, 128, 256):                                                        # long: attention^2 loses
             assert choose_forward(forward_costs(7, T - 1, [G] * 16, cm), MODES) == "plain"
     # a long prompt with short responses: sharing it pays
