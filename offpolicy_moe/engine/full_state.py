@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-__all__ = ["is_sharded", "full_model_state", "full_optimizer_state", "load_full_model_state",
+__all__ = ["as_full_tensor", "is_sharded", "full_model_state", "full_optimizer_state", "load_full_model_state",
            "load_full_optimizer_state"]
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=False)
@@ -23,6 +23,12 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=False)
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2 / tensor-parallel sharding)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def as_full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: ``t`` itself, or the full value of a ``DTensor`` (e.g. the gradient norm of a sharded
+    model; collective)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _bare(optimizer: Any) -> torch.optim.Optimizer:

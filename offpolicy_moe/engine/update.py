@@ -19,6 +19,7 @@ import torch
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.faults import NonFiniteLossError, is_finite
 from offpolicy_moe.engine.forward import RoutedForward
+from offpolicy_moe.engine.full_state import as_full_tensor
 from offpolicy_moe.engine.old_logp import FusedOldLogp, OldLogpPass, float_metrics
 from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_loss_spec, global_counts,
                                   group_advantages, kl_penalty, metrics_to_floats, resolve_loss_options)
@@ -235,11 +236,13 @@ class PolicyUpdate:
         return torch.as_tensor(gn).detach() if ok else None
 
     def _grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (clipped to ``optim.grad_clip`` when > 0); a plain tensor also for a sharded
+        model."""
         clip = self.cfg.optim.grad_clip
         if clip > 0:
-            return self.acc.clip_grad_norm_(self.model.parameters(), clip)
-        return torch.sqrt(sum((q.grad.detach().float() ** 2).sum() for q in self.model.parameters()
-                              if q.grad is not None))
+            return as_full_tensor(self.acc.clip_grad_norm_(self.model.parameters(), clip))
+        return as_full_tensor(torch.sqrt(sum((q.grad.detach().float() ** 2).sum() for q in self.model.parameters()
+                                             if q.grad is not None)))
 
     def micro_loss(self, mb: _MiniBatch, j: int, adv: torch.Tensor, weights: Optional[torch.Tensor],
                    ref_lp: Optional[torch.Tensor], fused: Optional[FusedOldLogp]):

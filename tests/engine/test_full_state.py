@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from offpolicy_moe.engine.full_state import (full_model_state, full_optimizer_state, is_sharded,
+from offpolicy_moe.engine.full_state import (as_full_tensor, full_model_state, full_optimizer_state, is_sharded,
                                              load_full_model_state, load_full_optimizer_state)
 from tests.engine.tiny import free_port
 
@@ -69,3 +69,18 @@ def test_sharded_states_equal_the_unsharded_run_and_round_trip(gloo_group):
     _step(plain, po, 9)                              # the restored optimizer continues like the plain one
     after, ref = full_model_state(sharded), plain.state_dict()
     assert all(torch.allclose(after[k], ref[k], atol=1e-5) for k in ref)
+
+
+def test_gradient_norm_of_a_sharded_model_is_a_plain_tensor(gloo_group):
+    """The FSDP2 GPU run failed turning the gradient norm (a DTensor) into a metric float."""
+    plain, sharded = _net(0), _net(0)
+    fully_shard(sharded)
+    for m in (plain, sharded):
+        torch.manual_seed(3)
+        m(torch.randn(5, 4)).pow(2).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1e9)
+    assert isinstance(norm, torch.distributed.tensor.DTensor)
+    full = as_full_tensor(norm)
+    assert type(full) is torch.Tensor
+    assert torch.allclose(full, torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9), atol=1e-6)
+    assert full.tolist() == pytest.approx(float(full))
