@@ -57,10 +57,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"config OK: {'+'.join(cfg.preset) or 'defaults'}, {cfg.trainer.steps} steps -> {cfg.run_dir}",
                   file=sys.stderr)
         return 0
+    from offpolicy_moe.engine.signals import RunInterrupted
+
     try:
         from offpolicy_moe.engine.launch import train
 
         summary = train(cfg, resume=args.resume)
+    except RunInterrupted as exc:      # SIGINT / SIGTERM: checkpointed at a step boundary, rc 128 + signal
+        print(f"offpolicy-moe train: {exc}", file=sys.stderr)
+        return exc.exit_code
     except (ConfigError, RunDirError, CheckpointError, NonFiniteLossError, ValueError, FileNotFoundError) as exc:
         print(f"offpolicy-moe train: error: {exc}", file=sys.stderr)
         return 1
