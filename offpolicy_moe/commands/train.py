@@ -42,10 +42,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.print_config or args.dry_run:
         from offpolicy_moe.config.load import to_yaml
+        from offpolicy_moe.config.preflight import preflight
         from offpolicy_moe.config.validate import validate
+        from offpolicy_moe.engine.buffer import check_buffer_feasible
 
-        try:
-            warnings = validate(cfg)
+        try:   # --dry-run: every check a real start makes before compute (files, tokenizer, shapes, buffer)
+            warnings = preflight(cfg) if args.dry_run else validate(cfg)
+            if args.dry_run:
+                check_buffer_feasible(cfg)
         except ConfigError as exc:
             print(f"offpolicy-moe train: config error: {exc}", file=sys.stderr)
             return 2

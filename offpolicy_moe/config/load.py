@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -115,7 +116,7 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
     pairs = []
     for ov in overrides:
         if not isinstance(ov, str) or "=" not in ov:
-            raise ConfigError(f"override {ov!r}: expected key=value (e.g. algo.loss.clip_high=0.28)")
+            raise ConfigError(f"override {ov!r}: expected key=value (e.g. algo.loss.options.clip_high=0.28)")
         key, value = ov.split("=", 1)
         key = key.strip()
         if key.startswith("+"):
@@ -135,7 +136,7 @@ def load_config(
 ) -> TrainConfig:
     """Resolve a :class:`TrainConfig`: schema defaults < presets (in order) < YAML at ``path`` < ``overrides``.
 
-    ``overrides`` are ``key=value`` strings (``algo.loss.clip_low=3e-4``, ``preset=[m2po,r3]``). ``presets`` are
+    ``overrides`` are ``key=value`` strings (``algo.loss.options.clip_low=3e-4``, ``preset=[m2po,r3]``). ``presets`` are
     extra preset names applied after the YAML's own ``preset:`` list. Unknown keys, wrong types and unknown
     presets raise :class:`ConfigError` naming the file or override and the key. Cross-field rules are checked
     separately by :func:`offpolicy_moe.config.validate.validate`.
@@ -177,6 +178,8 @@ def _resolve(user: DictConfig, source: str, overrides: Sequence[str], presets: S
     for key, value in rest:
         try:
             frag = OmegaConf.from_dotlist([f"{key}={value}"])
+        except yaml.YAMLError:   # not YAML (e.g. `task.operators=*`, read as an alias): take the text as written
+            frag = OmegaConf.create(nest_dotted({key: value}))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override '{key}={value}': {_exc_text(exc)}") from None
         cfg = _merge(cfg, frag, f"override '{key}={value}'")

@@ -30,20 +30,10 @@ import torch
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.layout import accepts_kwarg
 from offpolicy_moe.routing import RoutingController
+from offpolicy_moe.models.dtypes import resolve_dtype
 
 __all__ = ["RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "make_engine",
            "resolve_dtype"]
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` → ``torch.bfloat16`` (also fp32/bf16/fp16 spellings); ValueError otherwise."""
-    try:
-        return _DTYPES[str(name)]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,15 @@ import importlib.metadata as md
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from offpolicy_moe.config.load import to_dict, to_yaml
-from offpolicy_moe.engine.checkpoint import latest_checkpoint
+from offpolicy_moe.engine.checkpoint import (clean_checkpoint_root, latest_checkpoint, restore_metrics,
+                                             resume_checkpoint)
 from offpolicy_moe.engine.faults import RunDirError, check_run_dir
 from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger
 from offpolicy_moe.engine.run_lock import RunLock
@@ -68,13 +70,33 @@ class RunDir:
         self.lock.release()
 
     def latest_checkpoint(self) -> Optional[Path]:
-        """The newest complete checkpoint folder, or None."""
+        """The newest complete checkpoint folder, or None (not verified; see :meth:`resume_checkpoint`)."""
         return latest_checkpoint(self.ckpt_root)
 
+    def resume_checkpoint(self) -> Optional[Path]:
+        """The newest checkpoint whose checksums verify (a damaged newer one is skipped, saying so), or None."""
+        return resume_checkpoint(self.ckpt_root, log=self._warn)
+
+    def clean_checkpoints(self) -> None:
+        """Remove what interrupted checkpoint writes left behind (main process), saying what was done."""
+        if self.is_main:
+            for line in clean_checkpoint_root(self.ckpt_root):
+                self._warn(f"offpolicy-moe: checkpoints: {line}")
+
+    def _warn(self, msg: str) -> None:
+        if self.is_main:
+            print(msg, file=sys.stderr)
+
     def truncate_metrics(self, offset: int) -> None:
-        """Cut ``metrics.jsonl`` back to ``offset`` bytes (what a checkpoint had seen; 0 = a fresh start)."""
+        """Cut ``metrics.jsonl`` back to ``offset`` bytes (0 = a fresh start)."""
         if self.is_main and (offset > 0 or self.metrics_path.exists()):
             JsonlLogger.truncate(self.metrics_path, offset)
+
+    def restore_metrics(self, offset: int, checkpoint: Path) -> None:
+        """Cut ``metrics.jsonl`` back to the offset ``checkpoint`` recorded; refuse a file shorter than it or not
+        ending a line there (never padded)."""
+        if self.is_main:
+            restore_metrics(self.metrics_path, offset, checkpoint)
 
     def metrics_offset(self) -> int:
         """Bytes of ``metrics.jsonl`` written so far (fsynced), 0 before the loggers are open."""

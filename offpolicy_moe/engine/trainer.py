@@ -36,12 +36,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
-from offpolicy_moe.config.validate import validate
+from offpolicy_moe.config.preflight import preflight
 from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.buffer import StalenessBuffer
+from offpolicy_moe.engine.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
 from offpolicy_moe.engine.callbacks import Callback, CallbackList
 from offpolicy_moe.engine.checkpoint import rng_state, set_rng_state
 from offpolicy_moe.engine.checkpoint_state import CheckpointState
+from offpolicy_moe.engine.export import export_final
 from offpolicy_moe.engine.forward import REPLAY_ENGINE, RoutedForward
 from offpolicy_moe.engine.faults import NonFiniteLossError
 from offpolicy_moe.engine.loggers import ConsoleLogger, MultiLogger
@@ -51,7 +52,7 @@ from offpolicy_moe.engine.rollout import make_engine
 from offpolicy_moe.engine.run_dir import RunDir
 from offpolicy_moe.engine.sft import sft_warm_start
 from offpolicy_moe.engine.signals import RunInterrupted, StopRequest, graceful_stop
-from offpolicy_moe.engine.update import PolicyUpdate, loss_spec
+from offpolicy_moe.engine.update import PolicyUpdate, loss_setup
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
 from offpolicy_moe.tasks import evaluate_greedy, make_task
@@ -94,12 +95,13 @@ def _accelerator() -> Accelerator:
 
 
 def _check_config(cfg: Any) -> None:
-    """Every cross-field rule lives in :func:`offpolicy_moe.config.validate.validate` (raises ConfigError); a
-    training run also needs at least one step."""
-    for w in validate(cfg):
+    """The checks ``train --dry-run`` makes, before any compute: every rule of
+    :func:`offpolicy_moe.config.validate.validate`, the file-reading :func:`offpolicy_moe.config.preflight.preflight`
+    (task file, model folder and tokenizer, answers that fit), and a bounded buffer that can train
+    ``trainer.steps`` steps (raise ConfigError; warnings are printed)."""
+    for w in preflight(cfg):
         print(f"offpolicy-moe: warning: {w}", file=sys.stderr)
-    if cfg.trainer.steps < 1:
-        raise ValueError(f"trainer.steps must be >= 1 to train, got {cfg.trainer.steps}")
+    check_buffer_feasible(cfg)
 
 
 class Trainer:
@@ -143,16 +145,16 @@ class Trainer:
                                      share_prompt=getattr(tc, "share_prompt", True),
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size)
         self.engine = self._build_engine()
-        loss = loss_spec(cfg.algo.loss, self.world)
+        loss = loss_setup(cfg.algo.loss, self.world)
         self.old_logp = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
                                     measure_routing=self.measure_routing,
-                                    needs_global_pass=loss.global_pass is not None)
+                                    needs_global_pass=loss.spec.needs_global_pass)
         self.policy_update = PolicyUpdate(cfg, loss=loss, forward=self.forward, old_pass=self.old_logp,
                                           model=self.model, bare_model=self.unwrapped, optimizer=self.optimizer,
                                           scheduler=self.scheduler, accelerator=self.accelerator, task=self.task,
                                           predictors=self.predictors)
         self.checkpoints = CheckpointState(self.run_dir.ckpt_root, model=self.unwrapped, world=self.world,
-                                           keep=tc.keep_checkpoints)
+                                           keep=tc.keep_checkpoints, accelerator=self.accelerator)
         # counters (all checkpointed; updates / nan_skipped live in the policy update)
         self.iteration = 0          # generation iterations done
         self.step = 0               # trained steps done = policy version
@@ -272,39 +274,39 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Optional[Path]:
-        """Checkpoint ``step_<step>`` (main process writes; all processes wait)."""
+        """Checkpoint ``step_<step>`` (main process writes; every process gives its RNG states; all wait)."""
         self.accelerator.wait_for_everyone()
-        path = None
-        if self.is_main:
-            state = self.checkpoints.build(
-                counters={"iteration": self.iteration, "step": self.step, "updates": self.updates,
-                          "nan_skipped": self.nan_skipped, "sft_done": self.sft_done},
-                optimizer=self.optimizer, scheduler=self.scheduler, buffer=self.buffer,
-                engine_version=self.engine.version, predictors=self.predictors, ref_model=self.ref_model,
-                metrics_offset=self.run_dir.metrics_offset(), last_metrics=self.last_metrics)
-            path = self.checkpoints.save(self.step, state)
+        state = self.checkpoints.build(
+            counters={"iteration": self.iteration, "step": self.step, "updates": self.updates,
+                      "nan_skipped": self.nan_skipped, "sft_done": self.sft_done},
+            buffer=self.buffer, engine_version=self.engine.version,
+            metrics_offset=self.run_dir.metrics_offset(), last_metrics=self.last_metrics) if self.is_main else None
+        path = self.checkpoints.save(self.step, state, optimizer=self.optimizer, scheduler=self.scheduler,
+                                     modules={"ref_model": self.ref_model, "predictors": self.predictors},
+                                     is_main=self.is_main)
         self.saved_at = (self.step, self.iteration)
         self.accelerator.wait_for_everyone()
         return path
 
     def load(self, path: Path) -> None:
         """Restore everything from a checkpoint folder; clear errors when it does not fit the configured model."""
-        st = self.checkpoints.load(path)
+        ck = self.checkpoints.load(path, rank=self.rank)
+        st = ck.state
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.buffer.load_state_dict(st["buffer"])
-        if self.predictors is not None and st["predictors"] is not None:
-            self.predictors.load_state_dict(st["predictors"])
-        if st.get("ref_model") is not None:
-            self.make_ref_model(st["ref_model"])
+        if self.predictors is not None and "predictors" in ck.modules:
+            self.predictors.load_state_dict(ck.modules["predictors"])
+        if "ref_model" in ck.modules:
+            self.make_ref_model(ck.modules["ref_model"])
         self.iteration, self.step = st["iteration"], st["step"]
         self.policy_update.updates, self.policy_update.nan_skipped = st["updates"], st["nan_skipped"]
         self.sft_done = st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
         self.sync_engine(st["engine_version"])
-        set_rng_state(st["rng"])
+        set_rng_state(ck.rng)
+        self.run_dir.restore_metrics(st["metrics_offset"], path)
         self.saved_at = (self.step, self.iteration)
-        self.run_dir.truncate_metrics(st["metrics_offset"])
 
     # ------------------------------------------------------------------ logging
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -338,7 +340,9 @@ class Trainer:
         t_start = time.perf_counter()
         status, error = "failed", None
         try:
-            resumed_from = self.run_dir.latest_checkpoint() if self.resume else None
+            self.run_dir.clean_checkpoints()
+            self.accelerator.wait_for_everyone()
+            resumed_from = self.run_dir.resume_checkpoint() if self.resume else None
             if resumed_from is not None:
                 self.load(resumed_from)
             elif self.resume:
@@ -350,6 +354,8 @@ class Trainer:
             else:
                 self.start()
             self.loop()
+            if self.cfg.trainer.export_final and self.is_main:   # RUN_DIR/export (a Hugging Face folder)
+                export_final(self.run_dir.path, self.unwrapped, self.tok, self.predictors)
             status = "completed"
         except RunInterrupted as exc:
             status, error = "stopped", str(exc)
@@ -399,7 +405,7 @@ class Trainer:
     def loop(self) -> None:
         """Iterations until ``trainer.steps`` steps are trained (module docstring, steps 1-5)."""
         cfg, tc = self.cfg, self.cfg.trainer
-        max_iterations = tc.steps + cfg.buffer.staleness + 10 * tc.steps * (cfg.buffer.mode == "bounded")
+        max_iterations = iteration_budget(tc.steps, cfg.buffer.staleness, cfg.buffer.mode)
         while self.step < tc.steps:
             self.stop_if_requested()
             if self.iteration >= max_iterations:
