@@ -1,8 +1,12 @@
 """Fault injection: SIGKILL ``offpolicy-moe train`` at random instants, resume, and check that nothing was lost.
 
 Each trial trains one short tiny run (one thread, SFT warm start, staleness 1, R3 replay, a checkpoint every step)
-in a fresh folder.  The run is started, killed with SIGKILL after a random delay, resumed with ``--resume`` and
-killed again, up to ``--kills-per-trial`` times, then resumed to the end.  The finished run is compared with an
+in a fresh folder.  The run is started, killed with SIGKILL at a random point, resumed with ``--resume`` and
+killed again, up to ``--kills-per-trial`` times, then resumed to the end.  A random point: a target number of
+``metrics.jsonl`` lines ``n`` is drawn uniformly from ``0..S`` (0 = start-up, SFT warm start and step 0; ``n`` =
+the middle of step ``n``), the killer waits until the file has ``n`` lines, then a uniform delay of up to one step
+(measured on the reference run) before the SIGKILL; so kills fall into every phase of a step (generation, update,
+logging, checkpoint write, rename, pruning) rather than mostly into the interpreter's start-up.  The finished run is compared with an
 uninterrupted reference run of the same config:
 
 * bit-identical: every tensor of the final weights ``torch.equal`` to the reference's;
@@ -85,25 +89,44 @@ def folder_state(run_dir: Path) -> str:
     return f"{ck.name if ck else 'no-ckpt'}/{len(metric_rows(run_dir))}lines"
 
 
-def run_trial(cfg_path: Path, run_dir: Path, ref_s: float, kills: int, rng: random.Random) -> dict:
-    """Kill up to ``kills`` times at uniform random instants in [0, ref_s), then resume to the end."""
+def _line_count(run_dir: Path) -> int:
+    try:
+        return (run_dir / "metrics.jsonl").read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def wait_for_kill_point(proc: subprocess.Popen, run_dir: Path, lines: int, delay_s: float) -> bool:
+    """Wait until ``metrics.jsonl`` has ``lines`` lines, then ``delay_s``; False when the process ended first."""
+    while _line_count(run_dir) < lines:
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.005)
+    try:
+        proc.wait(timeout=delay_s)
+        return False
+    except subprocess.TimeoutExpired:
+        return True
+
+
+def run_trial(cfg_path: Path, run_dir: Path, steps: int, first_s: float, step_s: float, kills: int,
+              rng: random.Random) -> dict:
+    """Kill up to ``kills`` times at random points (module docstring), then resume to the end."""
     killed, windows, started = 0, [], False
     while True:
         proc = subprocess.Popen(command(cfg_path, run_dir, resume=started), env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         started = True
-        if killed >= kills:
-            err = proc.communicate()[1].decode()
-            return {"kills": killed, "windows": windows, "rc": proc.returncode, "stderr": err[-400:]}
-        try:
-            proc.wait(timeout=rng.uniform(0.0, ref_s))
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            killed += 1
-            windows.append(folder_state(run_dir))
-            continue
-        err = proc.stderr.read().decode()
+        if killed < kills:
+            lines = rng.randint(0, steps)
+            delay = rng.uniform(0.0, first_s if lines == 0 else step_s)
+            if wait_for_kill_point(proc, run_dir, lines, delay):
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                killed += 1
+                windows.append(folder_state(run_dir))
+                continue
+        err = proc.communicate()[1].decode()
         return {"kills": killed, "windows": windows, "rc": proc.returncode, "stderr": err[-400:]}
 
 
@@ -138,16 +161,23 @@ def main(argv=None) -> int:
     ref_dir = work / "reference"
     shutil.rmtree(ref_dir, ignore_errors=True)
     cfg_ref = write_config(ref_dir, args.steps, work / "reference.yaml")
-    subprocess.run(command(cfg_ref, ref_dir, resume=False), env=env(), check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(cfg_ref, ref_dir, resume=False), env=env(), stdout=subprocess.DEVNULL)
+    while _line_count(ref_dir) < 1 and proc.poll() is None:
+        time.sleep(0.005)
+    first_s = time.perf_counter() - t0           # start-up + SFT warm start + step 0
+    if proc.wait() != 0:
+        raise SystemExit("the reference run failed")
     ref_s = time.perf_counter() - t0
-    print(f"reference: {args.steps} steps in {ref_s:.1f}s (load {load_before[0]:.1f})", flush=True)
+    step_s = (ref_s - first_s) / args.steps
+    print(f"reference: {args.steps} steps in {ref_s:.1f}s (first line after {first_s:.1f}s, {step_s:.2f}s/step; "
+          f"load {load_before[0]:.1f})", flush=True)
     results = []
     while time.perf_counter() - t0 < args.budget_s and len(results) < args.max_trials:
         i = len(results)
         run_dir = work / f"trial_{i}"
         shutil.rmtree(run_dir, ignore_errors=True)
         cfg = write_config(run_dir, args.steps, work / f"trial_{i}.yaml")
-        res = run_trial(cfg, run_dir, ref_s, args.kills_per_trial, rng)
+        res = run_trial(cfg, run_dir, args.steps, first_s, step_s, args.kills_per_trial, rng)
         if res["rc"] == 0:
             res.update(check(run_dir, ref_dir, args.steps))
         results.append(res)
@@ -169,7 +199,7 @@ def main(argv=None) -> int:
         "duplicated_batches": sum(len(r.get("duplicated_steps", [])) for r in done),
         "batch_order_differs": sum(not r.get("same_batches", True) for r in done),
         "kill_windows": sorted({w for r in results for w in r["windows"]}),
-        "reference_s": ref_s, "wall_s": time.perf_counter() - t0,
+        "reference_s": ref_s, "reference_first_line_s": first_s, "reference_step_s": step_s, "wall_s": time.perf_counter() - t0,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "steps": args.steps, "kills_per_trial": args.kills_per_trial, "seed": args.seed,
     }

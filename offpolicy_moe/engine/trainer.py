@@ -411,7 +411,7 @@ class Trainer:
             if self.iteration >= max_iterations:
                 raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {self.step} "
                                    "trained steps (every batch dropped?)")
-            boundary = self._boundary()
+            boundary = self._boundary() if tc.on_nan == "stop" else None
             t_it = time.perf_counter()
             batch = self.generate(self.iteration)
             t_gen = time.perf_counter() - t_it
