@@ -109,14 +109,26 @@ def wait_for_kill_point(proc: subprocess.Popen, run_dir: Path, lines: int, delay
         return True
 
 
+def next_start(run_dir: Path, steps: int) -> str:
+    """How the run continues after a kill, as a user would (``train --resume`` refuses a folder without a
+    checkpoint, and one whose checkpoint is already the last step): ``resume``, ``fresh`` (the folder is removed:
+    killed before its first checkpoint) or ``done`` (killed after the final checkpoint)."""
+    ck = latest_checkpoint(run_dir / "checkpoints")
+    if ck is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return "fresh"
+    return "done" if ck.name == f"step_{steps}" else "resume"
+
+
 def run_trial(cfg_path: Path, run_dir: Path, steps: int, first_s: float, step_s: float, kills: int,
               rng: random.Random) -> dict:
     """Kill up to ``kills`` times at random points (module docstring), then resume to the end."""
-    killed, windows, started = 0, [], False
+    killed, windows, how = 0, [], "fresh"
     while True:
-        proc = subprocess.Popen(command(cfg_path, run_dir, resume=started), env=env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        started = True
+        if how == "done":
+            return {"kills": killed, "windows": windows, "rc": 0, "stderr": ""}
+        proc = subprocess.Popen(command(cfg_path, run_dir, resume=how == "resume"), env=env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if killed < kills:
             lines = rng.randint(0, steps)
             delay = rng.uniform(0.0, first_s if lines == 0 else step_s)
@@ -125,6 +137,7 @@ def run_trial(cfg_path: Path, run_dir: Path, steps: int, first_s: float, step_s:
                 proc.wait()
                 killed += 1
                 windows.append(folder_state(run_dir))
+                how = next_start(run_dir, steps)
                 continue
         err = proc.communicate()[1].decode()
         return {"kills": killed, "windows": windows, "rc": proc.returncode, "stderr": err[-400:]}

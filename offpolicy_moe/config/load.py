@@ -5,7 +5,7 @@ OmegaConf structured configs, which reject unknown keys with a "Did you mean ...
 and parse ``3e-4`` as a float (plain PyYAML reads it as a string). Every error is re-raised as
 :class:`ConfigError` naming the source (preset file, config file or override) and the dotted key.
 
-Presets are YAML fragments in the repository's top-level ``algorithms/`` folder (one per algorithm or mechanism),
+Presets are YAML fragments shipped as package data in ``offpolicy_moe/presets/`` (one per algorithm or mechanism),
 or in the folders listed in the environment variable ``OFFPOLICY_MOE_PRESETS`` (``os.pathsep``-separated, searched
 first). A preset may itself list ``preset: [...]``: those are expanded first (depth-first, in order), then the
 preset's own keys; cycles are refused. A preset named twice is applied twice, at both positions.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.resources
 import os
 import re
 from pathlib import Path
@@ -37,11 +38,13 @@ _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 # ----------------------------------------------------------------------------------------------- presets
 def preset_dirs() -> list[Path]:
-    """Folders searched for ``<name>.yaml`` presets: ``$OFFPOLICY_MOE_PRESETS`` entries, then ``<repo>/algorithms``."""
-    import offpolicy_moe
+    """Folders searched for ``<name>.yaml`` presets: ``$OFFPOLICY_MOE_PRESETS`` entries, then the package's own.
 
+    The package's presets are package data (``offpolicy_moe/presets/*.yaml``), located through
+    :mod:`importlib.resources`, so editable installs, wheels and ``pip install git+...`` find the same files.
+    """
     dirs = [Path(p) for p in os.environ.get(PRESETS_ENV, "").split(os.pathsep) if p]
-    dirs.append(Path(offpolicy_moe.__file__).resolve().parents[1] / "algorithms")
+    dirs.append(Path(str(importlib.resources.files("offpolicy_moe") / "presets")))
     return dirs
 
 

@@ -165,10 +165,10 @@ class TrainerConfig:
     sft_batch_size: int = ranged(64, ge=1)
     eval_every: int = ranged(25, ge=0)
     log_every: int = ranged(10, ge=1)
-    checkpoint_every: int = ranged(0, ge=0)        # 0 = only at the end
+    checkpoint_every: int = ranged(50, ge=0)       # also at the last step; 0 = only at the end (a stop loses the run)
     on_nan: str = ranged("skip", choices=ON_NAN)             # skip (count in actor/nan_skipped) | stop
     deterministic: bool = True
-    threads: int = ranged(0, ge=0)                 # 0 = torch default
+    threads: int = ranged(0, ge=0)                 # 0 = auto (commands/threads.py: 1 per process on <= 2 cores)
     fuse_old_logp: bool = True        # on-policy single update: take old_logp from the update forward (no extra pass)
     share_prompt: bool = True         # trainer forwards run each distinct prompt once (no route replay/recording)
     keep_checkpoints: int = ranged(2, ge=0)        # newest checkpoints kept (0 = all)
