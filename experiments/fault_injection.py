@@ -2,11 +2,13 @@
 
 Each trial trains one short tiny run (one thread, SFT warm start, staleness 1, R3 replay, a checkpoint every step)
 in a fresh folder.  The run is started, killed with SIGKILL at a random point, resumed with ``--resume`` and
-killed again, up to ``--kills-per-trial`` times, then resumed to the end.  A random point: a target number of
-``metrics.jsonl`` lines ``n`` is drawn uniformly from ``0..S`` (0 = start-up, SFT warm start and step 0; ``n`` =
-the middle of step ``n``), the killer waits until the file has ``n`` lines, then a uniform delay of up to one step
-(measured on the reference run) before the SIGKILL; so kills fall into every phase of a step (generation, update,
-logging, checkpoint write, rename, pruning) rather than mostly into the interpreter's start-up.  The finished run is compared with an
+killed again, up to ``--kills-per-trial`` times, then resumed to the end.  A random point: with ``c`` steps
+checkpointed (``c = 0`` for a fresh start; ``metrics.jsonl`` then holds ``b = c + 1`` lines once the resumed run
+has cut it back, ``b = 0`` fresh), ``j`` is drawn uniformly from ``0..S - c``; ``j = 0`` kills after a uniform
+delay of up to the reference's time to its first line (start-up, SFT, step 0), otherwise the killer waits until the
+run has written the file (a change of its size) and it holds ``b + j`` lines, then a uniform delay of up to one step
+(measured on the reference run).  So kills fall into every phase of a step (generation, update, logging, checkpoint
+write, rename, pruning) rather than mostly into the interpreter's start-up.  The finished run is compared with an
 uninterrupted reference run of the same config:
 
 * bit-identical: every tensor of the final weights ``torch.equal`` to the reference's;
@@ -96,11 +98,21 @@ def _line_count(run_dir: Path) -> int:
         return 0
 
 
+def _size(run_dir: Path) -> int:
+    try:
+        return (run_dir / "metrics.jsonl").stat().st_size
+    except OSError:
+        return -1
+
+
 def wait_for_kill_point(proc: subprocess.Popen, run_dir: Path, lines: int, delay_s: float) -> bool:
-    """Wait until ``metrics.jsonl`` has ``lines`` lines, then ``delay_s``; False when the process ended first."""
-    while _line_count(run_dir) < lines:
+    """Wait (when ``lines`` > 0) until this process has changed ``metrics.jsonl`` and it has ``lines`` lines, then
+    ``delay_s``; False when the process ended first."""
+    initial, changed = _size(run_dir), False
+    while lines > 0 and not (changed and _line_count(run_dir) >= lines):
         if proc.poll() is not None:
             return False
+        changed = changed or _size(run_dir) != initial
         time.sleep(0.005)
     try:
         proc.wait(timeout=delay_s)
@@ -130,9 +142,12 @@ def run_trial(cfg_path: Path, run_dir: Path, steps: int, first_s: float, step_s:
         proc = subprocess.Popen(command(cfg_path, run_dir, resume=how == "resume"), env=env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if killed < kills:
-            lines = rng.randint(0, steps)
-            delay = rng.uniform(0.0, first_s if lines == 0 else step_s)
-            if wait_for_kill_point(proc, run_dir, lines, delay):
+            ck = latest_checkpoint(run_dir / "checkpoints") if how == "resume" else None
+            done = int(ck.name.split("_")[1]) if ck is not None else 0
+            base = done + 1 if ck is not None else 0
+            j = rng.randint(0, steps - done)
+            delay = rng.uniform(0.0, first_s if j == 0 else step_s)
+            if wait_for_kill_point(proc, run_dir, base + j if j else 0, delay):
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 killed += 1
