@@ -7,7 +7,7 @@ checkpointed (``c = 0`` for a fresh start; ``metrics.jsonl`` then holds ``b = c 
 has cut it back, ``b = 0`` fresh), ``j`` is drawn uniformly from ``0..S - c``; ``j = 0`` kills after a uniform
 delay of up to the reference's time to its first line (start-up, SFT, step 0), otherwise the killer waits until the
 run has written the file (a change of its size) and it holds ``b + j`` lines, then a uniform delay of up to one step
-(measured on the reference run).  So kills fall into every phase of a step (generation, update, logging, checkpoint
+(the reference run's mean ``perf/time_step_s``).  So kills fall into every phase of a step (generation, update, logging, checkpoint
 write, rename, pruning) rather than mostly into the interpreter's start-up.  The finished run is compared with an
 uninterrupted reference run of the same config:
 
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     if proc.wait() != 0:
         raise SystemExit("the reference run failed")
     ref_s = time.perf_counter() - t0
-    step_s = (ref_s - first_s) / args.steps
+    step_s = sum(r["perf/time_step_s"] for r in metric_rows(ref_dir)[1:]) / args.steps   # in-loop time of a step
     print(f"reference: {args.steps} steps in {ref_s:.1f}s (first line after {first_s:.1f}s, {step_s:.2f}s/step; "
           f"load {load_before[0]:.1f})", flush=True)
     results = []
