@@ -85,7 +85,7 @@ class RolloutConfig:
 
 @dataclass
 class BufferConfig:
-    """Staleness buffer (algorithms.md, 'Staleness')."""
+    """Staleness buffer (docs/algorithms.md, 'Staleness')."""
 
     staleness: int = ranged(0, ge=0)               # k: a batch generated at step v is consumed at step v + k
     # fixed (exact delay line) | bounded (drop batches older than k)
@@ -96,7 +96,7 @@ class BufferConfig:
 
 @dataclass
 class LossConfig:
-    """Policy objective and its options (algorithms.md)."""
+    """Policy objective and its options (docs/algorithms.md, docs/losses.md)."""
 
     name: str = "grpo"                # grpo | gspo | m2po | cispo | unclipped | any registered name
     agg: Optional[str] = None         # None = the objective's default aggregation

@@ -137,8 +137,13 @@ def check_correction(cfg: Any, found: Findings) -> None:
 
 
 def check_routing(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
-    """``algo.routing``: replay needs an MoE model; R2 needs the trainer's old-log-prob pass."""
+    """``algo.routing``: replay needs an MoE model; R2 needs the trainer's old-log-prob pass; the trainer adds no
+    load-balancing loss, so a non-zero ``algo.router_aux_loss_coef`` is refused rather than ignored."""
     replay = cfg.algo.routing.replay
+    if cfg.algo.router_aux_loss_coef > 0:
+        found.error(f"algo.router_aux_loss_coef={cfg.algo.router_aux_loss_coef}: the trainer does not add a "
+                    "load-balancing loss (set 0); in your own loop, RoutingController.load_balancing_loss gives it "
+                    "from the experts actually used under replay")
     if replay in ("r2", "r3", "pr2") and model_is_moe is False:
         found.error(f"algo.routing.replay={replay} needs a Mixture-of-Experts model, but the model is dense "
                     f"(model.preset={cfg.model.preset!r}, model.path={cfg.model.path!r})")

@@ -193,6 +193,7 @@ class PolicyUpdate:
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/nan_skipped"] = float(self.nan_skipped)
         metrics["actor/updates"] = float(self.updates)
+        metrics.update(self.forward.last_plan.metrics())     # perf/forward_*: the last update forward's way
         metrics["_tokens"] = float(int(batch.attention_mask.sum()))
         return metrics
 

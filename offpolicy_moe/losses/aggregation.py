@@ -1,4 +1,4 @@
-"""Reduce a per-token loss matrix to a scalar (algorithms.md, "Loss aggregation").
+"""Reduce a per-token loss matrix to a scalar (docs/algorithms.md, "Loss aggregation").
 
 Global counts: pass ``num_tokens`` (valid tokens) and ``num_seqs`` (sequences with at least one
 valid token) counted over the WHOLE optimizer mini-batch, i.e. over every gradient-accumulation

@@ -126,3 +126,10 @@ def test_infer_model_is_moe(tmp_path):
     cfg = load_config(presets=["r3"], overrides=["model.preset=tiny-dense"])
     with pytest.raises(ConfigError, match="dense"):
         validate(cfg)
+
+
+def test_router_aux_loss_coef_is_refused_not_ignored():
+    """The trainer adds no load-balancing loss: a non-zero coefficient used to be accepted and silently ignored."""
+    with pytest.raises(ConfigError, match="algo.router_aux_loss_coef"):
+        validate(load_config(overrides=["algo.router_aux_loss_coef=0.01"]), model_is_moe=True)
+    validate(load_config(overrides=["algo.router_aux_loss_coef=0"]), model_is_moe=True)

@@ -1,4 +1,4 @@
-"""Loop-based reference implementations written from the formulas in algorithms.md.
+"""Loop-based reference implementations written from the formulas in docs/algorithms.md.
 
 They work token by token on Python floats / 0-d tensors (with autograd where a gradient is
 needed), deliberately sharing no code with ``offpolicy_moe.losses``.
