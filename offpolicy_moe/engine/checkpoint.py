@@ -220,9 +220,9 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model: Any, opti
     root.mkdir(parents=True, exist_ok=True)
     state = {k: _plain(v) for k, v in (extra or {}).items()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+        state["optimizer"] = _plain(optimizer)
     if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
+        state["scheduler"] = _plain(scheduler)
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}_{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -9,6 +9,7 @@ import torch
 
 from offpolicy_moe.engine.checkpoint import (CheckpointError, LoadedCheckpoint, gather_rng_states, load_checkpoint,
                                              save_checkpoint)
+from offpolicy_moe.engine.full_state import full_model_state, full_optimizer_state, load_full_model_state
 from offpolicy_moe.models.moe_shape import moe_shape
 
 __all__ = ["FORMAT", "model_signature", "CheckpointState"]
@@ -50,9 +51,11 @@ class CheckpointState:
         """Write checkpoint ``step_<step>`` (collective: every process passes its RNG states; the main process
         writes the model, ``modules`` (name -> module or None), optimizer, scheduler and ``state``)."""
         rngs = gather_rng_states(self.accelerator)
+        weights = full_model_state(self.model)                    # collective for a sharded (FSDP2) model
+        optim = full_optimizer_state(self.model, optimizer) if optimizer is not None else None
         if not is_main:
             return None
-        return save_checkpoint(self.root, step, model=self.model, optimizer=optimizer, scheduler=scheduler,
+        return save_checkpoint(self.root, step, model=weights, optimizer=optim, scheduler=scheduler,
                                extra=state, modules=modules, rng_states=rngs, keep=self.keep)
 
     def load(self, path: Path, *, rank: int = 0) -> LoadedCheckpoint:
@@ -72,7 +75,7 @@ class CheckpointState:
             raise CheckpointError(f"checkpoint {str(path)!r} was written by {st.get('world_size')} processes; "
                                   f"resume with the same number (now {self.world})")
         try:
-            self.model.load_state_dict(ck.model)
+            load_full_model_state(self.model, ck.model)
         except RuntimeError as exc:
             raise CheckpointError(f"checkpoint {str(path)!r} weights do not fit the configured model: {exc}") from exc
         return ck

@@ -61,8 +61,10 @@ def _quiet_progress():
 
 
 def write_hf_folder(out_dir: str | os.PathLike, model: Any, tokenizer: Any,
-                    predictors: Optional[dict[str, torch.Tensor]] = None, *, overwrite: bool = False) -> Path:
-    """Write ``model`` + ``tokenizer`` (+ PR2 ``predictors``) as a Hugging Face folder, atomically.
+                    predictors: Optional[dict[str, torch.Tensor]] = None, *, overwrite: bool = False,
+                    state_dict: Optional[dict[str, torch.Tensor]] = None) -> Path:
+    """Write ``model`` + ``tokenizer`` (+ PR2 ``predictors``) as a Hugging Face folder, atomically; ``state_dict``
+    replaces the model's own weights (the full weights of a sharded model).
 
     Everything is written into a temporary sibling folder that is renamed to ``out_dir`` at the end.  An existing
     non-empty ``out_dir`` is refused unless ``overwrite``."""
@@ -75,7 +77,7 @@ def write_hf_folder(out_dir: str | os.PathLike, model: Any, tokenizer: Any,
         gen = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id, do_sample=False)
         with _quiet_progress():
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, state_dict=state_dict)
         gen.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if predictors:
@@ -90,10 +92,13 @@ def write_hf_folder(out_dir: str | os.PathLike, model: Any, tokenizer: Any,
     return out
 
 
-def export_final(run_dir: str | os.PathLike, model: Any, tokenizer: Any, predictors: Any = None) -> Path:
-    """``RUN_DIR/export``: the finished run's policy (``trainer.export_final``; call on the main process)."""
+def export_final(run_dir: str | os.PathLike, model: Any, tokenizer: Any, predictors: Any = None, *,
+                 state_dict: Optional[dict[str, torch.Tensor]] = None) -> Path:
+    """``RUN_DIR/export``: the finished run's policy (``trainer.export_final``; call on the main process, with
+    ``state_dict`` the full weights when the model is sharded)."""
     pred = predictors.state_dict() if predictors is not None else None
-    return write_hf_folder(Path(run_dir) / EXPORT_DIRNAME, model, tokenizer, pred, overwrite=True)
+    return write_hf_folder(Path(run_dir) / EXPORT_DIRNAME, model, tokenizer, pred, overwrite=True,
+                           state_dict=state_dict)
 
 
 def _pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:

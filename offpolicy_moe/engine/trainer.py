@@ -37,12 +37,14 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
 from offpolicy_moe.config.preflight import preflight
+from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
 from offpolicy_moe.engine.callbacks import Callback, CallbackList
 from offpolicy_moe.engine.checkpoint import rng_state, set_rng_state
 from offpolicy_moe.engine.checkpoint_state import CheckpointState
 from offpolicy_moe.engine.export import export_final
+from offpolicy_moe.engine.full_state import full_model_state, is_sharded, load_full_optimizer_state
 from offpolicy_moe.engine.forward import REPLAY_ENGINE, RoutedForward
 from offpolicy_moe.engine.faults import NonFiniteLossError
 from offpolicy_moe.engine.loggers import ConsoleLogger, MultiLogger
@@ -135,16 +137,17 @@ class Trainer:
         self.predictors = PR2Predictors.from_controller(self.controller) if rt.replay == "pr2" else None
         self.ref_model: Optional[torch.nn.Module] = None   # created after the SFT warm start when algo.kl.coef > 0
         self._build_optimizer(model)
-        self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
-        self.unwrapped = self.accelerator.unwrap_model(self.model)     # the bare model (no DDP wrapper)
         if self.predictors is not None:
             self.predictors.to(self.accelerator.device)
+        self.unwrapped = model
+        self.engine = self._build_engine()     # its own copy of the bare model, before FSDP can shard it
+        self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+        self.unwrapped = self.accelerator.unwrap_model(self.model)     # the bare model (no DDP wrapper)
         self.buffer = StalenessBuffer(cfg.buffer.staleness, cfg.buffer.mode, max_delay=cfg.buffer.max_delay,
                                       seed=cfg.seed)
         self.forward = RoutedForward(device=self.accelerator.device, controller=self.controller, replay=rt.replay,
                                      share_prompt=getattr(tc, "share_prompt", True),
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size)
-        self.engine = self._build_engine()
         loss = loss_setup(cfg.algo.loss, self.world)
         self.old_logp = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
                                     measure_routing=self.measure_routing,
@@ -204,6 +207,9 @@ class Trainer:
     def make_ref_model(self, state: Optional[dict] = None) -> None:
         """The frozen reference policy for the KL penalty (a copy of the current weights, or ``state``); the
         routed forward gives it its own routing controller (it replays the actor's routes under R3/R2)."""
+        if is_sharded(self.unwrapped):
+            raise ConfigError("algo.kl.coef > 0 needs a frozen copy of the policy, which a sharded (FSDP) model "
+                              "cannot give yet; use DDP or set algo.kl.coef=0")
         ref = copy.deepcopy(self.unwrapped).eval()
         if state is not None:
             ref.load_state_dict(state)
@@ -259,7 +265,7 @@ class Trainer:
 
     def sync_engine(self, version: int) -> None:
         """Step 5: the engine gets the current weights (and PR2 predictors) as policy version ``version``."""
-        self.engine.sync(self.unwrapped.state_dict(), version,
+        self.engine.sync(full_model_state(self.unwrapped), version,
                          self.predictors.state_dict() if self.predictors is not None else None)
 
     def evaluate(self) -> dict[str, float]:
@@ -292,7 +298,7 @@ class Trainer:
         """Restore everything from a checkpoint folder; clear errors when it does not fit the configured model."""
         ck = self.checkpoints.load(path, rank=self.rank)
         st = ck.state
-        self.optimizer.load_state_dict(st["optimizer"])
+        load_full_optimizer_state(self.unwrapped, self.optimizer, st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.buffer.load_state_dict(st["buffer"])
         if self.predictors is not None and "predictors" in ck.modules:
@@ -354,8 +360,10 @@ class Trainer:
             else:
                 self.start()
             self.loop()
-            if self.cfg.trainer.export_final and self.is_main:   # RUN_DIR/export (a Hugging Face folder)
-                export_final(self.run_dir.path, self.unwrapped, self.tok, self.predictors)
+            if self.cfg.trainer.export_final:   # RUN_DIR/export (a Hugging Face folder)
+                weights = full_model_state(self.unwrapped)          # collective for a sharded model
+                if self.is_main:
+                    export_final(self.run_dir.path, self.unwrapped, self.tok, self.predictors, state_dict=weights)
             status = "completed"
         except RunInterrupted as exc:
             status, error = "stopped", str(exc)
