@@ -5,7 +5,9 @@ An update can be finite (finite loss, finite gradient norm) and still leave non-
 learning rate; without this check the NaN only surfaces in the next forward, far from its cause.  The check is one
 ``torch._foreach_norm(·, inf)`` over all parameters (NaN and ±inf propagate through the max-norm, large finite
 values do not overflow it) and one host sync.  The copy costs the memory of the parameters and of the optimizer
-state once more; it is refreshed with ``torch._foreach_copy_`` into buffers allocated once.
+state once more; it is refreshed with ``torch._foreach_copy_`` into buffers allocated once.  Sharded (FSDP2)
+parameters and their optimizer state are handled through their local shards (each process guards its own shard;
+the trainer combines the finiteness verdict over processes).
 """
 from __future__ import annotations
 
@@ -16,12 +18,17 @@ import torch
 __all__ = ["StepGuard", "max_abs"]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or this process's shard of a ``DTensor``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def max_abs(params: list[torch.Tensor]) -> torch.Tensor:
     """0-d float32 tensor ``max_i max |p_i|`` over the tensors ``params`` (one fused max-norm, no host sync): it is
     finite iff every element is finite (NaN and ±inf propagate, finite values cannot overflow it)."""
     if not params:
         return torch.zeros(())
-    norms = torch._foreach_norm([p.detach() for p in params], float("inf"))
+    norms = torch._foreach_norm([_local(p.detach()) for p in params], float("inf"))
     return torch.stack([n.float().to(norms[0].device) for n in norms]).max()
 
 
@@ -46,15 +53,15 @@ class StepGuard:
             for k, v in sorted(self.optimizer.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
                     keys.append((i, k))
-                    tensors.append(v)
+                    tensors.append(_local(v))
         return keys, tensors
 
     def snapshot(self) -> None:
         """Copy the current parameters, optimizer state, group lrs (and scheduler state) aside."""
         if self._param_copy is None:
-            self._param_copy = [torch.empty_like(p) for p in self.params]
+            self._param_copy = [torch.empty_like(_local(p.detach())) for p in self.params]
         with torch.no_grad():
-            torch._foreach_copy_(self._param_copy, [p.detach() for p in self.params])
+            torch._foreach_copy_(self._param_copy, [_local(p.detach()) for p in self.params])
             keys, tensors = self._state_tensors()
             if keys != self._state_keys:         # first step (state created lazily) or a changed layout
                 self._state_keys, self._state_copy = keys, [torch.empty_like(t) for t in tensors]
@@ -76,7 +83,7 @@ class StepGuard:
         if not self.taken:
             raise RuntimeError("StepGuard.restore() before any snapshot()")
         with torch.no_grad():
-            torch._foreach_copy_([p.detach() for p in self.params], self._param_copy)
+            torch._foreach_copy_([_local(p.detach()) for p in self.params], self._param_copy)
             present = {i for i, _ in self._state_keys} | set(self._state_other)
             for i, p in enumerate(self.params):
                 if i not in present:
@@ -85,9 +92,9 @@ class StepGuard:
                 targets = []
                 for i, k in self._state_keys:
                     st = self.optimizer.state[self.params[i]]
-                    if not isinstance(st.get(k), torch.Tensor):
+                    if not isinstance(st.get(k), torch.Tensor):     # dropped since: a plain tensor again
                         st[k] = torch.empty_like(self._state_copy[len(targets)])
-                    targets.append(st[k])
+                    targets.append(_local(st[k]))
                 torch._foreach_copy_(targets, self._state_copy)
         for i, other in self._state_other.items():
             self.optimizer.state[self.params[i]].update(other)

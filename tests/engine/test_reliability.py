@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 from offpolicy_moe.config.load import to_yaml
 from offpolicy_moe.engine.callbacks import FunctionCallback
@@ -28,7 +30,7 @@ from offpolicy_moe.engine.step_guard import StepGuard, max_abs
 from offpolicy_moe.engine.trainer import Trainer
 from offpolicy_moe.tasks import make_task
 from tests.engine.test_trainer import final_weights, read_metrics, strip_perf
-from tests.engine.tiny import tiny_config, tiny_policy
+from tests.engine.tiny import free_port, tiny_config, tiny_policy
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(REPO))
@@ -260,3 +262,35 @@ def test_two_concurrent_starts_are_refused_and_a_killed_run_releases_the_folder(
         proc.wait()
     with RunLock(run_dir) as lock:                  # the OS released the killed run's lock
         assert lock.held
+
+
+def test_step_guard_on_an_fsdp2_sharded_model(monkeypatch):
+    """FSDP2 over gloo with one process (as tests/engine/test_full_state.py): the guard works on local shards."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        x = torch.randn(5, 4)
+
+        def step(inputs):
+            model(inputs).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step(x)
+        guard = StepGuard(opt)
+        guard.snapshot()
+        before = [p.to_local().clone() for p in model.parameters()]
+        moments = [opt.state[p]["exp_avg"].to_local().clone() for p in model.parameters()]
+        step(x * float("inf"))                       # NaN gradients: NaN parameters after the step
+        assert not torch.isfinite(guard.params_max_abs())
+        guard.restore()
+        assert torch.isfinite(guard.params_max_abs())
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+        assert all(torch.equal(opt.state[p]["exp_avg"].to_local(), m) for p, m in zip(model.parameters(), moments))
+    finally:
+        dist.destroy_process_group()
