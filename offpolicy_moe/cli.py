@@ -70,8 +70,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = errors.exit_code(exc)
         if code is None:       # not a known failure class: a bug, keep the traceback
             raise
-        print(errors.error_line(args.command, exc) if code != errors.INTERRUPTED
-              else f"offpolicy-moe {args.command}: interrupted", file=sys.stderr)
+        if isinstance(exc, KeyboardInterrupt):   # a graceful stop says where it stopped and how to continue
+            print(f"offpolicy-moe {args.command}: {errors.one_line(exc) if str(exc).strip() else 'interrupted'}",
+                  file=sys.stderr)
+        else:
+            print(errors.error_line(args.command, exc), file=sys.stderr)
         return code
 
 

@@ -61,8 +61,8 @@ def error_line(command: str, exc: BaseException) -> str:
 
 def exit_code(exc: BaseException) -> int | None:
     """The exit code of a known failure class, or None for an unexpected exception (a bug)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return INTERRUPTED
+    if isinstance(exc, KeyboardInterrupt):    # a stop by SIGTERM carries its own code (143)
+        return int(getattr(exc, "exit_code", INTERRUPTED))
     if isinstance(exc, _loaded(USER_ERRORS)):
         return USER_ERROR
     if isinstance(exc, _loaded(RUN_ERRORS)):

@@ -17,6 +17,7 @@ from offpolicy_moe.engine.checkpoint import (clean_checkpoint_root, latest_check
                                              resume_checkpoint)
 from offpolicy_moe.engine.faults import RunDirError, check_run_dir
 from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger
+from offpolicy_moe.engine.run_lock import RunLock
 
 __all__ = ["RunDir", "environment_info"]
 
@@ -44,8 +45,10 @@ def environment_info() -> dict:
 
 
 class RunDir:
-    """One run's folder, checked at construction: writable, ``min_free_mb`` free, and (unless ``resume``) not
-    already holding a run.  Only the main process (``is_main``) writes files."""
+    """One run's folder, checked at construction: writable, ``min_free_mb`` free, not in use by another live
+    process (the main process takes the folder's :class:`~offpolicy_moe.engine.run_lock.RunLock` until
+    :meth:`close`), and (unless ``resume``) not already holding a run.  Only the main process (``is_main``) writes
+    files."""
 
     def __init__(self, path: str | os.PathLike, *, min_free_mb: float, resume: bool, is_main: bool = True):
         self.path = check_run_dir(path, min_free_mb)       # fail fast: unwritable / full disk
@@ -53,10 +56,18 @@ class RunDir:
         self.ckpt_root = self.path / "checkpoints"
         self.is_main = bool(is_main)
         self.jsonl: Optional[JsonlLogger] = None
+        self.lock = RunLock(self.path)
+        if self.is_main:
+            self.lock.acquire()
         if not resume and (self.metrics_path.exists() and self.metrics_path.stat().st_size > 0
                            or latest_checkpoint(self.ckpt_root) is not None):
+            self.lock.release()
             raise RunDirError(f"run folder {str(self.path)!r} already holds a run (metrics.jsonl/checkpoints); "
                               "pass --resume to continue it or choose another --run-dir")
+
+    def close(self) -> None:
+        """Release the folder's lock (the run is over in this process)."""
+        self.lock.release()
 
     def latest_checkpoint(self) -> Optional[Path]:
         """The newest complete checkpoint folder, or None (not verified; see :meth:`resume_checkpoint`)."""

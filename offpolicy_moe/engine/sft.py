@@ -76,7 +76,8 @@ def sft_warm_start(model, tok, task, *, steps: int, lr: float = 3e-3, batch_size
                    weight_decay: float = 0.0, grad_clip: Optional[float] = 1.0, schedule: str = "cosine",
                    progress: bool = False) -> dict:
     """Train ``model`` in place for ``steps`` AdamW steps of answer-only teacher forcing on ``task``'s
-    train split, lr annealed by ``schedule`` (:func:`lr_factor`).  Returns ``{"sft/loss": last loss,
+    train split, lr annealed by ``schedule`` (:func:`lr_factor`); leaves no gradient behind (``param.grad`` is
+    None on return).  Returns ``{"sft/loss": last loss,
     "sft/loss_history": [...], "sft/steps", "sft/time_s", "sft/tokens_per_s"}``.  ``steps=0`` returns
     without touching the model."""
     if steps < 0 or batch_size < 1 or lr <= 0:
@@ -127,6 +128,7 @@ def sft_warm_start(model, tok, task, *, steps: int, lr: float = 3e-3, batch_size
         if bar is not None:
             bar.close()
         model.train(was_training)
+        opt.zero_grad(set_to_none=True)    # no SFT gradient may leak into whatever trains the model next
     elapsed = time.perf_counter() - t0
     return {"sft/loss": history[-1], "sft/loss_history": history, "sft/steps": steps, "sft/time_s": elapsed,
             "sft/tokens_per_s": n_tokens / max(elapsed, 1e-9)}

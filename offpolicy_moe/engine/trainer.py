@@ -16,6 +16,10 @@ One iteration ``i`` of :meth:`Trainer.run`:
 5. the engine is synced (version v+1), metrics are logged, checkpoints written every ``trainer.checkpoint_every``.
 
 ``trainer.steps`` counts TRAINED steps; with staleness ``k`` the first ``k`` iterations only generate.
+
+Faults: the run holds its folder's lock (:mod:`~offpolicy_moe.engine.run_lock`) while it lives; SIGINT / SIGTERM
+stop it at the next iteration boundary with a checkpoint there (:mod:`~offpolicy_moe.engine.signals`, status
+``stopped``); ``trainer.on_nan=stop`` checkpoints the last good step boundary before failing (status ``failed``).
 """
 from __future__ import annotations
 
@@ -37,17 +41,19 @@ from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
 from offpolicy_moe.engine.callbacks import Callback, CallbackList
-from offpolicy_moe.engine.checkpoint import set_rng_state
+from offpolicy_moe.engine.checkpoint import rng_state, set_rng_state
 from offpolicy_moe.engine.checkpoint_state import CheckpointState
 from offpolicy_moe.engine.export import export_final
 from offpolicy_moe.engine.full_state import full_model_state, is_sharded, load_full_optimizer_state
 from offpolicy_moe.engine.forward import REPLAY_ENGINE, RoutedForward
+from offpolicy_moe.engine.faults import NonFiniteLossError
 from offpolicy_moe.engine.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.engine.old_logp import OldLogpPass
 from offpolicy_moe.engine.optim import adamw, lr_schedule
 from offpolicy_moe.engine.rollout import make_engine
 from offpolicy_moe.engine.run_dir import RunDir
 from offpolicy_moe.engine.sft import sft_warm_start
+from offpolicy_moe.engine.signals import RunInterrupted, StopRequest, graceful_stop
 from offpolicy_moe.engine.update import PolicyUpdate, loss_setup
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
@@ -110,7 +116,9 @@ class Trainer:
         self.cfg, self.resume = cfg, resume
         self.callbacks = CallbackList(callbacks)
         tc, rt = cfg.trainer, cfg.algo.routing
-        self.run_dir = RunDir(cfg.run_dir, min_free_mb=tc.min_free_mb, resume=resume)
+        # the folder lock is taken by the main process (global rank 0; several processes share the folder)
+        self.run_dir = RunDir(cfg.run_dir, min_free_mb=tc.min_free_mb, resume=resume,
+                              is_main=int(os.environ.get("RANK", "0")) == 0)
         _set_determinism(tc)
         _check_config(cfg)
         self.accelerator = _accelerator()
@@ -155,6 +163,8 @@ class Trainer:
         self.step = 0               # trained steps done = policy version
         self.sft_done = False
         self.last_metrics: dict[str, float] = {}
+        self.saved_at: Optional[tuple[int, int]] = None     # (step, iteration) of the newest checkpoint written
+        self.stop_request = StopRequest()                    # set by a signal inside run()
         self.logger: Optional[MultiLogger] = None
         self.console: Optional[ConsoleLogger] = None
 
@@ -280,6 +290,7 @@ class Trainer:
         path = self.checkpoints.save(self.step, state, optimizer=self.optimizer, scheduler=self.scheduler,
                                      modules={"ref_model": self.ref_model, "predictors": self.predictors},
                                      is_main=self.is_main)
+        self.saved_at = (self.step, self.iteration)
         self.accelerator.wait_for_everyone()
         return path
 
@@ -301,6 +312,7 @@ class Trainer:
         self.sync_engine(st["engine_version"])
         set_rng_state(ck.rng)
         self.run_dir.restore_metrics(st["metrics_offset"], path)
+        self.saved_at = (self.step, self.iteration)
 
     # ------------------------------------------------------------------ logging
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -319,7 +331,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
-        """Train to ``trainer.steps`` trained steps; always writes ``summary.json``; returns the summary."""
+        """Train to ``trainer.steps`` trained steps; always writes ``summary.json``; returns the summary.
+
+        A SIGINT / SIGTERM stops at the next iteration boundary with a checkpoint there and raises
+        :class:`~offpolicy_moe.engine.signals.RunInterrupted` (status ``stopped``); the folder lock is released
+        on the way out, however the run ends."""
+        with graceful_stop() as self.stop_request:
+            try:
+                return self._run()
+            finally:
+                self.run_dir.close()
+
+    def _run(self) -> dict:
         t_start = time.perf_counter()
         status, error = "failed", None
         try:
@@ -342,6 +365,9 @@ class Trainer:
                 if self.is_main:
                     export_final(self.run_dir.path, self.unwrapped, self.tok, self.predictors, state_dict=weights)
             status = "completed"
+        except RunInterrupted as exc:
+            status, error = "stopped", str(exc)
+            raise
         except KeyboardInterrupt:
             status, error = "stopped", "interrupted"
             raise
@@ -373,6 +399,7 @@ class Trainer:
             self.sft_done = True
             seed_everything(cfg.seed + 1)
             self.console.write(f"SFT done: loss {sft.get('sft/loss', float('nan')):.4f}")
+        self.optimizer.zero_grad(set_to_none=True)     # gradients never cross from one phase into the next
         if cfg.algo.kl.coef > 0:
             self.make_ref_model()
         self.sync_engine(0)
@@ -388,9 +415,11 @@ class Trainer:
         cfg, tc = self.cfg, self.cfg.trainer
         max_iterations = iteration_budget(tc.steps, cfg.buffer.staleness, cfg.buffer.mode)
         while self.step < tc.steps:
+            self.stop_if_requested()
             if self.iteration >= max_iterations:
                 raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {self.step} "
                                    "trained steps (every batch dropped?)")
+            boundary = self._boundary() if tc.on_nan == "stop" else None
             t_it = time.perf_counter()
             batch = self.generate(self.iteration)
             t_gen = time.perf_counter() - t_it
@@ -404,7 +433,12 @@ class Trainer:
                 continue
             self.callbacks.on_batch(self, consumed)
             t0 = time.perf_counter()
-            m = self.update(consumed)
+            try:
+                m = self.update(consumed)
+            except NonFiniteLossError as exc:     # on_nan=stop: the update put the weights back; checkpoint them
+                path = self._save_boundary(boundary)
+                raise NonFiniteLossError(f"{exc} The last good state (step {self.step}) is checkpointed in "
+                                         f"{path}.") from exc
             t_upd = time.perf_counter() - t0
             m.update(self._step_metrics(consumed, m.pop("_tokens"), batch.num_tokens(), t_gen, t_old, t_upd))
             self.step += 1
@@ -419,6 +453,35 @@ class Trainer:
             if (tc.checkpoint_every > 0 and self.step % tc.checkpoint_every == 0) or self.step == tc.steps:
                 self.save()
             self.callbacks.on_step_end(self, self.step, m)
+
+    # ------------------------------------------------------------------ stopping
+    def stop_if_requested(self) -> None:
+        """At an iteration boundary: when a stop signal arrived (on any process), checkpoint here (unless this
+        boundary is checkpointed already) and raise :class:`RunInterrupted`."""
+        signum = self.stop_request.signum or 0
+        if self.world > 1:
+            t = torch.tensor([float(signum)], device=self.accelerator.device)
+            signum = int(self.accelerator.reduce(t, "max").item())
+        if not signum:
+            return
+        if self.saved_at != (self.step, self.iteration):
+            path = self.save()
+        else:
+            path = self.run_dir.latest_checkpoint()
+        raise RunInterrupted(signum, self.step, str(path) if path is not None else None)
+
+    def _boundary(self) -> dict:
+        """What an iteration changes before its update besides weights and optimizer (cheap: counters, RNG
+        states, the buffer's queue of batch references)."""
+        return {"iteration": self.iteration, "rng": rng_state(), "buffer": self.buffer.state_dict()}
+
+    def _save_boundary(self, boundary: dict) -> Optional[Path]:
+        """Checkpoint the iteration boundary ``boundary`` (with the weights and optimizer the policy update put
+        back): the last good state before a non-finite update stopped the run."""
+        self.iteration = boundary["iteration"]
+        self.buffer.load_state_dict(boundary["buffer"])
+        set_rng_state(boundary["rng"])
+        return self.save()
 
     def _step_metrics(self, consumed: RolloutBatch, tokens: float, n_gen: int, t_gen: float, t_old: float,
                       t_upd: float) -> dict[str, float]:

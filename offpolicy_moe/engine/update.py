@@ -5,7 +5,10 @@ micro-batches each.
 Loss denominators are the GLOBAL token/sequence counts of the mini-batch (all micro-batches, all processes), so
 the update does not depend on how the mini-batch is cut; a loss that selects tokens over the whole mini-batch
 (M2PO, arXiv 2510.01161) gets that selection from one no-grad pre-pass.  PR2 adds its predictor loss in the same
-backward; a non-finite loss or gradient norm is skipped and counted or stops the run (``trainer.on_nan``).
+backward; a non-finite loss or gradient norm, or parameters that the optimizer step made non-finite
+(:class:`~offpolicy_moe.engine.step_guard.StepGuard`), is skipped and counted or stops the run (``trainer.on_nan``).
+``skip`` restores the weights and optimizer state of before that optimizer step; ``stop`` restores those of the
+start of the policy update (the last good step boundary) and raises :class:`NonFiniteLossError`.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from offpolicy_moe.engine.faults import NonFiniteLossError, is_finite
 from offpolicy_moe.engine.forward import RoutedForward
 from offpolicy_moe.engine.full_state import as_full_tensor
 from offpolicy_moe.engine.old_logp import FusedOldLogp, OldLogpPass, float_metrics
+from offpolicy_moe.engine.step_guard import StepGuard
 from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_loss_spec, global_counts,
                                   group_advantages, kl_penalty, metrics_to_floats, resolve_loss_options)
 from offpolicy_moe.routing import pr2_predictor_loss
@@ -108,6 +112,7 @@ class PolicyUpdate:
         self.updates = 0
         self.nan_skipped = 0
         self._where = ""
+        self.guard = StepGuard(optimizer, scheduler)
 
     @property
     def process_group(self):
@@ -149,8 +154,21 @@ class PolicyUpdate:
 
     def __call__(self, batch: RolloutBatch, *, step: int, iteration: int) -> dict[str, float]:
         """Train on one consumed batch at policy version ``step``; returns the step's metrics (``_tokens``:
-        attention tokens processed)."""
+        attention tokens processed).  Under ``trainer.on_nan=stop`` a non-finite loss, gradient norm or parameter
+        raises :class:`NonFiniteLossError` with the weights, optimizer and scheduler put back as they were when this
+        call started."""
         self._where = f"step {step + 1} (iteration {iteration})"
+        if self.cfg.trainer.on_nan == "stop":
+            self.guard.snapshot()          # the last good state, restored before stopping
+        try:
+            return self._update(batch, step)
+        except NonFiniteLossError:
+            if self.guard.taken:
+                self.guard.restore()
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+
+    def _update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         adv, metrics = self.advantages(batch)
         routes = self.forward.routes_for_update(batch)
         fused = self.old_pass.begin_fused(batch, step, self.device)
@@ -226,7 +244,8 @@ class PolicyUpdate:
             gn = self._grad_norm()
             ok = self.check_finite(torch.as_tensor(gn), "gradient norm")
         if ok:
-            self.optimizer.step()
+            ok = self.guarded_step()
+        if ok:
             self.updates += 1
             mini_metrics.append({"actor/loss": torch.stack(losses).sum()})
         else:
@@ -234,6 +253,19 @@ class PolicyUpdate:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return torch.as_tensor(gn).detach() if ok else None
+
+    def guarded_step(self) -> bool:
+        """``optimizer.step()`` followed by one fused finiteness check of the parameters; non-finite parameters
+        are put back to before the step (``on_nan=skip``: returns False, the update counts as skipped) or stop the
+        run (``on_nan=stop``: :class:`NonFiniteLossError`, restored by the caller)."""
+        skip = self.cfg.trainer.on_nan != "stop"
+        if skip:
+            self.guard.snapshot()
+        self.optimizer.step()
+        if self.check_finite(self.guard.params_max_abs(), "parameters after the optimizer step"):
+            return True
+        self.guard.restore()
+        return False
 
     def _grad_norm(self) -> torch.Tensor:
         """The global gradient norm (clipped to ``optim.grad_clip`` when > 0); a plain tensor also for a sharded
