@@ -190,8 +190,12 @@ def check_optim(cfg: Any, found: Findings) -> None:
 
 
 def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
-    """``model``: a built-in preset's shape can be built; ``model.path`` is not a placeholder."""
+    """``model``: a built-in preset's shape can be built; ``model.path`` is not a placeholder; trained weights are
+    not float16 (the trainer does no loss scaling: the warm start's first step gave a NaN loss)."""
     m = cfg.model
+    if m.dtype in ("float16", "fp16"):
+        found.error("model.dtype=float16: the trainer keeps no loss scale, so float16 training weights underflow "
+                    "(NaN at the first step); use bfloat16 or float32 (rollout.dtype=float16 is fine for the engine)")
     if m.path is None:
         if m.preset not in PRESETS:
             found.error(f"model.preset: unknown preset {m.preset!r}; expected one of {', '.join(sorted(PRESETS))} "

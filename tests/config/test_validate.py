@@ -133,3 +133,10 @@ def test_router_aux_loss_coef_is_refused_not_ignored():
     with pytest.raises(ConfigError, match="algo.router_aux_loss_coef"):
         validate(load_config(overrides=["algo.router_aux_loss_coef=0.01"]), model_is_moe=True)
     validate(load_config(overrides=["algo.router_aux_loss_coef=0"]), model_is_moe=True)
+
+
+def test_float16_training_weights_are_refused_before_compute():
+    """model.dtype=float16 used to pass validation and then fail at the first SFT step with a NaN loss."""
+    with pytest.raises(ConfigError, match="model.dtype=float16"):
+        validate(load_config(overrides=["model.dtype=float16"]), model_is_moe=True)
+    validate(load_config(overrides=["rollout.dtype=float16"]), model_is_moe=True)     # the engine may run fp16
