@@ -211,6 +211,19 @@ def build_table(
     mspecs = parse_metrics(metrics) if isinstance(metrics, str) else list(metrics)
     aggregate_series([], agg)  # validates agg
     where = {k: str(v) for k, v in (where or {}).items()}
+    sel = _select_runs(sweep_dir, runs, rows, cols, where, mspecs)
+    order = axis_order(sweep_dir)
+    row_labels = _combos(sel, rows, order)
+    col_labels, col_metrics, col_key = _column_layout(_combos(sel, cols, order) if cols else [""], cols, mspecs)
+    cells, failed, incomplete, missing = _fill_cells(sel, rows, cols, mspecs, agg, col_key)
+    best = _best_cells(cells, row_labels, col_labels, col_metrics if not agg.startswith("collapse") else [])
+    return Table(", ".join(rows) + (f" \\ {', '.join(cols)}" if cols else ""), row_labels, col_labels,
+                 col_metrics, cells, best, _caption(mspecs, agg, where), failed, incomplete, missing)
+
+
+def _select_runs(sweep_dir: str | Path, runs: Optional[list[RunRecord]], rows: list[str], cols: list[str],
+                 where: dict[str, str], mspecs: list[MetricSpec]) -> list[RunRecord]:
+    """The runs matching ``where``; unknown axes or metrics, and a varying axis left out of the table, raise."""
     all_runs = runs if runs is not None else load_runs(sweep_dir)
     if not all_runs:
         raise ValueError(f"no run folders found in '{sweep_dir}'")
@@ -227,20 +240,18 @@ def build_table(
                 f"axis '{ax}' varies ({', '.join(labels)}) but is not in --rows/--cols: add it, or pick one "
                 f"value with --where {ax}={labels[0]}"
             )
+    return sel
 
-    order = axis_order(sweep_dir)
 
-    def labels_for(axes: list[str]) -> tuple[list[str], dict[str, list[str]]]:
-        per_axis = {a: natural_sort([r.value_of(a) or DASH for r in sel], order.get(a)) for a in axes}
-        combos = [", ".join(c) for c in itertools.product(*[per_axis[a] for a in axes])]
-        return combos, per_axis
+def _combos(sel: list[RunRecord], axes: list[str], order: dict) -> list[str]:
+    """Labels of every combination of the ``axes``' values, each axis in its natural (or declared) order."""
+    per_axis = {a: natural_sort([r.value_of(a) or DASH for r in sel], order.get(a)) for a in axes}
+    return [", ".join(c) for c in itertools.product(*[per_axis[a] for a in axes])]
 
-    row_labels, _ = labels_for(rows)
-    col_combos, _ = labels_for(cols) if cols else ([""], {})
-    if cols and len(cols) == 1:
-        col_names = {c: f"{cols[0]}={c}" for c in col_combos}
-    else:
-        col_names = {c: c for c in col_combos}
+
+def _column_layout(col_combos: list[str], cols: list[str], mspecs: list[MetricSpec]):
+    """Column labels (one per column combination and metric), their metrics, and ``(combo, metric) -> label``."""
+    col_names = {c: f"{cols[0]}={c}" for c in col_combos} if cols and len(cols) == 1 else {c: c for c in col_combos}
     col_labels, col_metrics, col_key = [], [], {}
     for c in col_combos:
         for m in mspecs:
@@ -253,7 +264,12 @@ def build_table(
             col_labels.append(label)
             col_metrics.append(m)
             col_key[(c, m.name)] = label
+    return col_labels, col_metrics, col_key
 
+
+def _fill_cells(sel: list[RunRecord], rows: list[str], cols: list[str], mspecs: list[MetricSpec], agg: str,
+                col_key: dict):
+    """Each cell's aggregated values over seeds, and the failed, unfinished and metric-less runs."""
     cells: dict[tuple[str, str], Cell] = {}
     failed, incomplete, missing = [], [], []
     for r in sel:
@@ -278,15 +294,21 @@ def build_table(
                 cell.stable += 1
             else:
                 cell.values.append(v)
+    return cells, failed, incomplete, missing
 
+
+def _best_cells(cells: dict, row_labels: list[str], col_labels: list[str], col_metrics: list[MetricSpec]) -> set:
+    """The best mean per column (a collapse step has no "best": callers pass no metrics for it)."""
     best: set[tuple[str, str]] = set()
-    # a collapse step has no "best": an early collapse is bad, no collapse is best but has no number
-    for label, m in zip(col_labels, col_metrics if not agg.startswith("collapse") else []):
+    for label, m in zip(col_labels, col_metrics):
         means = [(cells[(rl, label)].mean, rl) for rl in row_labels if (rl, label) in cells and cells[(rl, label)].n]
         if means:
             target = max(x for x, _ in means) if m.higher else min(x for x, _ in means)
             best |= {(rl, label) for x, rl in means if x == target}
+    return best
 
+
+def _caption(mspecs: list[MetricSpec], agg: str, where: dict[str, str]) -> str:
     metric_txt = ", ".join(f"{m.name} ({'higher' if m.higher else 'lower'} is better)" for m in mspecs)
     caption = (f"{metric_txt}; agg {agg}; mean ± std (n runs) over seeds; best per column marked"
                if not agg.startswith("collapse") else
@@ -294,8 +316,7 @@ def build_table(
                f"that never collapsed)")
     if where:
         caption += "; " + ", ".join(f"{k}={v}" for k, v in where.items())
-    return Table(", ".join(rows) + (f" \\ {', '.join(cols)}" if cols else ""), row_labels, col_labels,
-                 col_metrics, cells, best, caption, failed, incomplete, missing)
+    return caption
 
 
 def format_number(x: float, digits: int = 3) -> str:

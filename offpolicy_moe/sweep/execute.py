@@ -109,23 +109,67 @@ def run_sweep(
     """
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
     runs = plan_runs(exp, seeds=seeds, overrides=overrides)
+    _validate_runs(exp, runs, log)
+    if threads < 1:
+        raise ConfigError(f"threads must be >= 1, got {threads}")
+    sweep_dir = Path(out) if out is not None else Path("runs") / exp.name
+    cmd = shlex.split(train_cmd) if isinstance(train_cmd, str) else list(train_cmd or default_train_cmd())
+    if dry_run:
+        return _dry_run(exp, runs, sweep_dir, cmd, log)
+    _prepare_folder(exp, runs, sweep_dir, resume=resume, overwrite=overwrite)
+    state = _SweepState(sweep_dir, exp, runs)
+    result = SweepResult(sweep_dir)
+    todo: list[RunSpec] = []
+    for spec in runs:
+        rd = sweep_dir / spec.name
+        if resume and read_status(rd) == "completed":
+            r = RunResult(spec.name, "skipped")
+            state.record(spec, r, prev_status="completed", prev=read_json(rd / "run.json"))
+            result.results.append(r)
+            continue
+        todo.append(spec)
+    state.write()
+    if not todo:
+        log(f"sweep '{exp.name}': all {len(runs)} runs already completed ({sweep_dir})")
+        return result
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, str(threads))
+    _execute_all(todo, sweep_dir, cmd, env, timeout, jobs, state, result, progress=progress, log=log,
+                 desc=f"sweep {exp.name}")
+    c = result.counts
+    log(
+        f"sweep '{exp.name}': {c.get('completed', 0)} completed, {c.get('failed', 0)} failed, "
+        f"{c.get('skipped', 0)} skipped -> {sweep_dir}"
+    )
+    return result
+
+
+def _validate_runs(exp: Experiment, runs: list[RunSpec], log: Callable[[str], None]) -> None:
+    """Every run's config, before any compute (the error names the run)."""
     for spec in runs:
         try:
             for w in validate(spec.config):
                 log(f"warning [{spec.name}]: {w}")
         except ConfigError as exc:
             raise ConfigError(f"experiment '{exp.name}', run {spec.name}: {exc}") from None
-    sweep_dir = Path(out) if out is not None else Path("runs") / exp.name
-    cmd = shlex.split(train_cmd) if isinstance(train_cmd, str) else list(train_cmd or default_train_cmd())
-    if dry_run:
-        result = SweepResult(sweep_dir)
-        for spec in runs:
-            rd = sweep_dir / spec.name
-            done = read_status(rd) == "completed"
-            log(f"{'[done] ' if done else ''}{spec.name}: {shlex.join([*cmd, str(rd / 'config.yaml'), f'run_dir={rd}'])}")
-            result.results.append(RunResult(spec.name, "completed" if done else "planned"))
-        log(f"sweep '{exp.name}': {len(runs)} runs planned, all configs valid (dry run, nothing executed)")
-        return result
+
+
+def _dry_run(exp: Experiment, runs: list[RunSpec], sweep_dir: Path, cmd: list[str],
+             log: Callable[[str], None]) -> SweepResult:
+    """Print each run's command (finished ones marked), execute nothing."""
+    result = SweepResult(sweep_dir)
+    for spec in runs:
+        rd = sweep_dir / spec.name
+        done = read_status(rd) == "completed"
+        log(f"{'[done] ' if done else ''}{spec.name}: {shlex.join([*cmd, str(rd / 'config.yaml'), f'run_dir={rd}'])}")
+        result.results.append(RunResult(spec.name, "completed" if done else "planned"))
+    log(f"sweep '{exp.name}': {len(runs)} runs planned, all configs valid (dry run, nothing executed)")
+    return result
+
+
+def _prepare_folder(exp: Experiment, runs: list[RunSpec], sweep_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse a folder that already holds these runs (unless resume / overwrite); copy the experiment file in."""
     existing = [s for s in runs if (sweep_dir / s.name).exists()]
     if existing and not (resume or overwrite):
         raise ConfigError(
@@ -138,30 +182,12 @@ def run_sweep(
     else:
         (sweep_dir / "experiment.yaml").write_text(yaml.safe_dump(exp.raw, sort_keys=False))
 
-    state = _SweepState(sweep_dir, exp, runs)
-    result = SweepResult(sweep_dir)
-    todo: list[RunSpec] = []
-    for spec in runs:
-        rd = sweep_dir / spec.name
-        if resume and read_status(rd) == "completed":
-            r = RunResult(spec.name, "skipped")
-            prev = read_json(rd / "run.json")
-            state.record(spec, r, prev_status="completed", prev=prev)
-            result.results.append(r)
-            continue
-        todo.append(spec)
-    state.write()
-    if not todo:
-        log(f"sweep '{exp.name}': all {len(runs)} runs already completed ({sweep_dir})")
-        return result
 
-    env = dict(os.environ)
-    if threads < 1:
-        raise ConfigError(f"threads must be >= 1, got {threads}")
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, str(threads))
-
-    bar = _progress(len(todo), enabled=progress, desc=f"sweep {exp.name}")
+def _execute_all(todo: list[RunSpec], sweep_dir: Path, cmd: list[str], env: dict, timeout: Optional[float],
+                 jobs: int, state: "_SweepState", result: SweepResult, *, progress: bool,
+                 log: Callable[[str], None], desc: str) -> None:
+    """Run ``todo`` on ``jobs`` worker threads (one subprocess each), recording each result as it ends."""
+    bar = _progress(len(todo), enabled=progress, desc=desc)
     try:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             futs = {pool.submit(_execute, spec, sweep_dir / spec.name, cmd, env, timeout): spec for spec in todo}
@@ -180,12 +206,6 @@ def run_sweep(
     finally:
         if bar is not None:
             bar.close()
-    c = result.counts
-    log(
-        f"sweep '{exp.name}': {c.get('completed', 0)} completed, {c.get('failed', 0)} failed, "
-        f"{c.get('skipped', 0)} skipped -> {sweep_dir}"
-    )
-    return result
 
 
 def _execute(spec: RunSpec, run_dir: Path, cmd: list[str], env: dict, timeout: Optional[float]) -> RunResult:
