@@ -10,16 +10,9 @@ from ._validate import (
     MASK_MESSAGE,
     FusedCheck,
     as_bool_mask,
-    check_2d,
-    check_advantages,
-    check_agg,
+    check_objective_args,
     check_below_one,
-    check_count,
-    check_float,
     check_nonneg,
-    check_positive,
-    check_same_shape,
-    check_tensor,
     clamp_log_ratio,
     compute_dtype,
     mask_is_binary,
@@ -63,21 +56,7 @@ def prepare(
     positions; tensor counts not NaN or negative; ``extra_checks``) cost one reduction per tensor
     and ONE host sync.  Half-precision inputs are computed in float32 (see :func:`ratio_bound`).
     """
-    for name, t in (("logp", logp), ("old_logp", old_logp), ("mask", mask)):
-        check_tensor(name, t)
-    check_2d("logp", logp)
-    check_float("logp", logp)
-    check_same_shape("logp", logp, "old_logp", old_logp)
-    check_same_shape("logp", logp, "mask", mask)
-    adv = check_advantages(advantages, logp.shape)
-    if weights is not None:
-        check_tensor("weights", weights)
-        check_same_shape("logp", logp, "weights", weights)
-    check_agg(agg)
-    check_count("num_tokens", num_tokens)
-    check_count("num_seqs", num_seqs)
-    if norm_length is not None:
-        check_positive("norm_length", norm_length)
+    adv = check_objective_args(logp, old_logp, advantages, mask, weights, agg, num_tokens, num_seqs, norm_length)
     m = as_bool_mask(mask)
     dtype = compute_dtype(logp.dtype)
     zero = torch.zeros((), dtype=dtype, device=logp.device)

@@ -216,3 +216,27 @@ MASK_MESSAGE = "mask must be boolean or contain only 0 and 1 (dtype {dtype}); fo
 def clamp_log_ratio(x: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Tensor:
     """``clamp(x, -bound, bound)`` (use :func:`ratio_bound` of the input dtype for ``bound``)."""
     return x.clamp(-bound, bound)
+
+
+def check_objective_args(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                         weights: Optional[torch.Tensor], agg: Optional[str], num_tokens: object, num_seqs: object,
+                         norm_length: Optional[float]) -> torch.Tensor:
+    """The free checks every objective makes on its common arguments (types, shapes, dtype, aggregation mode,
+    numeric counts, ``norm_length``); returns the advantages laid out ``[B, T]``.  One-line ``ValueError``
+    naming the argument."""
+    for name, t in (("logp", logp), ("old_logp", old_logp), ("mask", mask)):
+        check_tensor(name, t)
+    check_2d("logp", logp)
+    check_float("logp", logp)
+    check_same_shape("logp", logp, "old_logp", old_logp)
+    check_same_shape("logp", logp, "mask", mask)
+    adv = check_advantages(advantages, logp.shape)
+    if weights is not None:
+        check_tensor("weights", weights)
+        check_same_shape("logp", logp, "weights", weights)
+    check_agg(agg)
+    check_count("num_tokens", num_tokens)
+    check_count("num_seqs", num_seqs)
+    if norm_length is not None:
+        check_positive("norm_length", norm_length)
+    return adv
