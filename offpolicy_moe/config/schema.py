@@ -56,6 +56,12 @@ class RolloutConfig:
     batch_size: int = 128             # sequences per generate call
     sampler: str = "native"           # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
     compact_finished: bool = True     # native sampler: finished sequences leave the decode batch
+    # buffer.mode=async (docs/async.md): rollout worker processes per trainer process
+    workers: int = 1
+    worker_threads: int = 1           # torch threads of each worker
+    update_in_flight: bool = False    # a sequence may continue across a weight update (each token keeps its version)
+    on_worker_death: str = "restart"  # restart (re-issue its orders) | stop (checkpoint, then stop)
+    worker_timeout_s: float = 600.0   # the longest wait for a batch / a policy version before a named timeout
 
 
 @dataclass
@@ -63,8 +69,10 @@ class BufferConfig:
     """Staleness buffer (algorithms.md, 'Staleness')."""
 
     staleness: int = 0                # k: a batch generated at step v is consumed at step v + k
-    mode: str = "fixed"               # fixed (exact delay line) | bounded (drop batches older than k)
+    mode: str = "fixed"               # fixed (exact delay line) | bounded (drop batches older than k) | async (workers)
     max_delay: Optional[int] = None   # bounded mode: simulated arrival latency ~ U{0..max_delay} (None = k)
+    on_stale: str = "wait"            # async: a worker that would exceed k waits | drop (generate ahead, drop, redo)
+    max_ahead: Optional[int] = None   # async + drop: iterations handed out beyond k (None = rollout.workers)
 
 
 @dataclass

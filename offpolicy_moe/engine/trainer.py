@@ -45,6 +45,8 @@ from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError, check_r
 from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger, clean_metrics
 from offpolicy_moe.engine.logprobs import response_logprobs
 from offpolicy_moe.engine.rollout import HFRolloutEngine
+from offpolicy_moe.engine.pipeline.loop import run_async
+from offpolicy_moe.engine.pipeline.source import AsyncBatchSource
 
 __all__ = ["Trainer", "train", "TrainingStopped", "iteration_seed"]
 
@@ -225,8 +227,9 @@ class Trainer:
 
         self.loss_fn = get_policy_loss(cfg.algo.loss.name)
         self.loss_params = set(inspect.signature(self.loss_fn).parameters)
-        self.buffer = StalenessBuffer(cfg.buffer.staleness, cfg.buffer.mode, max_delay=cfg.buffer.max_delay,
-                                      seed=cfg.seed)
+        self.buffer = AsyncBatchSource(cfg, rank=self.rank, world=self.world, seed_fn=iteration_seed) \
+            if cfg.buffer.mode == "async" else \
+            StalenessBuffer(cfg.buffer.staleness, cfg.buffer.mode, max_delay=cfg.buffer.max_delay, seed=cfg.seed)
         ro = cfg.rollout
         self.engine = HFRolloutEngine(
             self.unwrapped, self.tok, dtype=ro.dtype, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
@@ -877,8 +880,31 @@ class Trainer:
         if tc.checkpoint_every > 0:
             self.save()
 
+    # TEMPORARY shims (pre-split trainer): the names the async loop uses on the split trainer
+    def prepare(self, batch):
+        self._prepare(batch)
+
+    def log(self, step, m):
+        self._log(step, m)
+
+    @property
+    def callbacks(self):
+        hooks = self.hooks
+
+        class _CB:
+            def on_batch(self, tr, b):
+                if "on_batch" in hooks:
+                    hooks["on_batch"](tr, b)
+
+            def on_step_end(self, tr, s, m):
+                if "on_step_end" in hooks:
+                    hooks["on_step_end"](tr, s, m)
+        return _CB()
+
     def _loop(self) -> None:
         cfg, tc = self.cfg, self.cfg.trainer
+        if cfg.buffer.mode == "async":
+            return run_async(self, stopped=TrainingStopped)
         max_iterations = tc.steps + cfg.buffer.staleness + 10 * tc.steps * (cfg.buffer.mode == "bounded")
         while self.step < tc.steps:
             if self.iteration >= max_iterations:
