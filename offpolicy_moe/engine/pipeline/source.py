@@ -25,12 +25,12 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable, Optional
 
 from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.pipeline.schedule import STALE_POLICIES, is_stale, issue_limit, min_version
+from offpolicy_moe.engine.pipeline.schedule import STALE_POLICIES, Assignment, Dispatcher
 from offpolicy_moe.engine.pipeline.weights import WeightBoard
 from offpolicy_moe.engine.pipeline.worker import Order, WorkerSpec, pack, unpack, worker_main
 
@@ -54,7 +54,6 @@ class _Worker:
     proc: Any
     orders: Any                   # trainer -> worker connection
     results: Any                  # worker -> trainer connection
-    inflight: list = field(default_factory=list)   # orders sent, not answered
     restarts: int = 0
     error: str = ""
 
@@ -122,22 +121,28 @@ class AsyncBatchSource:
         if self.on_death not in DEATH_POLICIES:
             raise ValueError(f"rollout.on_worker_death must be one of {DEATH_POLICIES}, got {self.on_death!r}")
         self.timeout = float(getattr(ro, "worker_timeout_s", 600.0))
-        self.total = int(cfg.trainer.steps)     # iterations 0 .. steps-1 are trained on
-        self.cursor = 0                          # next iteration to release (= the trainer's step)
+        self.dispatch = Dispatcher(staleness=self.k, policy=self.policy, ahead=self.ahead,
+                                   total=int(cfg.trainer.steps), workers=self.n_workers)
         self.ready: dict[int, RolloutBatch] = {}
-        self.dropped = 0
         self.restarts = 0
         self.timing = {"trainer_wait_s": 0.0, "weight_sync_s": 0.0, "worker_wait_s": 0.0, "worker_sync_s": 0.0,
                        "worker_generate_s": 0.0}
-        self._next_issue = 0
-        self._reissue: list[int] = []
-        self._attempts: dict[int, int] = {}
-        self._workers: list[_Worker] = []
+        self._workers: dict[int, _Worker] = {}
         self._board: Optional[WeightBoard] = None
         self._ctx = _context()
         self._prepare: Callable[[RolloutBatch], None] = lambda batch: None
 
     # ------------------------------------------------------------------ StalenessBuffer surface
+    @property
+    def cursor(self) -> int:
+        """The next iteration the trainer takes (= its step)."""
+        return self.dispatch.cursor
+
+    @property
+    def dropped(self) -> int:
+        """Batches dropped for exceeding ``buffer.staleness`` (``on_stale=drop``) and generated again."""
+        return self.dispatch.dropped
+
     def __len__(self) -> int:
         return len(self.ready)
 
@@ -155,10 +160,9 @@ class AsyncBatchSource:
         if state.get("mode") != "async" or state.get("k") != self.k:
             raise ValueError(f"checkpointed buffer has staleness={state.get('k')} mode={state.get('mode')!r}, "
                              f"but the config asks for staleness={self.k} mode='async'")
-        self.cursor, self.dropped, self.restarts = state["cursor"], state["dropped"], state["restarts"]
         self.ready = {int(i): RolloutBatch.from_state_dict(b) for i, b in state["ready"].items()}
-        self._next_issue = max([self.cursor - 1, *self.ready]) + 1
-        self._reissue = [i for i in range(self.cursor, self._next_issue) if i not in self.ready]
+        self.dispatch.restore(state["cursor"], list(self.ready))
+        self.dispatch.dropped, self.restarts = state["dropped"], state["restarts"]
 
     # ------------------------------------------------------------------ workers
     def start(self, state_dict: dict, version: int, prepare: Callable[[RolloutBatch], None]) -> None:
@@ -167,7 +171,7 @@ class AsyncBatchSource:
         self._prepare = prepare
         self._board = WeightBoard(state_dict, self._ctx)
         self._board.publish(state_dict, version)
-        self._workers = [self._spawn(i) for i in range(self.n_workers)]
+        self._workers = {i: self._spawn(i) for i in range(self.n_workers)}
         self._issue(version)
 
     def _spawn(self, index: int, restarts: int = 0) -> _Worker:
@@ -186,7 +190,7 @@ class AsyncBatchSource:
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (index order)."""
-        return [w.proc.pid for w in self._workers]
+        return [self._workers[i].proc.pid for i in sorted(self._workers)]
 
     def publish(self, state_dict: dict, version: int) -> None:
         """Make ``state_dict`` policy version ``version`` for the workers and hand out the orders it allows."""
@@ -194,27 +198,16 @@ class AsyncBatchSource:
         self._issue(version)
 
     def _issue(self, published: int) -> None:
-        limit = min(issue_limit(published, self.k, self.policy, self.ahead), self.total - 1)
-        while True:
-            if self._reissue and self._reissue[0] <= limit:
-                it = self._reissue.pop(0)
-            elif self._next_issue <= limit:
-                it, self._next_issue = self._next_issue, self._next_issue + 1
-            else:
-                return
-            self._send(it)
+        for a in self.dispatch.issue(published):
+            self._send(a)
 
-    def _send(self, iteration: int, worker: Optional[_Worker] = None) -> None:
-        w = worker or min(self._workers, key=lambda w: (len(w.inflight), w.index))
-        attempt = self._attempts.get(iteration, -1) + 1
-        self._attempts[iteration] = attempt
-        order = Order(iteration=iteration, seed=self.seed_fn(self.cfg.seed, iteration, self.rank),
-                      min_version=min_version(iteration, self.k) if self.policy == "wait" else 0, attempt=attempt)
-        w.inflight.append(iteration)
+    def _send(self, a: Assignment) -> None:
+        order = Order(iteration=a.iteration, seed=self.seed_fn(self.cfg.seed, a.iteration, self.rank),
+                      min_version=a.min_version, attempt=a.attempt)
         try:
-            w.orders.send(order)
+            self._workers[a.worker].orders.send(order)
         except (BrokenPipeError, OSError):
-            pass                    # a dead worker: found by its sentinel in the next wait
+            pass                    # a dead worker: found by its sentinel in the next wait, its orders re-issued
 
     # ------------------------------------------------------------------ receiving
     def take(self, step: int) -> tuple[RolloutBatch, float]:
@@ -228,20 +221,20 @@ class AsyncBatchSource:
             if self._receive(timeout=min(1.0, self.timeout)):
                 last = time.perf_counter()
             elif time.perf_counter() - last > self.timeout:
-                holder = next((w for w in self._workers if step in w.inflight), None)
+                holder = next((w for w in self._workers.values() if step in self.dispatch.inflight[w.index]), None)
                 who = (f"rollout worker {holder.index} (pid {holder.proc.pid}, alive={holder.proc.is_alive()})"
                        if holder is not None else "no worker (the iteration was never issued)")
                 raise PipelineTimeout(f"waited {self.timeout:.0f} s (rollout.worker_timeout_s) for the batch of "
                                       f"iteration {step} from {who}")
         waited = time.perf_counter() - t0
         self.timing["trainer_wait_s"] += waited
-        self.cursor = step + 1
+        self.dispatch.release(step)
         return self.ready.pop(step), waited
 
     def _receive(self, timeout: float) -> bool:
         """Handle what the workers sent within ``timeout`` seconds (batches, errors, deaths); True if anything."""
-        by_conn = {w.results: w for w in self._workers}
-        by_sentinel = {w.proc.sentinel: w for w in self._workers}
+        by_conn = {w.results: w for w in self._workers.values()}
+        by_sentinel = {w.proc.sentinel: w for w in self._workers.values()}
         got = wait_any(list(by_conn) + list(by_sentinel), timeout=timeout)
         for obj in got:
             if obj in by_conn:
@@ -252,7 +245,7 @@ class AsyncBatchSource:
                     continue                    # the process is gone: its sentinel reports it
                 self._handle(w, msg)
         for obj in got:
-            if obj in by_sentinel and by_sentinel[obj] in self._workers:
+            if obj in by_sentinel and self._workers.get(by_sentinel[obj].index) is by_sentinel[obj]:
                 w = by_sentinel[obj]
                 w.proc.join(timeout=5)
                 self._on_death(w)
@@ -266,31 +259,24 @@ class AsyncBatchSource:
         if kind != "batch":
             return
         _, _, iteration, attempt, state, timings = msg
-        if iteration in w.inflight:
-            w.inflight.remove(iteration)
         for key in ("wait", "sync", "generate"):
             self.timing[f"worker_{key}_s"] += float(timings[f"{key}_s"])
-        if attempt != self._attempts.get(iteration) or iteration < self.cursor or iteration in self.ready:
-            return                              # an answer to an order that was re-issued since
         batch = RolloutBatch.from_state_dict(state)
         batch.extras = {}
         oldest = int(batch.token_versions[batch.response_mask.bool()].min()) \
             if batch.token_versions is not None and bool(batch.response_mask.any()) else batch.version
-        if is_stale(iteration, oldest, self.k):
-            self.dropped += 1
-            self._reissue.append(iteration)
-            self._reissue.sort()
-            self._issue(self._board.version)
+        if not self.dispatch.accept(w.index, iteration, attempt, oldest):
+            self._issue(self._board.version)      # a dropped batch's iteration goes out again
             return
         self._prepare(batch)
         self.ready[iteration] = batch
 
     def _on_death(self, w: _Worker) -> None:
         reason = w.error or _exit_reason(w.proc.exitcode)
-        doing = f" while generating iteration(s) {w.inflight}" if w.inflight else ""
+        lost = self.dispatch.worker_lost(w.index)
+        doing = f" while generating iteration(s) {lost}" if lost else ""
         msg = f"rollout worker {w.index} (pid {w.proc.pid}) died{doing}: {reason}"
-        lost = list(w.inflight)
-        self._workers.remove(w)
+        del self._workers[w.index]
         w.orders.close()
         w.results.close()
         if self.on_death == "stop" or w.restarts >= _MAX_RESTARTS:
@@ -299,25 +285,23 @@ class AsyncBatchSource:
         print(f"offpolicy-moe: {msg}; restarting it (rollout.on_worker_death=restart)", file=sys.stderr)
         self.restarts += 1
         new = self._spawn(w.index, restarts=w.restarts + 1)
-        self._workers.append(new)
-        self._workers.sort(key=lambda x: x.index)
-        for it in lost:
-            self._send(it, new)
+        self._workers[w.index] = new
+        self._issue(self._board.version)
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float = 5.0) -> None:
         """Tell the workers to stop, wait up to ``timeout`` seconds, then terminate those still running."""
-        for w in self._workers:
+        for w in self._workers.values():
             try:
                 w.orders.send(None)
             except (BrokenPipeError, OSError):
                 pass
         deadline = time.perf_counter() + timeout
-        for w in self._workers:
+        for w in self._workers.values():
             w.proc.join(timeout=max(deadline - time.perf_counter(), 0.0))
             if w.proc.is_alive():
                 w.proc.terminate()
                 w.proc.join(timeout=2)
             w.orders.close()
             w.results.close()
-        self._workers = []
+        self._workers = {}
