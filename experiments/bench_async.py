@@ -13,6 +13,10 @@ sync/async and async/sync so that a change of machine load hits both.  The async
 data, workers waiting for weights (an order they may start), weight publishing, worker generation; the sync one:
 generate / old-log-prob / update time.  ``uptime`` load averages are recorded before and after.
 
+On a shared machine the wall-clock ratio is capped by the CPU share the job gets; the CPU-time ratio (sync CPU
+seconds per token over the busier async process's) is printed beside it: the wall ratio on a machine with a free
+core per process.
+
     python experiments/bench_async.py --pairs 3 --steps 12 --staleness 1
 """
 from __future__ import annotations
@@ -42,15 +46,23 @@ def _config(args, mode: str, run_dir: str):
         f"rollout.update_in_flight={str(args.update_in_flight).lower()}", *args.set])
 
 
+def cpu_ratio(sync: dict, asyn: dict) -> float:
+    """Sync CPU seconds per trained token over the busier async process's (trainer or worker; a single worker
+    assumed) CPU seconds per token: what the wall-clock ratio becomes when each process has a core of its own."""
+    busiest = max(asyn["trainer_cpu_s"], asyn["worker_cpu_s"])
+    return (sync["trainer_cpu_s"] / sync["tokens"]) / (busiest / asyn["tokens"])
+
+
 def run_once(args, mode: str) -> dict:
     """One run; trained tokens/s over the steps after ``--skip`` and the time breakdown."""
-    ends, tokens, metrics = [], [], []
+    ends, cpu, tokens, metrics = [], [], [], []
 
     def on_batch(trainer, batch):
         tokens.append(batch.num_tokens())
 
     def on_step_end(trainer, step, m):
         ends.append(time.perf_counter())
+        cpu.append(time.process_time())
         metrics.append(dict(m))
 
     with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as d:
@@ -64,11 +76,13 @@ def run_once(args, mode: str) -> dict:
     def total(key: str) -> float:
         return sum(m.get(key, 0.0) for m in window)
 
-    out = {"tokens_per_s": sum(tokens[s:-1]) / wall, "wall_s": wall, "steps_timed": len(window)}
+    out = {"tokens_per_s": sum(tokens[s:-1]) / wall, "wall_s": wall, "steps_timed": len(window),
+           "tokens": sum(tokens[s:-1]), "trainer_cpu_s": cpu[-2] - cpu[s - 1]}
     if mode == "async":
         out.update({k: total(f"async/{k}") for k in ("trainer_wait_s", "worker_wait_s", "weight_sync_s",
-                                                     "worker_generate_s")})
+                                                     "worker_generate_s", "worker_cpu_s")})
         out["update_s"] = total("perf/time_update_s")
+        out["old_logp_s"] = total("perf/time_old_logp_s")
         out["staleness_mean"] = statistics.fmean(m["offpolicy/staleness_steps"] for m in window)
         out["staleness_max"] = max(m["offpolicy/staleness_max"] for m in window)
         out["dropped"] = window[-1]["offpolicy/dropped"]
@@ -105,23 +119,29 @@ def main() -> None:
         order = ("fixed", "async") if i % 2 == 0 else ("async", "fixed")
         res = {mode: run_once(args, mode) for mode in order}
         ratio = res["async"]["tokens_per_s"] / res["fixed"]["tokens_per_s"]
-        pairs.append({"sync": res["fixed"], "async": res["async"], "ratio": ratio})
+        pairs.append({"sync": res["fixed"], "async": res["async"], "ratio": ratio,
+                      "cpu_ratio": cpu_ratio(res["fixed"], res["async"])})
         print(f"pair {i}: sync {res['fixed']['tokens_per_s']:.0f} tok/s, async {res['async']['tokens_per_s']:.0f} "
-              f"tok/s, ratio {ratio:.2f}  (load {os.getloadavg()[0]:.1f})", flush=True)
+              f"tok/s, ratio {ratio:.2f}, CPU-time ratio {pairs[-1]['cpu_ratio']:.2f}  "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
     load_after = os.getloadavg()
     ratio = statistics.median(q["ratio"] for q in pairs)
+    cratio = statistics.median(q["cpu_ratio"] for q in pairs)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
               "load_before": load_before, "load_after": load_after, "args": vars(args),
-              "median_ratio": ratio, "pairs": pairs}
+              "median_ratio": ratio, "median_cpu_ratio": cratio, "pairs": pairs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     a = pairs[[q["ratio"] for q in pairs].index(sorted(q["ratio"] for q in pairs)[len(pairs) // 2])]
     print(f"median async/sync trained-tokens/s ratio: {ratio:.2f} over {len(pairs)} pairs "
           f"(k={args.staleness}, {args.workers} worker(s), load {load_before[0]:.1f} -> {load_after[0]:.1f})")
+    print(f"median CPU-time ratio (sync CPU per token / the busier async process's CPU per token; the wall ratio "
+          f"on a machine with a free core per process): {cratio:.2f}")
     print("median pair, where the time went (s over the timed steps):")
     print("  sync : " + ", ".join(f"{k} {a['sync'][k]:.2f}" for k in ("wall_s", "generate_s", "old_logp_s",
                                                                          "update_s")))
-    print("  async: " + ", ".join(f"{k} {a['async'][k]:.2f}" for k in ("wall_s", "trainer_wait_s", "update_s",
+    print("  async: " + ", ".join(f"{k} {a['async'][k]:.2f}" for k in ("wall_s", "trainer_wait_s", "old_logp_s",
+                                                                          "update_s",
                                                                           "worker_generate_s", "worker_wait_s",
                                                                           "weight_sync_s")))
     print(f"  async lag over tokens: mean {a['async']['staleness_mean']:.2f}, max {a['async']['staleness_max']:.0f}; "

@@ -116,7 +116,9 @@ def _step_metrics(step: int, cfg: Any, source: AsyncBatchSource, batch: RolloutB
             "offpolicy/dropped": float(source.dropped), "offpolicy/buffer_size": float(len(source)),
             "async/worker_restarts": float(source.restarts),
             "async/trainer_wait_s": waited, "async/weight_sync_s": delta["weight_sync_s"],
+            "perf/time_old_logp_s": delta["prepare_s"],
             "async/worker_wait_s": delta["worker_wait_s"], "async/worker_generate_s": delta["worker_generate_s"],
+            "async/worker_cpu_s": delta["worker_cpu_s"],
             "perf/update_tokens_per_s": tokens / max(t_update, 1e-9), "perf/time_update_s": t_update,
             "perf/trained_tokens": float(batch.num_tokens())}
 

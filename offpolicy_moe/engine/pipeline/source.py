@@ -125,8 +125,8 @@ class AsyncBatchSource:
                                    total=int(cfg.trainer.steps), workers=self.n_workers)
         self.ready: dict[int, RolloutBatch] = {}
         self.restarts = 0
-        self.timing = {"trainer_wait_s": 0.0, "weight_sync_s": 0.0, "worker_wait_s": 0.0, "worker_sync_s": 0.0,
-                       "worker_generate_s": 0.0}
+        self.timing = {"trainer_wait_s": 0.0, "prepare_s": 0.0, "weight_sync_s": 0.0, "worker_wait_s": 0.0, "worker_sync_s": 0.0,
+                       "worker_generate_s": 0.0, "worker_cpu_s": 0.0}
         self._workers: dict[int, _Worker] = {}
         self._board: Optional[WeightBoard] = None
         self._ctx = _context()
@@ -211,11 +211,12 @@ class AsyncBatchSource:
 
     # ------------------------------------------------------------------ receiving
     def take(self, step: int) -> tuple[RolloutBatch, float]:
-        """The prepared batch of iteration ``step`` and the seconds the trainer waited for it."""
+        """The prepared batch of iteration ``step`` and the seconds the trainer waited for it (not counting the
+        time it spent preparing batches that arrived meanwhile, ``timing["prepare_s"]``)."""
         if step != self.cursor:
             raise RuntimeError(f"async pipeline: the trainer asks for iteration {step}, the next one is "
                                f"{self.cursor}")
-        t0 = time.perf_counter()
+        t0, prep0 = time.perf_counter(), self.timing["prepare_s"]
         last = t0
         while step not in self.ready:
             if self._receive(timeout=min(1.0, self.timeout)):
@@ -226,7 +227,7 @@ class AsyncBatchSource:
                        if holder is not None else "no worker (the iteration was never issued)")
                 raise PipelineTimeout(f"waited {self.timeout:.0f} s (rollout.worker_timeout_s) for the batch of "
                                       f"iteration {step} from {who}")
-        waited = time.perf_counter() - t0
+        waited = time.perf_counter() - t0 - (self.timing["prepare_s"] - prep0)
         self.timing["trainer_wait_s"] += waited
         self.dispatch.release(step)
         return self.ready.pop(step), waited
@@ -259,7 +260,7 @@ class AsyncBatchSource:
         if kind != "batch":
             return
         _, _, iteration, attempt, state, timings = msg
-        for key in ("wait", "sync", "generate"):
+        for key in ("wait", "sync", "generate", "cpu"):
             self.timing[f"worker_{key}_s"] += float(timings[f"{key}_s"])
         batch = RolloutBatch.from_state_dict(state)
         batch.extras = {}
@@ -268,7 +269,9 @@ class AsyncBatchSource:
         if not self.dispatch.accept(w.index, iteration, attempt, oldest):
             self._issue(self._board.version)      # a dropped batch's iteration goes out again
             return
+        t0 = time.perf_counter()
         self._prepare(batch)
+        self.timing["prepare_s"] += time.perf_counter() - t0
         self.ready[iteration] = batch
 
     def _on_death(self, w: _Worker) -> None:

@@ -132,13 +132,13 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
             iteration = order.iteration
             board.wait_for(order.min_version, spec.weight_timeout_s,
                            what=f"iteration {order.iteration} (rollout worker {spec.index})")
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             board.load_into(engine)
             t2 = time.perf_counter()
             batch = generate_iteration(engine, task, cfg.rollout, iteration=order.iteration, seed=order.seed,
                                        rank=spec.rank, world=spec.world)
             t3 = time.perf_counter()
-            timings = {"wait_s": t1 - t0, "sync_s": t2 - t1, "generate_s": t3 - t2}
+            timings = {"wait_s": t1 - t0, "sync_s": t2 - t1, "generate_s": t3 - t2, "cpu_s": time.process_time() - c1}
             results.send_bytes(pack(("batch", spec.index, order.iteration, order.attempt, batch.state_dict(),
                                      timings)))
     except Exception:  # noqa: BLE001 - reported to the trainer, which names this worker
