@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from offpolicy_moe.config.load import load_config
+from offpolicy_moe.engine.callbacks import FunctionCallback
 from offpolicy_moe.engine.trainer import Trainer
 
 
@@ -66,7 +67,7 @@ def run_once(args, mode: str) -> dict:
         metrics.append(dict(m))
 
     with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as d:
-        summary = Trainer(_config(args, mode, d), hooks={"on_batch": on_batch, "on_step_end": on_step_end}).run()
+        summary = Trainer(_config(args, mode, d), callbacks=[FunctionCallback(on_batch=on_batch, on_step_end=on_step_end)]).run()
     if summary["status"] != "completed":
         raise RuntimeError(f"{mode} run ended {summary['status']}: {summary.get('error')}")
     s = args.skip          # steps s+1 .. N-1: the last step also evaluates and checkpoints, left out

@@ -2,7 +2,7 @@
 
 The policy is first warm-started with the default SFT recipe (so that most answers stop after a few tokens, as in
 training), then the engine generates the same prompt batches alternately with compaction off and on; the figure is
-the median over rounds of the mean process CPU time per ``Trainer._generate`` call (CPU time: insensitive to time
+the median over rounds of the mean process CPU time per ``Trainer.generate`` call (CPU time: insensitive to time
 stolen by other tenants of a shared machine).
 
     python experiments/bench_generation.py --max-new-tokens 16 --dtype bfloat16 --replay r3
@@ -41,7 +41,7 @@ def main() -> None:
     tr = Trainer(cfg)
     sft_warm_start(tr.unwrapped, tr.tok, tr.task, steps=args.sft_steps, lr=cfg.trainer.sft_lr,
                    batch_size=cfg.trainer.sft_batch_size, seed=cfg.seed, progress=False)
-    tr._sync_engine(0)
+    tr.sync_engine(0)
     times: dict[bool, list[float]] = {False: [], True: []}
     lengths = []
     for _ in range(args.rounds):
@@ -49,7 +49,7 @@ def main() -> None:
             tr.engine.compact_finished = compact
             t0 = time.process_time()
             for i in range(args.calls):
-                batch = tr._generate(i)
+                batch = tr.generate(i)
                 lengths.append(float(batch.response_mask.sum(1).float().mean()))
             times[compact].append((time.process_time() - t0) / args.calls)
     off, on = statistics.median(times[False]), statistics.median(times[True])

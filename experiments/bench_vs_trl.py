@@ -131,6 +131,7 @@ def run_ours(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from offpolicy_moe.config.load import load_config
+    from offpolicy_moe.engine.callbacks import FunctionCallback
     from offpolicy_moe.engine.trainer import Trainer
 
     run_dir = tempfile.mkdtemp(prefix="ours_bench_")
@@ -144,7 +145,7 @@ def run_ours(args) -> dict:
         stamps.append(time.perf_counter())
         cpu.append(time.process_time())
 
-    trainer = Trainer(cfg, hooks={"on_step_end": on_step_end})
+    trainer = Trainer(cfg, callbacks=[FunctionCallback(on_step_end=on_step_end)])
     gen = trainer.engine.generate
 
     def counting_generate(*a, **kw):

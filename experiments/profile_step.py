@@ -36,6 +36,7 @@ def profile(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from offpolicy_moe.config.load import load_config
+    from offpolicy_moe.engine.callbacks import FunctionCallback
     from offpolicy_moe.engine.trainer import Trainer
 
     run_dir = tempfile.mkdtemp(prefix="profile_step_")
@@ -48,7 +49,7 @@ def profile(args) -> dict:
         if prof_holder.get("prof") is not None:
             prof_holder["prof"].step()
 
-    trainer = Trainer(cfg, hooks={"on_step_end": on_step_end})
+    trainer = Trainer(cfg, callbacks=[FunctionCallback(on_step_end=on_step_end)])
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile as tprofile, schedule
 

@@ -19,6 +19,7 @@ COMMANDS = {
     "table": "Aggregate a sweep folder into a table (mean +- std across seeds).",
     "plot": "Plot metric curves (mean and band across seeds) from a sweep folder.",
     "env": "Print versions, threads and devices (paste it into bug reports).",
+    "export": "Write a run's trained policy as a Hugging Face folder (safetensors, tokenizer, generation config).",
 }
 
 

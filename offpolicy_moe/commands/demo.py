@@ -69,7 +69,7 @@ def summarize(run_dir: str | Path) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from offpolicy_moe.commands.train import build_config
-    from offpolicy_moe.engine.trainer import train
+    from offpolicy_moe.engine.launch import train
 
     run_dir = args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = DEMO_OVERRIDES + [f"trainer.steps={args.steps}", f"seed={args.seed}"]

@@ -3,36 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 
+from offpolicy_moe.engine.run_dir import environment_info
 
-def environment_info() -> dict:
-    """Versions of the libraries a run depends on, the torch thread count and the devices."""
-    import importlib.metadata as md
-
-    import torch
-
-    info = {
-        "offpolicy_moe": md.version("offpolicy_moe") if _has("offpolicy_moe") else "source",
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda_available": torch.cuda.is_available(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-    for pkg in ("torch", "transformers", "accelerate", "datasets", "tokenizers", "omegaconf", "wandb"):
-        info[pkg] = md.version(pkg) if _has(pkg) else None
-    return info
-
-
-def _has(pkg: str) -> bool:
-    import importlib.metadata as md
-
-    try:
-        md.version(pkg)
-        return True
-    except md.PackageNotFoundError:
-        return False
+__all__ = ["environment_info", "add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

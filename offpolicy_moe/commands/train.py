@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 0
     try:
-        from offpolicy_moe.engine.trainer import train
+        from offpolicy_moe.engine.launch import train
 
         summary = train(cfg, resume=args.resume)
     except (ConfigError, RunDirError, CheckpointError, NonFiniteLossError, ValueError, FileNotFoundError) as exc:

@@ -158,6 +158,7 @@ class TrainerConfig:
     min_free_mb: float = 50.0         # free disk space required in the run folder at start
     mismatch_metrics: bool = True     # recompute trainer log-probs for mismatch/* even in bypass mode
     eval_batch_size: int = 128
+    export_final: bool = True         # finished run -> RUN_DIR/export (Hugging Face folder); sweeps turn it off
 
 
 @dataclass

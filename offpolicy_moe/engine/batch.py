@@ -10,14 +10,14 @@ positions, right-padded after the end-of-sequence token):
 * ``old_logp``        ``[B, T]``   the trainer's log-prob under the generating weights θ_v (None until computed)
 * ``routes``          the engine's route trace (``RouteTrace``, ``[B, P+T, L_moe, K]``) or None
 * ``group_ids``       ``[B]`` which prompt (group) a sequence answers; ``answers``/``completions`` as text
-* ``old_logp_deferred`` True when ``old_logp`` is taken from the (single, on-policy) update forward instead of a
+* ``old_logp_fused``  True when ``old_logp`` is taken from the (single, on-policy) update forward instead of a
                       separate recompute pass (the weights are the same θ_v, so the values are the same)
 * ``version``         the policy version (number of trained steps) of the weights that generated the batch
 * ``generated_at``    the trainer iteration that generated the batch (used to check no batch is lost or reused)
 * ``token_versions``  ``[B, T]`` the policy version that sampled each response token (None: all ``version``);
                       tokens of one sequence may span versions when weights are updated in flight (docs/async.md)
 
-Rewards and advantages are NOT stored: they are computed when the batch is consumed (algorithms.md, Staleness).
+Rewards and advantages are NOT stored: they are computed when the batch is consumed.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class RolloutBatch:
     trainer_routes_ok: Optional[torch.Tensor] = None
     pr2_features: Any = None
     extras: dict = field(default_factory=dict)   # float metrics measured at generation time
-    old_logp_deferred: bool = False    # on-policy, one update: old_logp = the update forward's detached logp
+    old_logp_fused: bool = False       # on-policy, one update: old_logp = the update forward's detached logp
     token_versions: Optional[torch.Tensor] = None   # [B, T] version that sampled each token (None: all `version`)
 
     def __post_init__(self) -> None:
@@ -128,7 +128,7 @@ class RolloutBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
         changes = {f.name: _select(getattr(self, f.name), idx)
                    for f in fields(self)
-                   if f.name not in ("prompt_len", "version", "generated_at", "extras", "old_logp_deferred")}
+                   if f.name not in ("prompt_len", "version", "generated_at", "extras", "old_logp_fused")}
         return replace(self, **changes)
 
     def split(self, n: int) -> list["RolloutBatch"]:
@@ -145,4 +145,7 @@ class RolloutBatch:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "RolloutBatch":
+        state = dict(state)
+        if "old_logp_deferred" in state:     # the field's name before the trainer split
+            state["old_logp_fused"] = state.pop("old_logp_deferred")
         return cls(**{k: _from_state(v) for k, v in state.items()})

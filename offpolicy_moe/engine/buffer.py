@@ -1,4 +1,4 @@
-"""The staleness buffer between the rollout engine and the trainer (algorithms.md, 'Staleness').
+"""The staleness buffer between the rollout engine and the trainer.
 
 Two modes:
 

@@ -24,7 +24,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "actor/nan_skipped": "cumulative number of optimizer updates skipped for a non-finite loss or gradient",
     "actor/updates": "cumulative optimizer updates applied",
     "actor/kl_ref": "reference-KL penalty value (when algo.kl.coef > 0)",
-    # train/inference mismatch between engine behav_logp and trainer old_logp (algorithms.md)
+    # train/inference mismatch between engine behav_logp and trainer old_logp
     "mismatch/k3_kl": "k3 KL between the trainer's old_logp (as used) and the engine's behav_logp",
     "mismatch/extreme_frac": "fraction of tokens with max(rho, 1/rho) > 2",
     "mismatch/k3_kl_r3": "k3 KL when the trainer replays the engine's routes (R3)",

@@ -147,9 +147,15 @@ def _samples_per_row(counts: torch.Tensor, prompt_len: int, fed: int) -> int:
 
 
 def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
-                       max_mask_elements: int = DEFAULT_MAX_MASK_ELEMENTS) -> Optional[GroupPacking]:
+                       max_mask_elements: int = DEFAULT_MAX_MASK_ELEMENTS,
+                       samples_per_row: Optional[int] = None) -> Optional[GroupPacking]:
     """The packed layout of a batch whose rows repeat prompts, or None when packing does not pay or does not fit:
-    fewer than half of the rows repeat a prompt (``2U > B``), or ``U * L * L > max_mask_elements``."""
+    fewer than half of the rows repeat a prompt (``2U > B``), or ``U * L * L > max_mask_elements``.
+
+    ``samples_per_row`` fixes the response slots of a packed row (e.g. the rollout group size) instead of choosing
+    them from the rows present: a micro-batch holding part of a group then packs rows of the same width as the
+    whole group, so its log-probs are bit for bit those of the uncut batch (the width changes the float rounding of
+    attention)."""
     B, S = input_ids.shape
     P, R = prompt_len, S - prompt_len - 1
     if B == 0 or not 0 < P < S:
@@ -165,7 +171,7 @@ def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.empty(B, dtype=torch.long, device=dev)
     rank[order] = torch.arange(B, device=dev) - starts.index_select(0, inverse_u.index_select(0, order))
-    G = _samples_per_row(counts, P, R)
+    G = _samples_per_row(counts, P, R) if samples_per_row is None else max(int(samples_per_row), 1)
     per_prompt = (counts + G - 1) // G                   # packed rows of each prompt
     row_start = torch.cumsum(per_prompt, 0) - per_prompt
     inverse = row_start.index_select(0, inverse_u) + rank // G

@@ -22,14 +22,17 @@ import abc
 import copy
 import time
 from contextlib import ExitStack
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.layout import accepts_kwarg
+from offpolicy_moe.routing import RoutingController
 
-__all__ = ["RolloutEngine", "HFRolloutEngine", "resolve_dtype"]
+__all__ = ["RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "make_engine",
+           "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -43,10 +46,28 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a rollout engine can do beyond sampling: return its route trace (R3 / PR2 / routing metrics) and apply
+    router-logit offsets (PR2 predictors, router noise)."""
+
+    records_routes: bool = False
+    router_offsets: bool = False
+
+
 class RolloutEngine(abc.ABC):
-    """What the trainer needs from a rollout engine."""
+    """What the trainer needs from a rollout engine.  An engine is built from the ``rollout`` config section by
+    :meth:`from_config` and declares its :class:`EngineCapabilities`."""
 
     version: int = 0
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
+                    router_offsets: Optional[dict] = None, device: Optional[torch.device] = None) -> "RolloutEngine":
+        """The engine for config section ``rollout`` (``RolloutConfig``); ``router_offsets``: the PR2 keywords
+        (``pr2_predictors``, ``pr2_in_weights``, ``pr2_feature_sample_rate``) or None."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
@@ -109,6 +130,17 @@ def _supports_native_loop(model: torch.nn.Module) -> bool:
 class HFRolloutEngine(RolloutEngine):
     """Hugging Face ``generate``-based engine with its own copy of the policy (see module docstring)."""
 
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(records_routes=True, router_offsets=True)
+
+    @classmethod
+    def from_config(cls, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
+                    router_offsets: Optional[dict] = None, device: Optional[torch.device] = None) -> "HFRolloutEngine":
+        """The engine of config section ``rollout`` (see :class:`RolloutEngine`)."""
+        return cls(policy, tokenizer, dtype=rollout.dtype, max_new_tokens=rollout.max_new_tokens,
+                   temperature=rollout.temperature, top_p=rollout.top_p, batch_size=rollout.batch_size,
+                   record_routes=record_routes, router_noise=rollout.router_noise, device=device,
+                   sampler=rollout.sampler, compact_finished=rollout.compact_finished, **(router_offsets or {}))
+
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, *, dtype: str = "bfloat16",
                  max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128,
                  record_routes: bool = False, router_noise: float = 0.0, pr2_predictors: Any = None,
@@ -153,8 +185,6 @@ class HFRolloutEngine(RolloutEngine):
         self._sync_targets = self.model.state_dict(keep_vars=True)     # name -> the engine's own tensor
         self.controller = None
         if self.record_routes or self.router_noise > 0 or self.pr2_predictors is not None:
-            from offpolicy_moe.routing import RoutingController
-
             self.controller = RoutingController(self.model)
         if self.pr2_predictors is not None:
             self.pr2_predictors.to(dtype=torch.float32)
@@ -384,3 +414,32 @@ class HFRolloutEngine(RolloutEngine):
                             answers=answers_rep, completions=list(completions), prompt_len=P,
                             version=start_version, generated_at=iteration, routes=routes,
                             pr2_features=features, token_versions=token_versions)
+
+
+ENGINES: dict[str, type[RolloutEngine]] = {}
+
+
+def register_engine(name: str, engine: type[RolloutEngine]) -> None:
+    """Make ``engine`` selectable as ``rollout.engine=<name>``."""
+    ENGINES[name] = engine
+
+
+register_engine("hf", HFRolloutEngine)
+
+
+def make_engine(policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
+                router_offsets: Optional[dict] = None, device: Optional[torch.device] = None) -> RolloutEngine:
+    """The engine named by ``rollout.engine``, built from the ``rollout`` section; one-line error for an unknown
+    name or an engine that lacks a capability the run needs (route recording, router offsets)."""
+    name = getattr(rollout, "engine", "hf")
+    if name not in ENGINES:
+        raise ValueError(f"rollout.engine={name!r} is not a known engine; choose one of {sorted(ENGINES)}")
+    cls = ENGINES[name]
+    needs_offsets = router_offsets is not None or float(rollout.router_noise) > 0
+    for needed, have, what in ((record_routes, cls.capabilities.records_routes, "route recording (R3/PR2/routing "
+                                "metrics)"), (needs_offsets, cls.capabilities.router_offsets,
+                                              "router-logit offsets (PR2/router_noise)")):
+        if needed and not have:
+            raise ValueError(f"rollout.engine={name!r} does not support {what}")
+    return cls.from_config(policy, tokenizer, rollout, record_routes=record_routes, router_offsets=router_offsets,
+                           device=device)

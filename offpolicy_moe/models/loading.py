@@ -13,7 +13,9 @@ tokenizer does not fit the embedding, or the MoE shape (experts, top-k) is not t
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -145,7 +147,12 @@ def load_checkpoint(path: str, *, dtype="float32", experts_implementation: Optio
     kwargs = {"dtype": resolve_dtype(dtype), "local_files_only": True}
     if experts_implementation and _supports_experts_impl(config):
         kwargs["experts_implementation"] = experts_implementation
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except pickle.UnpicklingError as exc:   # transformers reads .bin weights with weights_only=True
+        bins = ", ".join(sorted(p.name for p in Path(path).glob("*.bin"))) or "its weights"
+        raise CheckpointNotFoundError(f"model.path={path!r}: {bins} refused by the safe loader (only tensors are "
+                                      f"allowed): {str(exc).splitlines()[0][:200]}") from None
 
 
 def build_model(cfg, tok, *, seed: Optional[int] = None):

@@ -220,7 +220,8 @@ def plan_runs(
             continue
         frags = [a.fragments[lab] for a, lab in zip(exp.axes, combo)]
         for seed in seeds:
-            data = merge_layers([exp.base, *frags, {"seed": int(seed)}])
+            # a sweep does not export each run (trainer.export_final) unless the experiment file asks
+            data = merge_layers([{"trainer": {"export_final": False}}, exp.base, *frags, {"seed": int(seed)}])
             name = "__".join([f"{sanitize_label(k)}={v}" for k, v in labels.items()] + [f"seed={seed}"])
             cfg = load_config_dict(data, overrides=overrides, source=f"experiment '{exp.name}', run {name}")
             runs.append(RunSpec(name=name, axes=labels, seed=int(seed), data=data, config=cfg))

@@ -46,7 +46,7 @@ class RunRecord:
             self._metrics = []
             p = self.path / "metrics.jsonl"
             if p.is_file():
-                for line in p.read_text().splitlines():
+                for line in p.read_text(errors="replace").splitlines():
                     line = line.strip()
                     if not line:
                         continue
@@ -64,6 +64,8 @@ class RunRecord:
             p = self.path / "config.yaml"
             try:
                 self._config = yaml.safe_load(p.read_text()) or {} if p.is_file() else {}
+            except yaml.constructor.ConstructorError as exc:   # a python/object tag: refused, never built
+                raise ValueError(f"{p}: refused YAML tag: {str(exc).splitlines()[0]}") from None
             except yaml.YAMLError:
                 self._config = {}
         return self._config

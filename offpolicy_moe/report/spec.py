@@ -27,7 +27,10 @@ def report_spec(sweep_dir: str | Path) -> dict:
     p = Path(sweep_dir) / "experiment.yaml"
     raw = {}
     if p.is_file():
-        raw = (yaml.safe_load(p.read_text()) or {}).get("report") or {}
+        try:
+            raw = (yaml.safe_load(p.read_text()) or {}).get("report") or {}
+        except yaml.YAMLError as exc:   # incl. python/object tags: refused by safe_load, never built
+            raise ValueError(f"{p}: cannot parse YAML: {str(exc).splitlines()[0]}") from None
     tables, plots = list(raw.get("tables") or []), list(raw.get("plots") or [])
     for kind, items, keys in (("tables", tables, TABLE_KEYS), ("plots", plots, PLOT_KEYS)):
         for i, item in enumerate(items):

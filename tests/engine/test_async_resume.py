@@ -14,7 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from offpolicy_moe.config.load import to_yaml
+from offpolicy_moe.engine.callbacks import FunctionCallback
 from offpolicy_moe.engine.trainer import Trainer
+from tests.engine.tiny import tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +43,6 @@ def _env() -> dict:
 
 
 def _yaml(tmp_path, run_dir, *overrides) -> Path:
-    from engine_tiny import tiny_config
-    from offpolicy_moe.config.load import to_yaml
-
     path = tmp_path / "cfg.yaml"
     path.write_text(to_yaml(tiny_config(run_dir, *ASYNC, *overrides)))
     return path
@@ -82,7 +82,7 @@ def test_sigkill_of_a_worker_under_stop_checkpoints_names_it_and_resumes(make_cf
             killed.append(trainer.buffer.worker_pids()[0])
             os.kill(killed[0], signal.SIGKILL)
 
-    summary = Trainer(cfg, hooks={"on_step_end": kill}).run()
+    summary = Trainer(cfg, callbacks=[FunctionCallback(on_step_end=kill)]).run()
     assert summary["status"] == "stopped", summary
     assert f"rollout worker 0 (pid {killed[0]}) died" in summary["error"]
     assert "killed by SIGKILL" in summary["error"] and "rollout.on_worker_death=stop" in summary["error"]

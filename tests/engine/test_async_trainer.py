@@ -8,6 +8,7 @@ import signal
 import pytest
 import torch
 
+from offpolicy_moe.engine.callbacks import FunctionCallback
 from offpolicy_moe.engine.trainer import Trainer
 
 
@@ -16,8 +17,7 @@ def _metrics(run_dir) -> list[dict]:
 
 
 def _train(cfg, *, on_batch=None, on_step_end=None, resume=False) -> tuple[dict, Trainer]:
-    hooks = {k: f for k, f in (("on_batch", on_batch), ("on_step_end", on_step_end)) if f is not None}
-    trainer = Trainer(cfg, resume=resume, hooks=hooks)
+    trainer = Trainer(cfg, resume=resume, callbacks=[FunctionCallback(on_batch=on_batch, on_step_end=on_step_end)])
     return trainer.run(), trainer
 
 

@@ -10,12 +10,11 @@ import torch
 from offpolicy_moe.engine.pipeline.loop import VersionRing, loaded_weights, prepare_at_versions, token_lag
 from offpolicy_moe.engine.pipeline.worker import build_engine, generate_iteration
 from offpolicy_moe.engine.trainer import Trainer, iteration_seed
+from tests.engine.tiny import tiny_config
 
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    from engine_tiny import tiny_config
-
     cfg = tiny_config(tmp_path_factory.mktemp("v") / "run", "rollout.max_new_tokens=4", "rollout.dtype=float32",
                       "algo.correction.mode=truncate")
     trainer = Trainer(cfg)

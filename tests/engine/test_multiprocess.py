@@ -3,7 +3,7 @@ process on the whole batch and with two gloo processes on halves of it.
 
 The batch is generated once here (R3: the engine's recorded routes travel with it), saved with
 ``RolloutBatch.state_dict``; each worker process (this file run as a script, rank/world from the environment as
-torchrun would set them) loads the groups ``g`` with ``g % 2 == rank`` — whole groups, as ``Trainer._generate``
+torchrun would set them) loads the groups ``g`` with ``g % 2 == rank`` — whole groups, as ``Trainer.generate``
 divides prompts — and runs the trainer's own update (:meth:`Trainer.update`) for every algorithm.  Global token
 counts (all-reduced), the global M2PO selection (all-gathered) and DDP's gradient average must together make the
 two-process update equal the one-process one.  PR2: the predictors' gradients are all-reduced, so both processes
@@ -16,17 +16,17 @@ against ``model.generate``.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from offpolicy_moe.engine.launch import cpu_launch_processes
+from offpolicy_moe.engine.trainer import Trainer
+from tests.engine.tiny import tiny_config, tiny_policy
 
-from engine_tiny import tiny_config  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 # GRPO+TIS, GSPO and M2PO (global selection), all with R3 replay; PR2 for the predictor consistency check.
 ALGOS = {
@@ -48,7 +48,6 @@ def _cfg(run_dir, algo_overrides):
 
 def _updated_params(run_dir, overrides, batch, init_state):
     """Parameters (and PR2 predictor parameters) after one ``Trainer.update`` on ``batch`` from ``init_state``."""
-    from offpolicy_moe.engine.trainer import Trainer
 
     tr = Trainer(_cfg(run_dir, overrides))
     tr.unwrapped.load_state_dict(init_state)
@@ -86,20 +85,13 @@ def worker(batch_path: str, out_path: str) -> None:
     torch.save(results, out_path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fixed_batches(tmp_path):
     """One R3 batch (engine routes recorded, old_logp recomputed with replay) and one PR2 batch."""
-    from offpolicy_moe.engine.trainer import Trainer
 
     tr = Trainer(_cfg(tmp_path / "gen", ALGOS["grpo_tis"]))
     init = {k: v.detach().clone() for k, v in tr.unwrapped.state_dict().items()}
-    batch = tr._generate(0)
-    tr._prepare(batch)
+    batch = tr.generate(0)
+    tr.prepare(batch)
     assert batch.routes is not None and batch.old_logp is not None
     # rewards that vary within groups (an untrained model earns none): every other sequence "answers" its own text
     batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(batch.answers, batch.completions))]
@@ -108,16 +100,16 @@ def _fixed_batches(tmp_path):
     batch.old_logp = (batch.old_logp + 0.1 * noise) * batch.response_mask
     tr2 = Trainer(_cfg(tmp_path / "gen_pr2", PR2))
     tr2.unwrapped.load_state_dict(init)
-    tr2._sync_engine(0)
-    pr2_batch = tr2._generate(0)
-    tr2._prepare(pr2_batch)
+    tr2.sync_engine(0)
+    pr2_batch = tr2.generate(0)
+    tr2.prepare(pr2_batch)
     pr2_batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(pr2_batch.answers,
                                                                                 pr2_batch.completions))]
     assert pr2_batch.pr2_features is not None and pr2_batch.pr2_features.num_tokens > 0
     return batch, pr2_batch, init
 
 
-def test_two_processes_match_one_process(tmp_path):
+def test_two_processes_match_one_process(tmp_path, free_port):
     torch.set_num_threads(1)
     batch, pr2_batch, init = _fixed_batches(tmp_path)
     # the halves hold whole groups and different sequences
@@ -126,14 +118,15 @@ def test_two_processes_match_one_process(tmp_path):
     batch_path = tmp_path / "batch.pt"
     torch.save({"batch": batch.state_dict(), "pr2_batch": pr2_batch.state_dict(), "init": init}, batch_path)
 
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port),
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("ACCELERATE_USE_CPU", None)
     procs = []
     for rank in range(2):
         out = tmp_path / f"out{rank}.pt"
         e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(batch_path), str(out)], env=e,
+        procs.append((subprocess.Popen([sys.executable, "-m", "tests.engine.test_multiprocess", str(batch_path), str(out)],
+                                       cwd=REPO, env=e,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
 
     # meanwhile: the one-process reference on the whole batch
@@ -174,24 +167,19 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------------------------------------------
 # the single-process fast path: on-policy, one update → old_logp from the update forward (no recompute pass)
 
-def _run_metrics(cfg, monkeypatch, fuse: bool):
+def _run_metrics(cfg, fuse: bool):
     import json
 
-    from offpolicy_moe.engine.trainer import Trainer
-
-    seen = []
-    with monkeypatch.context() as mp:
-        if not fuse:
-            mp.setattr(Trainer, "_can_defer_old_logp", lambda self: False)
-        tr = Trainer(cfg, hooks={"on_step_end": lambda t, s, m: seen.append(m)})
-        assert tr._can_defer_old_logp() is fuse
-        tr.run()
+    cfg.trainer.fuse_old_logp = fuse
+    tr = Trainer(cfg)
+    assert tr.old_logp.can_fuse() is fuse
+    tr.run()
     rows = [json.loads(x) for x in open(Path(cfg.run_dir) / "metrics.jsonl")]
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     return rows, {k: v.clone() for k, v in tr.unwrapped.state_dict().items()}
 
 
-def test_fused_old_logp_equals_recompute_pass(tmp_path, monkeypatch):
+def test_fused_old_logp_equals_recompute_pass(tmp_path):
     torch.set_num_threads(1)
     for name, extra in (("none_routing_metrics", ["algo.routing.metrics=true", "trainer.mismatch_metrics=true"]),
                         ("none_no_counterfactual", ["algo.routing.metrics=true", "trainer.mismatch_metrics=false"]),
@@ -200,8 +188,8 @@ def test_fused_old_logp_equals_recompute_pass(tmp_path, monkeypatch):
         # share prompts; the two paths agree only to float rounding (tests/engine/test_shared_prompt.py)
         common = ["buffer.staleness=0", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
                   "rollout.dtype=bfloat16", "trainer.steps=2", "trainer.share_prompt=false", *extra]
-        fused_rows, fused_w = _run_metrics(tiny_config(tmp_path / f"{name}_fused", *common), monkeypatch, True)
-        ref_rows, ref_w = _run_metrics(tiny_config(tmp_path / f"{name}_ref", *common), monkeypatch, False)
+        fused_rows, fused_w = _run_metrics(tiny_config(tmp_path / f"{name}_fused", *common), True)
+        ref_rows, ref_w = _run_metrics(tiny_config(tmp_path / f"{name}_ref", *common), False)
         assert [r.keys() for r in fused_rows] == [r.keys() for r in ref_rows]
         assert fused_rows == ref_rows, name
         if name.startswith("none"):
@@ -217,7 +205,6 @@ def test_fused_old_logp_equals_recompute_pass(tmp_path, monkeypatch):
 # accelerate launch --cpu without mpirun starts one process: detected and re-run as N torchrun processes
 
 def test_cpu_launch_detection(tmp_path):
-    from offpolicy_moe.engine.trainer import cpu_launch_processes
 
     launched = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     argv = ["python", "/venv/bin/accelerate", "launch", "--num_processes", "2", "--cpu", "-m", "offpolicy_moe",
@@ -242,14 +229,13 @@ def test_cpu_launch_detection(tmp_path):
 # the engine's own sampling loop draws what model.generate draws
 
 def test_native_sampler_matches_generate():
-    from offpolicy_moe.config.schema import ModelConfig, TaskConfig
+    from offpolicy_moe.config.schema import TaskConfig
     from offpolicy_moe.engine.rollout import HFRolloutEngine
-    from offpolicy_moe.models import load_policy
     from offpolicy_moe.tasks import make_task
 
     torch.set_num_threads(1)
     task = make_task(TaskConfig())
-    model, tok = load_policy(ModelConfig(num_layers=1, hidden_size=32, num_experts=4, top_k=2), seed=3, task=task)
+    model, tok = tiny_policy(num_layers=1, seed=3, task=task)
     rows = task.sample_prompts(0, 6)
     prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
     for dtype, temp, top_p, record, bs in (("float32", 1.0, 1.0, True, 64), ("float32", 0.7, 0.9, False, 64),

@@ -7,23 +7,15 @@ really feed fewer tokens (``U * P + B * (T - 1)``), and fall back to the plain f
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from engine_tiny import tiny_config  # noqa: E402
+from offpolicy_moe.engine.trainer import Trainer
+from tests.engine.tiny import tiny_config, tiny_policy
 
 
 def _model():
-    from offpolicy_moe.config.schema import ModelConfig
-    from offpolicy_moe.models import load_policy
-
-    model, tok = load_policy(ModelConfig(num_layers=2, hidden_size=32, num_experts=4, top_k=2), seed=0)
-    return model, tok
+    return tiny_policy(num_layers=2, seed=0)
 
 
 def _batch(U=5, G=4, P=6, T=5, seed=0):
@@ -231,21 +223,20 @@ def test_pack_trace_matches_brute_force_and_refuses_disagreeing_prompts():
 def test_trainer_update_with_and_without_shared_prompt(tmp_path):
     """One update on the same fixed batch: parameters equal to 1e-6 with and without ``trainer.share_prompt``;
     with R3 replay the trainer never shares (the replay hooks expect the [B, S] layout) and still trains."""
-    from offpolicy_moe.engine.trainer import Trainer
 
     torch.set_num_threads(1)
     common = ["preset=[grpo]", "rollout.dtype=float32", "algo.routing.metrics=false",
               "trainer.mismatch_metrics=false", "rollout.max_new_tokens=4"]
     gen = Trainer(tiny_config(tmp_path / "gen", *common))
     init = {k: v.detach().clone() for k, v in gen.unwrapped.state_dict().items()}
-    batch = gen._generate(0)
+    batch = gen.generate(0)
     batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(batch.answers, batch.completions))]
     out = {}
     for share in (True, False):
         tr = Trainer(tiny_config(tmp_path / f"s{share}", *common, f"trainer.share_prompt={str(share).lower()}"))
         tr.unwrapped.load_state_dict(init)
         b = batch.index_select(torch.arange(batch.size))
-        tr._prepare(b)
+        tr.prepare(b)
         tr.update(b)
         out[share] = {k: v.detach().clone() for k, v in tr.unwrapped.named_parameters()}
     moved = max((out[False][k] - init[k]).abs().max().item() for k in out[False])
@@ -260,12 +251,12 @@ def test_trainer_update_with_and_without_shared_prompt(tmp_path):
         tr = Trainer(tiny_config(tmp_path / f"r3{share}", *common, "preset=[grpo,r3]",
                                  f"trainer.share_prompt={str(share).lower()}"))
         tr.unwrapped.load_state_dict(init)
-        tr._sync_engine(0)
-        b = tr._generate(0)
+        tr.sync_engine(0)
+        b = tr.generate(0)
         b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
         seen, h = _count_tokens(tr.unwrapped)
         try:
-            tr._prepare(b)
+            tr.prepare(b)
             tr.update(b)
         finally:
             h.remove()
@@ -322,7 +313,6 @@ def test_recorded_routes_of_a_packed_forward_equal_a_plain_recording(tmp_path):
     packed, the recording is unpacked to the plain layout and equals the plain forward's recording on every fed
     position (the last response position, never fed, holds the sentinel, as in the engine's traces)."""
     from offpolicy_moe.engine.packing import plan_group_packing
-    from offpolicy_moe.engine.trainer import Trainer
 
     torch.set_num_threads(1)
     common = ["preset=[grpo,r2]", "rollout.dtype=bfloat16", "algo.routing.metrics=true", "rollout.max_new_tokens=4",
@@ -330,10 +320,10 @@ def test_recorded_routes_of_a_packed_forward_equal_a_plain_recording(tmp_path):
     got = {}
     for share in (True, False):
         tr = Trainer(tiny_config(tmp_path / f"s{share}", *common, f"trainer.share_prompt={str(share).lower()}"))
-        b = tr._generate(0)
+        b = tr.generate(0)
         seen, h = _count_tokens(tr.unwrapped)
         try:
-            tr._prepare(b)
+            tr.prepare(b)
         finally:
             h.remove()
         got[share] = (b, seen)
@@ -382,8 +372,7 @@ def test_packing_only_for_full_attention_with_4d_masks():
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3", "olmoe"])
 def test_packed_replay_equals_plain_replay_on_other_families(family):
     """R3 on a packed batch (trace re-laid out) gives the plain replayed forward's log-probs and gradients."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "routing"))
-    from routing_models import make_model
+    from tests.routing.routing_models import make_model
 
     from offpolicy_moe.engine.logprobs import response_logprobs
     from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
@@ -420,7 +409,6 @@ def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
     """KL to the reference under R3: the reference policy gets its own routing controller and replays the engine's
     routes like the actor, so at the first on-policy update (reference = current weights) the KL is exactly 0.
     Without replay on the reference (its own top-k where the noisy engine chose other experts) it is not."""
-    from offpolicy_moe.engine.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = ["preset=[grpo,r3]", "algo.kl.coef=0.1", "rollout.router_noise=0.5", "rollout.dtype=float32",
@@ -428,14 +416,14 @@ def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
     kl = {}
     for replay_ref in (True, False):
         tr = Trainer(tiny_config(tmp_path / f"ref{replay_ref}", *cfg))
-        tr._open_loggers()
-        tr._start()
+        tr.open_loggers()
+        tr.start()
         assert tr.ref_model is not None and tr.ref_controller is not None
         if not replay_ref:
-            tr.ref_controller = None
-        b = tr._generate(0)
+            tr.forward.ref_controller = None
+        b = tr.generate(0)
         b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
-        tr._prepare(b)
+        tr.prepare(b)
         kl[replay_ref] = tr.update(b)["actor/kl_ref"]
         tr.logger.close()
     assert kl[True] == 0.0

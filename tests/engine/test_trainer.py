@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from offpolicy_moe.engine.checkpoint import CheckpointError
 from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError
 from offpolicy_moe.engine.metrics import DOCUMENTED_KEYS, is_documented
-from offpolicy_moe.engine.trainer import Trainer, TrainingStopped, iteration_seed, train
-
-from engine_tiny import tiny_config
+from offpolicy_moe.engine.callbacks import FunctionCallback
+from offpolicy_moe.engine.launch import train
+from offpolicy_moe.engine.trainer import Trainer, TrainingStopped, iteration_seed
+from tests.engine.tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +34,7 @@ def strip_perf(rows):
 
 
 def final_weights(run_dir, step):
-    return torch.load(Path(run_dir) / "checkpoints" / f"step_{step}" / "model.pt")
+    return load_file(str(Path(run_dir) / "checkpoints" / f"step_{step}" / "model.safetensors"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,11 +116,11 @@ def test_staleness_zero_bypass_equals_plain_on_policy_loop(make_cfg):
 
 def test_exact_delay_batch_consumed_at_t_was_generated_by_version_t_minus_k(make_cfg):
     seen = []
-    hooks = {"on_batch": lambda tr, b: seen.append((tr.step, b.version, b.generated_at, tr.iteration))}
+    hooks = [FunctionCallback(on_batch=lambda tr, b: seen.append((tr.step, b.version, b.generated_at, tr.iteration)))]
     k = 2
     cfg = make_cfg(f"buffer.staleness={k}", "trainer.steps=4", "rollout.prompts_per_step=2",
                    "rollout.group_size=2", "algo.routing.metrics=false")
-    train(cfg, hooks=hooks)
+    train(cfg, callbacks=hooks)
     assert [s[0] for s in seen] == [0, 1, 2, 3]
     for t, version, generated_at, iteration in seen:
         assert version == max(0, t - k)
@@ -152,7 +154,7 @@ def test_resume_is_bit_identical(reference_run, tmp_path):
         if step == 2:
             raise TrainingStopped("test stop after step 2")
 
-    summary = train(cfg, hooks={"on_step_end": stop})
+    summary = train(cfg, callbacks=[FunctionCallback(on_step_end=stop)])
     assert summary["status"] == "stopped" and summary["steps"] == 2
     summary = train(cfg, resume=True)
     assert summary["status"] == "completed" and summary["steps"] == 5
@@ -321,7 +323,7 @@ def test_nan_loss_is_skipped_and_counted(make_cfg, nan_loss):
         seen[step] = {k: v.detach().clone() for k, v in tr.unwrapped.state_dict().items()}
 
     cfg = make_cfg(f"algo.loss.name={nan_loss}", "trainer.on_nan=skip", "trainer.steps=3")
-    summary = train(cfg, hooks={"on_step_end": snap})
+    summary = train(cfg, callbacks=[FunctionCallback(on_step_end=snap)])
     assert summary["status"] == "completed"
     rows = read_metrics(cfg.run_dir)[1:]
     assert [r["actor/nan_skipped"] for r in rows] == [0, 1, 1]

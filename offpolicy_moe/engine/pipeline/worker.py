@@ -23,14 +23,12 @@ import torch
 
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.pipeline.weights import WeightBoard
-from offpolicy_moe.engine.rollout import HFRolloutEngine
+from offpolicy_moe.engine.forward import REPLAY_ENGINE
+from offpolicy_moe.engine.rollout import RolloutEngine, make_engine
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.tasks import make_task
 
 __all__ = ["Order", "WorkerSpec", "generate_iteration", "build_engine", "worker_main", "pack", "unpack"]
-
-_REPLAY_ENGINE = ("r3", "pr2")
-
 
 @dataclass(frozen=True)
 class Order:
@@ -69,16 +67,14 @@ def unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def build_engine(cfg: Any, model: torch.nn.Module, tok: Any) -> HFRolloutEngine:
-    """The rollout engine of ``cfg.rollout`` around ``model``, recording routes when the run needs them (R3 /
-    routing metrics on an MoE model) — the same engine the trainer builds for itself."""
-    rt, ro = cfg.algo.routing, cfg.rollout
+def build_engine(cfg: Any, model: torch.nn.Module, tok: Any) -> RolloutEngine:
+    """The rollout engine named by ``cfg.rollout.engine`` around ``model``, recording routes when the run needs
+    them (R3 / routing metrics on an MoE model) — the engine the trainer builds for itself (no PR2 offsets: PR2 is
+    refused in async mode)."""
+    rt = cfg.algo.routing
     moe = bool(is_moe(model))
-    record = moe and (rt.replay in _REPLAY_ENGINE or bool(rt.metrics))
-    return HFRolloutEngine(model, tok, dtype=ro.dtype, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-                           top_p=ro.top_p, batch_size=ro.batch_size, record_routes=record,
-                           router_noise=ro.router_noise, device=torch.device("cpu"), sampler=ro.sampler,
-                           compact_finished=ro.compact_finished)
+    record = moe and (rt.replay in REPLAY_ENGINE or bool(rt.metrics))
+    return make_engine(model, tok, cfg.rollout, record_routes=record, device=torch.device("cpu"))
 
 
 def generate_iteration(engine: Any, task: Any, rollout: Any, *, iteration: int, seed: int, rank: int = 0,

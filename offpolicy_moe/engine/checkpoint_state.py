@@ -1,0 +1,77 @@
+"""What a trainer checkpoint holds, built and checked in one place (the storage, its safe formats and checksums
+live in :mod:`offpolicy_moe.engine.checkpoint`)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from offpolicy_moe.engine.checkpoint import (CheckpointError, LoadedCheckpoint, gather_rng_states, load_checkpoint,
+                                             save_checkpoint)
+
+__all__ = ["FORMAT", "model_signature", "CheckpointState"]
+
+FORMAT = "offpolicy_moe.trainer/1"
+
+
+def model_signature(model: torch.nn.Module) -> dict:
+    """The facts of the model a checkpoint must match: class, vocabulary, experts, top-k, layers, width."""
+    cfg = model.config
+    return {"class": type(model).__name__, "vocab_size": int(getattr(cfg, "vocab_size", -1)),
+            "num_experts": getattr(cfg, "num_experts", getattr(cfg, "num_local_experts", None)),
+            "top_k": getattr(cfg, "num_experts_per_tok", None),
+            "num_layers": getattr(cfg, "num_hidden_layers", None),
+            "hidden_size": getattr(cfg, "hidden_size", None)}
+
+
+class CheckpointState:
+    """Builds the state of a checkpoint from the parts of a run and checks a loaded one against the configured
+    model and process count; :meth:`save` / :meth:`load` go through the checkpoint storage."""
+
+    def __init__(self, root: Path, *, model: torch.nn.Module, world: int, keep: int, accelerator: Any = None):
+        self.root = Path(root)
+        self.model = model
+        self.world = int(world)
+        self.keep = int(keep)
+        self.accelerator = accelerator
+
+    def build(self, *, counters: dict, buffer: Any, engine_version: int, metrics_offset: int,
+              last_metrics: dict) -> dict:
+        """The checkpointed counters and queue (weights, optimizer, scheduler and RNG are stored apart);
+        ``counters``: iteration, step, updates, nan_skipped, sft_done."""
+        return {"format": FORMAT, **counters, "buffer": buffer.state_dict(), "engine_version": engine_version,
+                "metrics_offset": metrics_offset, "last_metrics": last_metrics,
+                "model_signature": model_signature(self.model), "world_size": self.world}
+
+    def save(self, step: int, state: Optional[dict], *, optimizer: Any, scheduler: Any,
+             modules: dict[str, Any], is_main: bool) -> Optional[Path]:
+        """Write checkpoint ``step_<step>`` (collective: every process passes its RNG states; the main process
+        writes the model, ``modules`` (name -> module or None), optimizer, scheduler and ``state``)."""
+        rngs = gather_rng_states(self.accelerator)
+        if not is_main:
+            return None
+        return save_checkpoint(self.root, step, model=self.model, optimizer=optimizer, scheduler=scheduler,
+                               extra=state, modules=modules, rng_states=rngs, keep=self.keep)
+
+    def load(self, path: Path, *, rank: int = 0) -> LoadedCheckpoint:
+        """Read checkpoint ``path`` (checksums verified first), load its weights into the model and return it;
+        one-line :class:`CheckpointError` when it is not a trainer checkpoint or does not fit the configured
+        model."""
+        ck = load_checkpoint(path, rank=rank)
+        st = ck.state
+        if st.get("format") != FORMAT:
+            raise CheckpointError(f"{str(path)!r} is not an offpolicy_moe trainer checkpoint")
+        mine, theirs = model_signature(self.model), st.get("model_signature", {})
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
+            raise CheckpointError(f"checkpoint {str(path)!r} does not match the configured model ({desc})")
+        if st.get("world_size", 1) != self.world:
+            raise CheckpointError(f"checkpoint {str(path)!r} was written by {st.get('world_size')} processes; "
+                                  f"resume with the same number (now {self.world})")
+        try:
+            self.model.load_state_dict(ck.model)
+        except RuntimeError as exc:
+            raise CheckpointError(f"checkpoint {str(path)!r} weights do not fit the configured model: {exc}") from exc
+        return ck

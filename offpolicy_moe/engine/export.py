@@ -1,0 +1,136 @@
+"""Export a trained policy as a standard Hugging Face checkpoint that loads with no project code.
+
+An export folder holds what ``save_pretrained`` writes for the model (``config.json``, ``model.safetensors``),
+the tokenizer files (for the embedded character tokenizer: a ``tokenizers``-library ``tokenizer.json`` loaded by
+``PreTrainedTokenizerFast``), and ``generation_config.json`` (bos/eos/pad ids from the tokenizer, greedy by default).
+So ``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)`` load it, and vLLM or
+SGLang can serve it.  Routing replay is a training device: the exported model routes with its own routers.
+
+PR2 predictors (``algo.routing.replay=pr2``), when the run has them, are written beside the model in
+``pr2_predictors.safetensors``: tensors ``layers.<l>.weight`` of shape ``[num_experts, hidden_size]``, one per MoE
+layer ``l`` in model order; the predicted router-logit bias of a router input ``h`` is ``h @ W_l.T`` (PR2,
+arXiv:2606.00395).  Its safetensors metadata repeats this (keys ``format``, ``formula``, ``hidden_size``,
+``num_experts``, ``num_layers``).  Transformers ignores the file.
+
+Two entry points: :func:`export_run` (the ``offpolicy-moe export RUN_DIR OUT_DIR [--step N]`` command) rebuilds the
+policy from the run's ``config.yaml`` and a verified checkpoint; :func:`export_final` writes ``RUN_DIR/export`` from
+the in-memory policy at the end of a finished run when ``trainer.export_final`` is on.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import save_file
+from transformers import GenerationConfig
+from transformers.utils import logging as hf_logging
+
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.engine.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, verify_checkpoint
+from offpolicy_moe.models import load_policy
+from offpolicy_moe.tasks import make_task
+
+__all__ = ["export_run", "export_final", "write_hf_folder", "PREDICTORS_FILE", "EXPORT_DIRNAME"]
+
+PREDICTORS_FILE = "pr2_predictors.safetensors"
+EXPORT_DIRNAME = "export"
+
+
+def _predictor_metadata(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    w = state["layers.0.weight"]
+    return {"format": "offpolicy_moe.pr2_predictors/1",
+            "formula": "router logit bias b_l = h @ layers.<l>.weight.T (PR2, arXiv:2606.00395)",
+            "num_layers": str(len(state)), "num_experts": str(w.shape[0]), "hidden_size": str(w.shape[1])}
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """transformers' shard progress bar off for the duration (restored after)."""
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def write_hf_folder(out_dir: str | os.PathLike, model: Any, tokenizer: Any,
+                    predictors: Optional[dict[str, torch.Tensor]] = None, *, overwrite: bool = False) -> Path:
+    """Write ``model`` + ``tokenizer`` (+ PR2 ``predictors``) as a Hugging Face folder, atomically.
+
+    Everything is written into a temporary sibling folder that is renamed to ``out_dir`` at the end.  An existing
+    non-empty ``out_dir`` is refused unless ``overwrite``."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"export folder {str(out)!r} is not empty; choose another or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp_{out.name}_{uuid.uuid4().hex[:8]}"
+    try:
+        gen = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+        with _quiet_progress():
+            model.save_pretrained(tmp)
+        gen.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if predictors:
+            state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in predictors.items()}
+            save_file(state, str(tmp / PREDICTORS_FILE), metadata=_predictor_metadata(state))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_final(run_dir: str | os.PathLike, model: Any, tokenizer: Any, predictors: Any = None) -> Path:
+    """``RUN_DIR/export``: the finished run's policy (``trainer.export_final``; call on the main process)."""
+    pred = predictors.state_dict() if predictors is not None else None
+    return write_hf_folder(Path(run_dir) / EXPORT_DIRNAME, model, tokenizer, pred, overwrite=True)
+
+
+def _pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
+    root = run_dir / "checkpoints"
+    if step is None:
+        path = resume_checkpoint(root)
+        if path is None:
+            raise CheckpointError(f"run folder {str(run_dir)!r} has no checkpoint to export")
+        return path
+    path = root / f"step_{step}"
+    if not path.is_dir():
+        have = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+        raise CheckpointError(f"run folder {str(run_dir)!r} has no checkpoint step_{step} (has: "
+                              f"{', '.join(have) or 'none'})")
+    verify_checkpoint(path)
+    return path
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: Optional[int] = None,
+               overwrite: bool = False) -> Path:
+    """Export the policy of checkpoint ``step`` (default: the newest intact one) of ``run_dir`` to ``out_dir``.
+
+    The model is rebuilt from the run's ``config.yaml`` (a preset, or the local checkpoint at ``model.path``),
+    loaded with the checkpoint's weights (verified, read without unpickling), and written by
+    :func:`write_hf_folder`."""
+    rd = Path(run_dir)
+    cfg_file = rd / "config.yaml"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{str(cfg_file)!r} not found: {str(rd)!r} is not a run folder")
+    cfg = load_config(cfg_file)
+    path = _pick_checkpoint(rd, step)
+    ck = load_checkpoint(path, require=())
+    model, tok = load_policy(cfg.model, seed=cfg.seed, task=make_task(cfg.task))
+    try:
+        model.load_state_dict(ck.model)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model of {str(cfg_file)!r}: {first}") \
+            from None
+    return write_hf_folder(out_dir, model, tok, ck.modules.get("predictors"), overwrite=overwrite)

@@ -1,0 +1,113 @@
+"""The routed forward: response log-probs of a batch under a model, replaying or recording its MoE routes.
+
+One object, :class:`RoutedForward`, owns every forward the trainer makes for log-probs (old-logp pass, update,
+reference model, M2PO pre-pass), so route replay (R3 / R2 / PR2), route recording and prompt sharing are decided in
+one place.  :func:`eval_mode` is the single eval-mode toggle (restored in ``finally``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.logprobs import response_logprobs
+from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
+from offpolicy_moe.routing import RoutingController
+
+__all__ = ["RoutedForward", "eval_mode", "REPLAY_ENGINE"]
+
+REPLAY_ENGINE = ("r3", "pr2")    # replay modes whose routes come from the rollout engine
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model.eval()`` for the block, then the previous training flag again (also when the block raises)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+class RoutedForward:
+    """Log-probs of :class:`RolloutBatch` responses with the configured routing.
+
+    ``controller`` hooks the actor (``None`` for a dense model or when routing is off); a reference model registered
+    with :meth:`set_reference` gets its own controller, so it replays the same routes as the actor.  ``replay`` is
+    ``algo.routing.replay``; ``share_prompt`` is ``trainer.share_prompt``; ``temperature`` is ``rollout.temperature``;
+    ``group_size`` (``rollout.group_size``) is the width of a packed row, so a forward on part of a group (a
+    micro-batch) packs rows as wide as the whole group's and gives bit for bit the same log-probs.
+    """
+
+    def __init__(self, *, device: torch.device, controller: Optional[RoutingController], replay: str,
+                 share_prompt: bool, temperature: float, group_size: Optional[int] = None):
+        self.device = device
+        self.controller = controller
+        self.replay = replay
+        self.share_prompt = bool(share_prompt)
+        self.group_size = group_size
+        self.temperature = float(temperature)
+        self.ref_model: Optional[torch.nn.Module] = None
+        self.ref_controller: Optional[RoutingController] = None
+
+    def set_reference(self, ref_model: Optional[torch.nn.Module]) -> None:
+        """Register the frozen reference model (KL penalty); it gets its own routing controller when the actor has
+        one, so under R3/R2 its log-probs replay the actor's routes."""
+        self.ref_model = ref_model
+        self.ref_controller = None
+        if ref_model is not None and self.controller is not None:
+            self.ref_controller = RoutingController(ref_model)
+
+    def controller_for(self, model: torch.nn.Module) -> Optional[RoutingController]:
+        """The routing controller hooking ``model`` (the reference model has its own)."""
+        if self.ref_model is not None and model is self.ref_model:
+            return self.ref_controller
+        return self.controller
+
+    def routes_for_update(self, batch: RolloutBatch) -> Any:
+        """The routes every update forward replays: the engine's (R3/PR2), the trainer's own recorded ones (R2) or
+        none."""
+        if self.replay in REPLAY_ENGINE:
+            return batch.routes
+        if self.replay == "r2":
+            return batch.trainer_routes
+        return None
+
+    def logp(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any = None, record: bool = False):
+        """Response log-probs of ``batch`` under ``model``, replaying ``routes`` when given; with ``record`` also
+        the routes the forward used (``(logp, RouteTrace [B, S])``).
+
+        With ``share_prompt`` each group's prompt is run once (:mod:`offpolicy_moe.engine.packing`, or a shared KV
+        cache).  Replayed traces are re-laid out like the packed batch and recorded ones back like the plain batch;
+        router-logit capture (PR2) needs the plain ``[B, S]`` forward, so nothing is shared while a routing context
+        opened by the caller is active."""
+        dev = self.device
+        ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+        if routes is not None and hasattr(routes, "to"):
+            routes = routes.to(dev)
+        ctl = self.controller_for(model)
+        if record and ctl is None:
+            raise RuntimeError("route recording needs a RoutingController (an MoE model with routing enabled)")
+        share = self.share_prompt and not (ctl is not None and ctl.active)
+        packing = None
+        if share and takes_4d_mask(model.module if hasattr(model, "module") else model):
+            packing = plan_group_packing(ids, am, batch.prompt_len, samples_per_row=self.group_size)
+            if packing is not None and routes is not None:
+                packed_routes = packing.pack_trace(routes)
+                packing, routes = (None, routes) if packed_routes is None else (packing, packed_routes)
+        replay_ctx = ctl.replay(routes) if (routes is not None and ctl is not None) else contextlib.nullcontext()
+        rec_ctx = ctl.record() if record else contextlib.nullcontext()
+        # no packing planned (no 4-D masks, or it did not fit or pay): share through the prompt's KV cache, where no
+        # routes flow
+        cache = packing is None and share and routes is None and not record
+        with replay_ctx, rec_ctx as rec:
+            logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.temperature,
+                                     response_mask=batch.response_mask.to(dev),
+                                     share_prompt="cache" if cache else False, packing=packing)
+        if not record:
+            return logp
+        trace = rec.trace()
+        return logp, (packing.unpack_trace(trace) if packing is not None else trace)

@@ -1,0 +1,322 @@
+"""The policy update on one consumed batch: rewards → group advantages → behaviour weights → reference log-probs
+→ ``trainer.updates_per_step`` optimizer updates over contiguous mini-batches of ``trainer.grad_accum``
+micro-batches each.
+
+Loss denominators are the GLOBAL token/sequence counts of the mini-batch (all micro-batches, all processes), so
+the update does not depend on how the mini-batch is cut; a loss that selects tokens over the whole mini-batch
+(M2PO, arXiv 2510.01161) gets that selection from one no-grad pre-pass.  PR2 adds its predictor loss in the same
+backward; a non-finite loss or gradient norm is skipped and counted or stops the run (``trainer.on_nan``).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.faults import NonFiniteLossError, is_finite
+from offpolicy_moe.engine.forward import RoutedForward
+from offpolicy_moe.engine.old_logp import FusedOldLogp, OldLogpPass, float_metrics
+from offpolicy_moe.losses import (aggregate, correction_weights, get_policy_loss, global_counts, group_advantages,
+                                  kl_penalty, m2po_adaptive_cap, m2po_mask, metrics_to_floats)
+from offpolicy_moe.routing import pr2_predictor_loss
+
+__all__ = ["PolicyUpdate", "LossSpec", "loss_spec", "mean_metrics"]
+
+
+@dataclass
+class LossSpec:
+    """The configured policy loss: its function, its keyword options, and whether it selects tokens over the whole
+    mini-batch before the micro-batches (``global_pass``: ``"mask"`` / ``"cap"`` or None, with budget ``tau``)."""
+
+    fn: Callable
+    options: dict = field(default_factory=dict)
+    global_pass: Optional[str] = None
+    tau: float = 0.0
+
+
+def loss_spec(loss_cfg: Any, world: int = 1) -> LossSpec:
+    """The ONE place that reads loss-specific fields of ``algo.loss`` (to be replaced by the loss registry's
+    declared options and capabilities): the options the loss function accepts (and the process group with several
+    processes), and M2PO's global selection."""
+    fn = get_policy_loss(loss_cfg.name)
+    params = set(inspect.signature(fn).parameters)
+    opts = {"clip_low": loss_cfg.clip_low, "clip_high": loss_cfg.clip_high, "dual_clip": loss_cfg.dual_clip,
+            "tau": loss_cfg.m2po_tau, "variant": loss_cfg.m2po_variant, "scope": loss_cfg.m2po_scope}
+    options = {k: v for k, v in opts.items() if k in params and v is not None}
+    if "process_group" in params and world > 1:
+        options["process_group"] = torch.distributed.group.WORLD
+    global_pass = None
+    if loss_cfg.name == "m2po" and loss_cfg.m2po_scope == "global":
+        global_pass = "cap" if loss_cfg.m2po_variant == "adaptive_clip" else "mask"
+    return LossSpec(fn=fn, options=options, global_pass=global_pass, tau=float(loss_cfg.m2po_tau or 0.0))
+
+
+def mean_metrics(dicts: list[dict]) -> dict[str, float]:
+    """Per-key mean over metric dicts of floats / 0-d tensors, converted to floats with ONE host sync
+    (``metrics_to_floats``) instead of one ``.item()`` per metric and micro-batch; non-finite values are dropped."""
+    acc: dict[str, list] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, torch.Tensor):
+                if v.numel() == 1:
+                    acc.setdefault(k, []).append(v.detach().reshape(()).to(torch.float64))
+            elif isinstance(v, (int, float)):
+                acc.setdefault(k, []).append(float(v))
+    means: dict = {}
+    for k, vs in acc.items():
+        if all(isinstance(v, float) for v in vs):
+            means[k] = sum(vs) / len(vs)
+        else:
+            ts = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64) for v in vs]
+            means[k] = torch.stack([t.to(ts[0].device) for t in ts]).mean()
+    return {k: v for k, v in metrics_to_floats(means).items() if math.isfinite(v)}
+
+
+@dataclass
+class _MiniBatch:
+    """One mini-batch cut into micro-batches (rows of the consumed batch, the parts, their replayed routes) and its
+    global token / sequence counts."""
+
+    rows: list[torch.Tensor]
+    parts: list[RolloutBatch]
+    routes: list[Any]
+    num_tokens: torch.Tensor
+    num_seqs: torch.Tensor
+    pr2_on: bool
+    global_sel: dict = field(default_factory=dict)
+
+
+class PolicyUpdate:
+    """Applies the update of the module docstring; counts ``updates`` and ``nan_skipped`` (checkpointed by the
+    trainer).  Built with the config, the loss, the routed forward and old-logp pass, the DDP-wrapped and bare
+    models, the optimizer and scheduler, the accelerator, the task (rewards) and the PR2 predictors (or None)."""
+
+    def __init__(self, cfg: Any, *, loss: LossSpec, forward: RoutedForward, old_pass: OldLogpPass,
+                 model: torch.nn.Module, bare_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, accelerator: Any, task: Any, predictors: Any = None):
+        self.cfg = cfg
+        self.spec, self.loss_fn = loss, loss.fn
+        self.forward, self.old_pass = forward, old_pass
+        self.model, self.bare_model = model, bare_model
+        self.optimizer, self.scheduler, self.acc = optimizer, scheduler, accelerator
+        self.task, self.predictors = task, predictors
+        self.world = accelerator.num_processes
+        self.device = accelerator.device
+        self.norm_length = cfg.algo.loss.norm_length or cfg.rollout.max_new_tokens
+        self.updates = 0
+        self.nan_skipped = 0
+        self._where = ""
+
+    @property
+    def process_group(self):
+        """The all-reduce group of global counts and selections (None with one process)."""
+        return torch.distributed.group.WORLD if self.world > 1 else None
+
+    # ------------------------------------------------------------------ the named steps
+    def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Task rewards of the completions → group advantages (``algo.loss.adv_norm``) and ``reward/*``."""
+        rewards = torch.tensor(self.task.reward(batch.completions, batch.answers), dtype=torch.float32)
+        adv, rmetrics = group_advantages(rewards, batch.group_ids, norm=self.cfg.algo.loss.adv_norm,
+                                         return_metrics=True)
+        metrics = float_metrics(rmetrics)
+        metrics["reward/std"] = float(rewards.std(unbiased=False)) if rewards.numel() > 1 else 0.0
+        metrics["reward/response_len"] = float(batch.response_mask.sum(-1).float().mean())
+        metrics["reward/adv_abs_mean"] = float(adv.abs().mean())
+        return adv, metrics
+
+    def behaviour_weights(self, batch: RolloutBatch) -> tuple[Optional[torch.Tensor], dict[str, float]]:
+        """Per-token off-policy correction weights (``algo.correction``, from ``old_logp`` vs ``behav_logp``), or
+        under ``old_logp_source=proximal`` without correction the plain decoupled-PPO weight ``pi_prox / mu``
+        (AReaL, arXiv 2505.24298); None when neither applies."""
+        src, corr = self.cfg.algo.old_logp_source, self.cfg.algo.correction
+        if src in ("trainer", "proximal") and corr.mode != "none":
+            weights, wm = correction_weights(batch.old_logp, batch.behav_logp, batch.response_mask, level=corr.level,
+                                             mode=corr.mode, high=corr.high, low=corr.low)
+            return weights, float_metrics(wm)
+        if src == "proximal":
+            lw = (batch.old_logp - batch.behav_logp).clamp(-20, 20)
+            return torch.where(batch.response_mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
+        return None, {}
+
+    def ref_logp(self, batch: RolloutBatch, routes: Any) -> Optional[torch.Tensor]:
+        """Log-probs of the frozen reference model (KL penalty), replaying ``routes``; None without one."""
+        if self.forward.ref_model is None:
+            return None
+        with torch.no_grad():
+            return self.forward.logp(self.forward.ref_model, batch, routes).cpu()
+
+    def __call__(self, batch: RolloutBatch, *, step: int, iteration: int) -> dict[str, float]:
+        """Train on one consumed batch at policy version ``step``; returns the step's metrics (``_tokens``:
+        attention tokens processed)."""
+        self._where = f"step {step + 1} (iteration {iteration})"
+        adv, metrics = self.advantages(batch)
+        routes = self.forward.routes_for_update(batch)
+        fused = self.old_pass.begin_fused(batch, step, self.device)
+        metrics.update(self.old_pass.at_consumption(batch, routes))
+        weights, wm = self.behaviour_weights(batch)
+        metrics.update(wm)
+        ref_lp = self.ref_logp(batch, routes)
+        mini_metrics: list[dict] = []
+        grad_norms: list[torch.Tensor] = []
+        on_policy = batch.version == step
+        for mb_num, rows in enumerate(torch.arange(batch.size).tensor_split(self.cfg.trainer.updates_per_step)):
+            # PR2: skip the predictor loss on the first mini-step of on-policy data (target = "no change")
+            mb = self._cut(batch, rows, routes, pr2_on=not (on_policy and mb_num == 0))
+            mb.global_sel = self.global_selection(mb, adv)
+            gn = self.minibatch_step(mb, adv, weights, ref_lp, fused, mini_metrics)
+            if gn is not None:
+                grad_norms.append(gn)
+        if grad_norms:
+            mini_metrics.append({"actor/grad_norm": torch.stack([g.float() for g in grad_norms]).mean()})
+        metrics.update(mean_metrics(mini_metrics))
+        if fused is not None:
+            metrics.update(self.old_pass.finish_fused(batch, fused))
+        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["actor/nan_skipped"] = float(self.nan_skipped)
+        metrics["actor/updates"] = float(self.updates)
+        metrics["_tokens"] = float(int(batch.attention_mask.sum()))
+        return metrics
+
+    def _cut(self, batch: RolloutBatch, rows: torch.Tensor, routes: Any, *, pr2_on: bool) -> _MiniBatch:
+        micro = [m for m in rows.tensor_split(self.cfg.trainer.grad_accum) if m.numel() > 0]
+        parts = [batch.index_select(m) for m in micro]
+        part_routes = [routes.index_select(m) if routes is not None else None for m in micro]
+        n_tok, n_seq = global_counts([p.response_mask.to(self.device) for p in parts], self.process_group)
+        return _MiniBatch(micro, parts, part_routes, n_tok, n_seq, pr2_on)
+
+    def global_selection(self, mb: _MiniBatch, adv: torch.Tensor) -> dict:
+        """The loss's selection over the WHOLE mini-batch (M2PO's token mask or adaptive cap), from one no-grad
+        pass over its micro-batches; empty when the loss needs none or the loss call sees the whole mini-batch
+        anyway (one micro-batch, one process)."""
+        if self.spec.global_pass is None or (len(mb.parts) == 1 and self.world == 1):
+            return {}
+        with torch.no_grad():
+            lrs = [self.forward.logp(self.bare_model, p, r) - p.old_logp.to(self.device)
+                   for p, r in zip(mb.parts, mb.routes)]
+        advs = [adv.index_select(0, m).to(self.device) for m in mb.rows]
+        masks = [p.response_mask.to(self.device) for p in mb.parts]
+        if self.spec.global_pass == "cap":
+            return {"m2po_cap": m2po_adaptive_cap(lrs, advs, masks, tau=self.spec.tau,
+                                                  process_group=self.process_group)}
+        keep = m2po_mask(lrs, advs, masks, tau=self.spec.tau, process_group=self.process_group)
+        return {"m2po_keep": keep}
+
+    # ------------------------------------------------------------------ one optimizer update
+    def minibatch_step(self, mb: _MiniBatch, adv: torch.Tensor, weights: Optional[torch.Tensor],
+                       ref_lp: Optional[torch.Tensor], fused: Optional[FusedOldLogp],
+                       mini_metrics: list[dict]) -> Optional[torch.Tensor]:
+        """Backward over the micro-batches (DDP syncs on the last), clip, step; returns the gradient norm, or None
+        when the update was skipped as non-finite."""
+        losses: list[torch.Tensor] = []
+        ok = True
+        for j in range(len(mb.parts)):
+            last = j == len(mb.parts) - 1
+            sync_ctx = self.acc.no_sync(self.model) if (not last and self.world > 1) else contextlib.nullcontext()
+            with sync_ctx:
+                loss, lm = self.micro_loss(mb, j, adv, weights, ref_lp, fused)
+                if loss is None:
+                    ok = False
+                    break
+                self.acc.backward(loss * self.world)    # DDP averages gradients over ranks; global counts already
+            losses.append(loss.detach())
+            mini_metrics.append(lm)
+        gn = None
+        if ok:
+            self.sync_predictor_grads()
+            gn = self._grad_norm()
+            ok = self.check_finite(torch.as_tensor(gn), "gradient norm")
+        if ok:
+            self.optimizer.step()
+            self.updates += 1
+            mini_metrics.append({"actor/loss": torch.stack(losses).sum()})
+        else:
+            self.nan_skipped += 1
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return torch.as_tensor(gn).detach() if ok else None
+
+    def _grad_norm(self) -> torch.Tensor:
+        clip = self.cfg.optim.grad_clip
+        if clip > 0:
+            return self.acc.clip_grad_norm_(self.model.parameters(), clip)
+        return torch.sqrt(sum((q.grad.detach().float() ** 2).sum() for q in self.model.parameters()
+                              if q.grad is not None))
+
+    def micro_loss(self, mb: _MiniBatch, j: int, adv: torch.Tensor, weights: Optional[torch.Tensor],
+                   ref_lp: Optional[torch.Tensor], fused: Optional[FusedOldLogp]):
+        """Micro-batch ``j``'s loss: policy objective (+ KL to the reference, + PR2 predictor loss) and its metrics;
+        ``(None, {})`` when the loss is non-finite and ``trainer.on_nan=skip``."""
+        cfg, dev = self.cfg, self.device
+        p, rows, routes = mb.parts[j], mb.rows[j], mb.routes[j]
+        mask = p.response_mask.to(dev)
+        feats = p.pr2_features if (self.predictors is not None and mb.pr2_on) else None
+        pr2 = feats is not None and feats.num_tokens > 0
+        cap = None
+        if pr2:
+            with self.forward.controller.capture_router_logits(feats) as cap:
+                logp = self.forward.logp(self.model, p, routes)
+        elif fused is not None and fused.record_routes:      # the trainer's own routes, for routing/*
+            logp, own_routes = self.forward.logp(self.model, p, routes, record=True)
+            fused.routes = own_routes
+        else:
+            logp = self.forward.logp(self.model, p, routes)
+        old_lp = fused.add(rows, logp) if fused is not None else p.old_logp.to(dev)
+        kw = dict(agg=cfg.algo.loss.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
+                  norm_length=self.norm_length,
+                  weights=weights.index_select(0, rows).to(dev) if weights is not None else None, **self.spec.options)
+        if "m2po_keep" in mb.global_sel:
+            kw["m2po_keep"] = mb.global_sel["m2po_keep"][j]
+        if "m2po_cap" in mb.global_sel:
+            kw["m2po_cap"] = mb.global_sel["m2po_cap"]
+        loss, lm = self.loss_fn(logp, old_lp, adv.index_select(0, rows).to(dev), mask, **kw)
+        if ref_lp is not None and cfg.algo.kl.coef > 0:
+            kl_tok = kl_penalty(logp, ref_lp.index_select(0, rows).to(dev), cfg.algo.kl.kind, mask=mask)
+            kl = aggregate(kl_tok, mask, cfg.algo.loss.agg or "token-mean", num_tokens=mb.num_tokens,
+                           num_seqs=mb.num_seqs, norm_length=self.norm_length)
+            loss = loss + cfg.algo.kl.coef * kl
+            lm = dict(lm, **{"actor/kl_ref": kl.detach()})
+        if not self.check_finite(loss.detach(), "loss"):
+            return None, {}
+        if pr2:
+            ploss, pm = pr2_predictor_loss(self.predictors, feats, cap.logits(), current_ids=cap.own_ids(),
+                                           replayed_ids=feats.gather_trace(routes))
+            loss = loss + ploss / len(mb.parts)    # only W_p gets this gradient (features detached)
+            lm = dict(lm, **pm)
+        return loss, lm
+
+    # ------------------------------------------------------------------ multi-process details
+    def check_finite(self, value: torch.Tensor, what: str) -> bool:
+        """True when ``value`` is finite on every process; raises under ``trainer.on_nan=stop``."""
+        ok = is_finite(value)
+        if self.world > 1:
+            flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+            ok = float(self.acc.reduce(flag, "sum").item()) == 0.0
+        if not ok and self.cfg.trainer.on_nan == "stop":
+            raise NonFiniteLossError(f"non-finite {what} at {self._where}; stopping (trainer.on_nan=stop). "
+                                     "Set trainer.on_nan=skip to skip such updates.")
+        return ok
+
+    def sync_predictor_grads(self) -> None:
+        """PR2 predictors are not wrapped in DDP: average their gradients over processes by hand so every process
+        applies the same predictor update.  Each process's backward ran on ``loss * world``, so the sum over
+        processes is divided by ``world**2``: the mean over processes of the local gradients."""
+        if self.predictors is None or self.world == 1:
+            return
+        params = [p for p in self.predictors.parameters() if p.requires_grad]
+        for p in params:     # a process without PR2 features this step contributes zeros (no deadlock)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        flat /= float(self.world * self.world)
+        off = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[off:off + n].view_as(g))
+            off += n

@@ -1,0 +1,1 @@
+"""The test suite (a package: helpers are imported as ``tests.<dir>.<module>``)."""

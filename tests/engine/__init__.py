@@ -1,0 +1,1 @@
+"""Engine tests: trainer, rollout engine, buffer, packing; shared helpers in :mod:`tests.engine.tiny`."""

@@ -1,0 +1,38 @@
+"""The tiny job of the engine tests (a few seconds per run on one thread), defined once; imported by the
+conftests and the tests as ``tests.engine.tiny``."""
+from __future__ import annotations
+
+import socket
+
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.config.schema import ModelConfig
+from offpolicy_moe.models import load_policy
+
+TINY = [
+    "model.num_layers=1", "model.hidden_size=32", "model.num_experts=4", "model.top_k=2",
+    "task.eval_size=16", "task.reward=partial", "rollout.prompts_per_step=4", "rollout.group_size=4",
+    "rollout.max_new_tokens=3",
+    "rollout.batch_size=64", "trainer.steps=3", "trainer.eval_every=0", "trainer.log_every=100",
+    "logging.progress=false", "logging.loggers=[jsonl]", "trainer.min_free_mb=1", "optim.lr=1e-2",
+    "trainer.sft_warmup_steps=0",
+]
+
+
+def tiny_config(run_dir, *overrides):
+    """The tiny job's ``TrainConfig`` writing to ``run_dir``, with dotted ``overrides``."""
+    cfg = load_config(None, TINY + list(overrides))
+    cfg.run_dir = str(run_dir)
+    return cfg
+
+
+def tiny_policy(num_layers: int = 1, seed: int = 0, task=None):
+    """A tiny 4-expert top-2 MoE policy and its tokenizer."""
+    return load_policy(ModelConfig(num_layers=num_layers, hidden_size=32, num_experts=4, top_k=2), seed=seed,
+                       task=task)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a torch.distributed rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
