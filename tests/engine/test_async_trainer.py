@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -59,3 +60,11 @@ def test_a_killed_worker_is_named_restarted_and_nothing_is_lost(make_cfg, capfd)
     assert [m["offpolicy/generated_at"] for m in rows] == [0.0, 1.0, 2.0, 3.0]
     assert all(m["offpolicy/staleness_max"] <= 1.0 for m in rows)
     assert rows[-1]["async/worker_restarts"] == 1.0
+
+
+def test_a_worker_idle_longer_than_its_poll_keeps_serving(make_cfg):
+    """k=0: while the trainer is busy (here 2.5 s in a callback) the worker has no order; it must keep waiting, not
+    mistake its fork-server parent for a dead trainer (the run stops at a worker death under ``stop``)."""
+    cfg = make_cfg("buffer.mode=async", "buffer.staleness=0", "trainer.steps=2", "rollout.on_worker_death=stop")
+    summary, _ = _train(cfg, on_step_end=lambda tr, step, m: time.sleep(2.5) if step == 1 else None)
+    assert summary["status"] == "completed", summary.get("error")

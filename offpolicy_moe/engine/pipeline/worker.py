@@ -49,7 +49,7 @@ class WorkerSpec:
     index: int                  # worker number on this trainer process
     rank: int                   # the trainer process whose share of the prompts it generates
     world: int
-    parent_pid: int
+    parent_pid: int             # the trainer process (the worker's OS parent is the fork server)
     threads: int = 1
     weight_timeout_s: float = 600.0
     update_in_flight: bool = False
@@ -93,15 +93,27 @@ def generate_iteration(engine: Any, task: Any, rollout: Any, *, iteration: int, 
     return batch
 
 
-def _next_order(conn: Any, parent_pid: int) -> Optional[Order]:
-    """The next order (None: stop), polling so that a worker whose trainer died exits within a second."""
+def _alive(pid: int) -> bool:
+    """True while process ``pid`` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _next_order(conn: Any, trainer_pid: int) -> Optional[Order]:
+    """The next order (None: stop), polling so that a worker whose trainer died exits within a second (the
+    worker's parent is the fork server, not the trainer: the trainer's pid is checked, and its pipe's end)."""
     while True:
         if conn.poll(1.0):
             try:
                 return conn.recv()
             except EOFError:      # the trainer closed the pipe
                 return None
-        if os.getppid() != parent_pid:
+        if not _alive(trainer_pid):
             return None
 
 
