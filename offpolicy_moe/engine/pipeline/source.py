@@ -97,6 +97,18 @@ def _context() -> Any:
     return ctx
 
 
+def _pid_alive(pid: Optional[int]) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class AsyncBatchSource:
     """Rollout workers generating ahead of the trainer within ``buffer.staleness`` versions (see module
     docstring).  ``seed_fn(seed, iteration, rank)`` gives an iteration's sampling seed (the trainer's
@@ -276,6 +288,12 @@ class AsyncBatchSource:
 
     def _on_death(self, w: _Worker) -> None:
         reason = w.error or _exit_reason(w.proc.exitcode)
+        if _pid_alive(w.proc.pid):       # its fork server died, so its exit cannot be reported: end it
+            reason = "its fork server died (the worker was ended)"
+            try:
+                os.kill(w.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         lost = self.dispatch.worker_lost(w.index)
         doing = f" while generating iteration(s) {lost}" if lost else ""
         msg = f"rollout worker {w.index} (pid {w.proc.pid}) died{doing}: {reason}"
