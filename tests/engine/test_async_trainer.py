@@ -1,15 +1,18 @@
 """buffer.mode=async end to end: real rollout worker processes beside the trainer (docs/async.md)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 
 from offpolicy_moe.engine.callbacks import FunctionCallback
+from offpolicy_moe.engine.pipeline.source import PipelineTimeout
 from offpolicy_moe.engine.trainer import Trainer
 
 
@@ -68,3 +71,25 @@ def test_a_worker_idle_longer_than_its_poll_keeps_serving(make_cfg):
     cfg = make_cfg("buffer.mode=async", "buffer.staleness=0", "trainer.steps=2", "rollout.on_worker_death=stop")
     summary, _ = _train(cfg, on_step_end=lambda tr, step, m: time.sleep(2.5) if step == 1 else None)
     assert summary["status"] == "completed", summary.get("error")
+
+
+def test_a_worker_that_stops_answering_makes_a_timeout_that_names_it(make_cfg):
+    """SIGSTOP: the worker is alive but silent; the trainer gives up after rollout.worker_timeout_s, naming the
+    iteration, the worker and its pid, and ends the worker on the way out."""
+    cfg = make_cfg("buffer.mode=async", "buffer.staleness=0", "trainer.steps=3", "rollout.worker_timeout_s=2")
+    stopped = []
+
+    def freeze(trainer, step, m):
+        if step == 1:
+            stopped.append(trainer.buffer.worker_pids()[0])
+            os.kill(stopped[0], signal.SIGSTOP)
+
+    try:
+        with pytest.raises(PipelineTimeout, match=r"waited 2 s .* for the batch of iteration 1 from rollout worker 0 "
+                                                  r"\(pid \d+, alive=True\)"):
+            _train(cfg, on_step_end=freeze)
+        assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -311,7 +311,7 @@ class AsyncBatchSource:
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float = 5.0) -> None:
-        """Tell the workers to stop, wait up to ``timeout`` seconds, then terminate those still running."""
+        """Tell the workers to stop, wait up to ``timeout`` seconds, then terminate (and kill) those still running."""
         for w in self._workers.values():
             try:
                 w.orders.send(None)
@@ -322,6 +322,9 @@ class AsyncBatchSource:
             w.proc.join(timeout=max(deadline - time.perf_counter(), 0.0))
             if w.proc.is_alive():
                 w.proc.terminate()
+                w.proc.join(timeout=2)
+            if w.proc.is_alive():           # stopped or stuck: SIGTERM is not enough
+                w.proc.kill()
                 w.proc.join(timeout=2)
             w.orders.close()
             w.results.close()
