@@ -163,9 +163,12 @@ class AsyncBatchSource:
         return [self.ready[i].version for i in sorted(self.ready)]
 
     def state_dict(self) -> dict:
-        """The in-flight state a checkpoint needs (see module docstring)."""
+        """The in-flight state a checkpoint needs (see module docstring).  With several trainer processes the
+        checkpoint is written by process 0 alone, so the received batches (each process has its own share) are not
+        kept: every process generates its share of those iterations again on resume."""
+        ready = {i: b.state_dict() for i, b in sorted(self.ready.items())} if self.world == 1 else {}
         return {"mode": "async", "k": self.k, "cursor": self.cursor, "dropped": self.dropped,
-                "restarts": self.restarts, "ready": {i: b.state_dict() for i, b in sorted(self.ready.items())}}
+                "restarts": self.restarts, "world": self.world, "ready": ready}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; iterations that were in flight are issued again when the workers start."""
