@@ -13,9 +13,10 @@ sync/async and async/sync so that a change of machine load hits both.  The async
 data, workers waiting for weights (an order they may start), weight publishing, worker generation; the sync one:
 generate / old-log-prob / update time.  ``uptime`` load averages are recorded before and after.
 
-On a shared machine the wall-clock ratio is capped by the CPU share the job gets; the CPU-time ratio (sync CPU
-seconds per token over the busier async process's) is printed beside it: the wall ratio on a machine with a free
-core per process.
+On a shared machine the wall-clock ratio is capped by the CPU share the job gets: the script first measures that
+cap (``parallel_ceiling``: two busy processes against one), and prints the CPU-time ratio (sync CPU seconds per
+token over the busier async process's) beside the wall ratio: the wall ratio on a machine with a free core per
+process.
 
     python experiments/bench_async.py --pairs 3 --steps 12 --staleness 1
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import statistics
 import tempfile
@@ -45,6 +47,39 @@ def _config(args, mode: str, run_dir: str):
         f"rollout.max_new_tokens={args.max_new_tokens}", f"model.hidden_size={args.hidden}",
         f"model.num_layers={args.layers}", "algo.correction.mode=truncate",
         f"rollout.update_in_flight={str(args.update_in_flight).lower()}", *args.set])
+
+
+def _busy(n: int, go=None, out=None) -> float:
+    """Seconds a pure-python loop of ``n`` additions takes (started when all parties reach the barrier ``go``;
+    reported on ``out``)."""
+    if go is not None:
+        go.wait()
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x += i
+    took = time.perf_counter() - t0
+    if out is not None:
+        out.put(took)
+    return took
+
+
+def parallel_ceiling(n: int = 5_000_000) -> float:
+    """How much two processes get done together relative to one alone on this machine right now: the same
+    pure-python loop once alone, then in two processes at once; ``2 * t_alone / t_pair`` (about 2 on an idle
+    2-core machine, about 1 when the job's CPU share is capped, e.g. a machine shared through CPU cgroups).  The
+    best wall-clock ratio the async pipeline (two busy processes) can reach is about this."""
+    ctx = mp.get_context("spawn")
+    alone = _busy(n)
+    go, out = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_busy, args=(n, go, out)) for _ in range(2)]
+    for q in procs:
+        q.start()
+    go.wait(timeout=600)            # both children imported and ready: they start together
+    pair = max(out.get(timeout=600) for _ in procs)
+    for q in procs:
+        q.join()
+    return 2 * alone / pair
 
 
 def cpu_ratio(sync: dict, asyn: dict) -> float:
@@ -115,6 +150,8 @@ def main() -> None:
         p.error("need --skip >= 1 and --steps > --skip + 2")
 
     load_before = os.getloadavg()
+    ceiling = [parallel_ceiling()]
+    print(f"parallel ceiling of this machine now (two busy processes vs one): {ceiling[0]:.2f}", flush=True)
     pairs = []
     for i in range(args.pairs):
         order = ("fixed", "async") if i % 2 == 0 else ("async", "fixed")
@@ -126,16 +163,18 @@ def main() -> None:
               f"tok/s, ratio {ratio:.2f}, CPU-time ratio {pairs[-1]['cpu_ratio']:.2f}  "
               f"(load {os.getloadavg()[0]:.1f})", flush=True)
     load_after = os.getloadavg()
+    ceiling.append(parallel_ceiling())
     ratio = statistics.median(q["ratio"] for q in pairs)
     cratio = statistics.median(q["cpu_ratio"] for q in pairs)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
               "load_before": load_before, "load_after": load_after, "args": vars(args),
-              "median_ratio": ratio, "median_cpu_ratio": cratio, "pairs": pairs}
+              "parallel_ceiling": ceiling, "median_ratio": ratio, "median_cpu_ratio": cratio, "pairs": pairs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     a = pairs[[q["ratio"] for q in pairs].index(sorted(q["ratio"] for q in pairs)[len(pairs) // 2])]
     print(f"median async/sync trained-tokens/s ratio: {ratio:.2f} over {len(pairs)} pairs "
           f"(k={args.staleness}, {args.workers} worker(s), load {load_before[0]:.1f} -> {load_after[0]:.1f})")
+    print(f"parallel ceiling before/after: {ceiling[0]:.2f}/{ceiling[1]:.2f} (the most two processes can gain here)")
     print(f"median CPU-time ratio (sync CPU per token / the busier async process's CPU per token; the wall ratio "
           f"on a machine with a free core per process): {cratio:.2f}")
     print("median pair, where the time went (s over the timed steps):")
