@@ -2,7 +2,7 @@
 tokens per second and their ratio, median over interleaved pairs, and where the time goes.
 
 * sync:  ``buffer.mode=fixed`` at the same staleness ``k`` — generate, old-log-prob pass and update one after the
-  other in one process (``trainer.threads = --sync-threads``, by default every core of the machine);
+  other in one process (``trainer.threads = --sync-threads``, default 1);
 * async: ``buffer.mode=async`` with ``--workers`` rollout worker processes (``rollout.worker_threads=1``) beside a
   trainer with ``trainer.threads = --async-trainer-threads``.
 
@@ -135,7 +135,9 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the timing")
     p.add_argument("--staleness", type=int, default=1, help="buffer.staleness k (both modes)")
     p.add_argument("--workers", type=int, default=1, help="rollout.workers of the async runs")
-    p.add_argument("--sync-threads", type=int, default=os.cpu_count() or 1, help="trainer.threads of the sync runs")
+    p.add_argument("--sync-threads", type=int, default=1,
+                   help="trainer.threads of the sync runs (1: the same threads per process as async; on the tiny "
+                        "model two intra-op threads slow the sync loop down on a shared machine)")
     p.add_argument("--async-trainer-threads", type=int, default=1, help="trainer.threads of the async runs")
     p.add_argument("--prompts", type=int, default=16, help="rollout.prompts_per_step")
     p.add_argument("--group", type=int, default=8, help="rollout.group_size")
