@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import time
@@ -93,3 +94,16 @@ def test_a_worker_that_stops_answering_makes_a_timeout_that_names_it(make_cfg):
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("overrides", [["preset=[m2po,r3]", "rollout.update_in_flight=true"],
+                                       ["algo.old_logp_source=proximal"]], ids=["m2po_r3_in_flight", "decoupled_ppo"])
+def test_off_policy_losses_train_on_async_batches(make_cfg, overrides):
+    """M2PO (with R3 and updates in flight) and decoupled PPO read the per-token behaviour / old log-probs of
+    asynchronous batches unchanged."""
+    cfg = make_cfg("buffer.mode=async", "buffer.staleness=1", "trainer.steps=3", *overrides)
+    summary, _ = _train(cfg)
+    assert summary["status"] == "completed", summary.get("error")
+    rows = [m for m in _metrics(cfg.run_dir) if m["step"] > 0]
+    assert len(rows) == 3 and all(m["offpolicy/staleness_max"] <= 1.0 for m in rows)
+    assert all(math.isfinite(m["actor/loss"]) and m["actor/updates"] == m["step"] for m in rows)
