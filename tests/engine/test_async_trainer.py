@@ -107,3 +107,15 @@ def test_off_policy_losses_train_on_async_batches(make_cfg, overrides):
     rows = [m for m in _metrics(cfg.run_dir) if m["step"] > 0]
     assert len(rows) == 3 and all(m["offpolicy/staleness_max"] <= 1.0 for m in rows)
     assert all(math.isfinite(m["actor/loss"]) and m["actor/updates"] == m["step"] for m in rows)
+
+
+def test_two_workers_stay_within_the_bound_and_in_order(make_cfg):
+    cfg = make_cfg("buffer.mode=async", "buffer.staleness=2", "trainer.steps=5", "rollout.workers=2",
+                   "rollout.update_in_flight=true")
+    pids = []
+    summary, _ = _train(cfg, on_step_end=lambda tr, step, m: pids.append(tuple(tr.buffer.worker_pids())))
+    assert summary["status"] == "completed", summary.get("error")
+    assert len(set(pids)) == 1 and len(pids[0]) == 2
+    rows = [m for m in _metrics(cfg.run_dir) if m["step"] > 0]
+    assert [m["offpolicy/generated_at"] for m in rows] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert all(m["offpolicy/staleness_max"] <= 2.0 for m in rows)
