@@ -176,7 +176,8 @@ def main() -> None:
     a = pairs[[q["ratio"] for q in pairs].index(sorted(q["ratio"] for q in pairs)[len(pairs) // 2])]
     print(f"median async/sync trained-tokens/s ratio: {ratio:.2f} over {len(pairs)} pairs "
           f"(k={args.staleness}, {args.workers} worker(s), load {load_before[0]:.1f} -> {load_after[0]:.1f})")
-    print(f"parallel ceiling before/after: {ceiling[0]:.2f}/{ceiling[1]:.2f} (the most two processes can gain here)")
+    print(f"parallel ceiling before/after: {ceiling[0]:.2f}/{ceiling[1]:.2f} (the most two processes can gain here); "
+          f"wall ratio / mean ceiling: {ratio / statistics.fmean(ceiling):.2f}")
     print(f"median CPU-time ratio (sync CPU per token / the busier async process's CPU per token; the wall ratio "
           f"on a machine with a free core per process): {cratio:.2f}")
     print("median pair, where the time went (s over the timed steps):")
