@@ -4,9 +4,13 @@ its definition as trainer overrides (tiny Qwen3-MoE, GRPO, no replay, fp32 engin
 from __future__ import annotations
 
 import argparse
+import resource
+
+import torch
 
 # knobs of the job (also forwarded to bench_vs_trl's child processes)
-JOB_ARGS = ("threads", "prompts", "group", "max_new_tokens", "layers", "hidden", "experts", "digits", "lr", "seed")
+JOB_ARGS = ("threads", "prompts", "group", "max_new_tokens", "layers", "hidden", "experts", "digits", "lr", "seed",
+            "no_eos")
 # measurements TRL has no equivalent of: routing metrics (the engine would record routes) and the counterfactual
 # "with R3" mismatch pass
 LEAN = ["algo.routing.metrics=false", "trainer.mismatch_metrics=false"]
@@ -24,7 +28,22 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--digits", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-eos", type=int, default=0, choices=(0, 1),
+                   help="1: the end-of-sequence token gets logit -1e9 in every model of both systems, so every "
+                        "response runs to --max-new-tokens (scaling runs measure the nominal length)")
 
+
+def forbid_token(model: torch.nn.Module, token_id: int) -> torch.utils.hooks.RemovableHandle:
+    """Give ``token_id`` the logit -1e9 in every forward of ``model`` (a hook on its output embedding): sampling
+    never draws it, and the log-probs of every other token stay finite and differentiable."""
+    def hook(module, args, out):
+        return out.index_fill(-1, torch.tensor([token_id], device=out.device), -1e9)
+    return model.get_output_embeddings().register_forward_hook(hook)
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory so far, MiB (``ru_maxrss``, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 def job_overrides(args: argparse.Namespace, steps: int) -> list[str]:
     """The job as trainer overrides, ``steps`` trained steps, default measurements (add :data:`LEAN` to drop them)."""

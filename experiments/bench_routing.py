@@ -1,4 +1,8 @@
-"""Benchmark of offpolicy_moe.routing overheads on a tiny Qwen3-MoE (random init, built from config).
+"""Benchmark of offpolicy_moe.routing overheads on small MoE models (random init, built from config).
+
+Families (``--family``): ``qwen3_moe`` (softmax, hand adapter), ``glm4_moe`` (GLM-4.5 style: sigmoid scores plus a
+selection bias, generic rule = the router's own forward with its top-k intercepted), ``granitemoe`` (softmax,
+generic rule). The 1-minute load average (``os.getloadavg``) is printed with each figure.
 
 Measures, interleaving the variants round by round and reporting medians:
   * train forward+backward with R3 replay vs without (ratio; target <= 1.03);
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -22,14 +27,22 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from offpolicy_moe.routing import FeatureCache, PR2Predictors, RoutingController
 
 
-def build(device: str, layers: int, hidden: int, experts: int, top_k: int, vocab: int):
-    cfg = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, max_position_embeddings=512,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+def build(device: str, layers: int, hidden: int, experts: int, top_k: int, vocab: int, family: str = "qwen3_moe"):
+    """A random-init model of ``family``; only the shape keys its config class has are set."""
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                 num_experts=experts, num_local_experts=experts, n_routed_experts=experts, num_experts_per_tok=top_k,
+                 norm_topk_prob=True, n_group=1, topk_group=1, first_k_dense_replace=0, n_shared_experts=1,
+                 max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base = AutoConfig.for_model(family)
+    cfg = AutoConfig.for_model(family, **{k: v for k, v in shape.items() if hasattr(base, k)})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).to(device)
+    model = AutoModelForCausalLM.from_config(cfg).to(device)
+    with torch.no_grad():  # a non-zero selection bias, as a trained GLM-4.5 router has
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
+    return model
 
 
 def sync(device: str):
@@ -64,11 +77,13 @@ def main():
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall clock, or process CPU time (use on a shared CPU; meaningless for GPU work)")
+    ap.add_argument("--family", default="qwen3_moe", help="qwen3_moe | glm4_moe | granitemoe (any MoE model_type)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = args.device
-    model = build(dev, args.layers, args.hidden, args.experts, args.top_k, 1024).to(getattr(torch, args.dtype))
+    model = build(dev, args.layers, args.hidden, args.experts, args.top_k, 1024, args.family).to(
+        getattr(torch, args.dtype))
     ctl = RoutingController(model)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(3, 1024, (args.batch, args.seq), generator=g).to(dev)
@@ -102,6 +117,7 @@ def main():
     model.train()
     train_step(False), train_step(True)  # warm-up
     tr = {"plain": [], "replay": []}
+    load = [os.getloadavg()[0]]
     for _ in range(args.rounds):
         for mode in ("plain", "replay") if _ % 2 == 0 else ("replay", "plain"):
             tr[mode].append(timed(lambda: train_step(mode == "replay"), dev, args.clock))
@@ -112,6 +128,7 @@ def main():
     for r in range(args.rounds):
         for mode in order[r % 3:] + order[:r % 3]:
             ge[mode].append(timed(lambda: gen(mode), dev, args.clock))
+    load.append(os.getloadavg()[0])
     med = {k: statistics.median(v) for k, v in tr.items()}
     gmed = {k: statistics.median(v) for k, v in ge.items()}
     ntok_train = args.batch * args.seq
@@ -129,9 +146,12 @@ def main():
         "generate_tok_per_s": {k: ntok_gen / v for k, v in gmed.items()},
         "trace_bytes_per_token": bytes_tok, "int32_bytes_per_token": int32_tok,
         "target_bytes_per_token": ctl.num_moe_layers * ctl.top_k,
+        "family": args.family, "rule": ",".join(ctl.families), "loadavg_1min": load,
     }
     print(f"bench_routing  {res['date']}  {res['machine']}  torch {res['torch']}  rounds={args.rounds}")
-    print(f"model: Qwen3-MoE L={args.layers} hidden={args.hidden} E={args.experts} K={args.top_k}; "
+    print(f"load average (1 min) before / after the timed runs / at print: {load[0]:.2f} / {load[1]:.2f} / "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"model: {args.family} (rule: {res['rule']}) L={args.layers} hidden={args.hidden} E={args.experts} K={args.top_k}; "
           f"train {args.batch}x{args.seq}; generate {args.batch}x({args.prompt}+{args.new_tokens})")
     print("| measurement | baseline | with routing | ratio | target |")
     print("| --- | --- | --- | --- | --- |")

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_job import JOB_ARGS, LEAN, add_job_args, job_overrides
+from _bench_job import JOB_ARGS, LEAN, add_job_args, forbid_token, job_overrides, peak_rss_mb
 
 
 def _common_setup(args):
@@ -70,6 +70,8 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     task, tok, model = _common_setup(args)
+    if args.no_eos:
+        forbid_token(model, tok.eos_token_id)
     n_prompts = args.prompts * (args.steps + 2)
     rows = task.sample_prompts(0, n_prompts)
     ds = Dataset.from_dict({"prompt": [tok.bos_token + r["prompt"] for r in rows],
@@ -122,7 +124,8 @@ def run_trl(args) -> dict:
             "generation_use_cache": trainer.generation_config.use_cache,
             "max_new_tokens": trainer.generation_config.max_new_tokens,
             "no_grad_forwards_len1": sum(n == 1 for n in fwd_lens), "no_grad_forwards": len(fwd_lens)}
-    return {"step_times": _timed(times), "cpu_step_times": _timed(cpu), "fairness": fair}
+    return {"step_times": _timed(times), "cpu_step_times": _timed(cpu), "fairness": fair,
+            "peak_rss_mb": peak_rss_mb()}
 
 
 def run_ours(args) -> dict:
@@ -141,11 +144,17 @@ def run_ours(args) -> dict:
     cpu: list[float] = []
     seqs: list[int] = []
 
+    forward: dict = {}
+
     def on_step_end(tr, step, metrics):
+        forward.update({k: v for k, v in metrics.items() if k.startswith("perf/forward_")})
         stamps.append(time.perf_counter())
         cpu.append(time.process_time())
 
     trainer = Trainer(cfg, callbacks=[FunctionCallback(on_step_end=on_step_end)])
+    if args.no_eos:
+        for m in (trainer.unwrapped, trainer.engine.model):
+            forbid_token(m, trainer.tok.eos_token_id)
     gen = trainer.engine.generate
 
     def counting_generate(*a, **kw):
@@ -159,7 +168,8 @@ def run_ours(args) -> dict:
             "dtype": str(trainer.engine.dtype), "train_dtype": str(next(trainer.unwrapped.parameters()).dtype),
             "generation_use_cache": trainer.engine._generation_kwargs().get("use_cache", True),
             "max_new_tokens": trainer.engine.max_new_tokens}
-    return {"step_times": _timed(stamps), "cpu_step_times": _timed(cpu), "fairness": fair}
+    return {"step_times": _timed(stamps), "cpu_step_times": _timed(cpu), "fairness": fair,
+            "peak_rss_mb": peak_rss_mb(), "forward_plan": forward}
 
 
 def _child(args) -> None:

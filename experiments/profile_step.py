@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _bench_job import add_job_args, job_overrides
+from _bench_job import add_job_args, forbid_token, job_overrides
 
 PHASES = [("perf/time_generate_s", "generation"), ("perf/time_old_logp_s", "old-logp recompute"),
           ("perf/time_update_s", "update (fwd+bwd+step)"), ("perf/time_other_s", "other (buffer, sync, log)"),
@@ -45,11 +46,14 @@ def profile(args) -> dict:
     prof_holder: dict = {}
 
     def on_step_end(tr, step, m):
-        rows.append(dict(m))
+        rows.append(dict(m, _cpu=time.process_time()))
         if prof_holder.get("prof") is not None:
             prof_holder["prof"].step()
 
     trainer = Trainer(cfg, callbacks=[FunctionCallback(on_step_end=on_step_end)])
+    if args.no_eos:          # every response runs to --max-new-tokens
+        for m in (trainer.unwrapped, trainer.engine.model):
+            forbid_token(m, trainer.tok.eos_token_id)
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile as tprofile, schedule
 
@@ -68,10 +72,16 @@ def profile(args) -> dict:
         known = sum(r.get(k, 0.0) for k in ("perf/time_generate_s", "perf/time_old_logp_s", "perf/time_update_s"))
         r["perf/time_other_s"] = r["perf/time_step_s"] - known
     med = {k: statistics.median(r[k] for r in timed if k in r) for k, _ in PHASES if any(k in r for r in timed)}
+    # process CPU time per step (time stolen by other tenants of a shared machine does not inflate it)
+    med["cpu_step_s"] = statistics.median(b["_cpu"] - a["_cpu"] for a, b in zip(rows, rows[1:-1]))
+    for k in ("reward/response_len", "perf/forward_plain", "perf/forward_pack", "perf/forward_cache"):
+        if any(k in r for r in timed):
+            med[k] = statistics.median(r[k] for r in timed if k in r)
     tokens = args.prompts * args.group * args.max_new_tokens
     med["rollout_tokens_per_s"] = tokens / med["perf/time_step_s"]
     return {"label": args.label, "args": {k: v for k, v in vars(args).items() if k not in ("compare",)},
-            "median": med, "steps": len(timed), "wall_s": wall, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "median": med, "steps": len(timed), "wall_s": wall, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "loadavg": os.getloadavg()}
 
 
 def table(results: list[dict]) -> str:
@@ -80,6 +90,12 @@ def table(results: list[dict]) -> str:
     for key, name in PHASES:
         cells = [f"{r['median'][key]:.4f}" if key in r["median"] else "-" for r in results]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
+    for key, name in (("cpu_step_s", "process CPU s/step"), ("reward/response_len", "mean response length"),
+                      ("perf/forward_pack", "update forward packed (1) / not (0)")):
+        out.append(f"| {name} | " + " | ".join(f"{r['median'][key]:.3f}" if key in r["median"] else "-"
+                                               for r in results) + " |")
+    out.append("| load average (1 min) | " + " | ".join(f"{r['loadavg'][0]:.1f}" if "loadavg" in r else "-"
+                                                    for r in results) + " |")
     out.append("| rollout tokens/s | " + " | ".join(f"{r['median']['rollout_tokens_per_s']:.0f}" for r in results)
                + " |")
     if len(results) == 2:

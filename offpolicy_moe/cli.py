@@ -3,6 +3,9 @@
 Each subcommand lives in its own module under :mod:`offpolicy_moe.commands` and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``.  Modules are imported lazily so that
 ``offpolicy-moe --help`` stays fast and a broken optional dependency only affects its command.
+
+Every command shares one error path (:mod:`offpolicy_moe.commands.errors`): a user mistake is one line
+``offpolicy-moe <command>: error: ...`` with exit code 2, a run that started and failed exits 1, Ctrl-C exits 130.
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import argparse
 import importlib
 import sys
 from typing import Optional, Sequence
+
+from offpolicy_moe.commands import errors
 
 COMMANDS = {
     "train": "Train a policy from a YAML config (plus key=value overrides).",
@@ -24,11 +29,11 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = errors.OneLineParser(
         prog="offpolicy-moe",
         description="RL for Mixture-of-Experts LLMs on stale, off-policy data.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=errors.OneLineParser)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         try:
@@ -57,9 +62,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "_unavailable", None):
-        print(f"offpolicy-moe: command '{args.command}' is not available in this build", file=sys.stderr)
+        print(f"offpolicy-moe {args.command}: error: this command is not available in this build", file=sys.stderr)
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except (Exception, KeyboardInterrupt) as exc:
+        code = errors.exit_code(exc)
+        if code is None:       # not a known failure class: a bug, keep the traceback
+            raise
+        print(errors.error_line(args.command, exc) if code != errors.INTERRUPTED
+              else f"offpolicy-moe {args.command}: interrupted", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -38,3 +38,80 @@ def test_unknown_option_is_still_an_error(capsys):
         main(["train", "--dry-run", "--no-such-flag"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------- one error path
+import pytest  # noqa: E402
+
+from offpolicy_moe.commands.errors import one_line  # noqa: E402
+from offpolicy_moe.commands.threads import SMALL_MACHINE_CORES, choose_threads  # noqa: E402
+
+
+def _rc(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:          # argparse mistakes exit through the one-line parser
+        return int(exc.code)
+
+
+def _single_error(capsys, command: str) -> str:
+    cap = capsys.readouterr()
+    err = [line for line in cap.err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"offpolicy-moe {command}: error: "), err[0]
+    assert "Traceback" not in cap.err and "RL steps" not in cap.out     # no banner before the refusal
+    return err[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["trainer.steps=abc"], "trainer.steps"),
+    (["trainer.stepz=3"], "Did you mean: 'steps'"),
+    (["--steps", "-5"], "--steps"),
+    (["--steps", "0"], "--steps"),
+])
+def test_demo_config_mistakes_are_one_line_and_write_nothing(tmp_path, capsys, argv, needle):
+    run_dir = tmp_path / "demo"
+    assert _rc(["demo", "--run-dir", str(run_dir), *argv]) == 2
+    assert needle in _single_error(capsys, "demo")
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_train_config_mistake_same_prefix_and_code_with_and_without_dry_run(tmp_path, capsys, dry_run):
+    run_dir = tmp_path / "r"
+    argv = ["train", "--run-dir", str(run_dir), "trainer.steps=-1"] + (["--dry-run"] if dry_run else [])
+    assert _rc(argv) == 2
+    assert "trainer.steps" in _single_error(capsys, "train")
+    assert not run_dir.exists()
+
+
+def test_sweep_option_mistakes_are_one_line(tmp_path, capsys):
+    exp = tmp_path / "e.yaml"
+    exp.write_text("grid: {staleness: {key: buffer.staleness, values: [0]}}\n")
+    assert _rc(["sweep", str(exp), "--jobs", "0"]) == 2
+    _single_error(capsys, "sweep")
+    assert _rc(["sweep", str(exp), "--seeds", "a,b"]) == 2
+    _single_error(capsys, "sweep")
+    assert _rc(["sweep", str(exp), "--dry-run", "trainer.stepz=1", "--out", str(tmp_path / "sw")]) == 2
+    assert "stepz" in _single_error(capsys, "sweep")
+    assert not (tmp_path / "sw").exists()
+
+
+def test_one_line_joins_a_problem_list():
+    exc = ValueError("invalid configuration (2 problems):\n - a: bad\n - b: worse")
+    assert one_line(exc) == "invalid configuration (2 problems): a: bad; b: worse"
+
+
+def test_auto_threads_policy():
+    # small machines: 1 thread whatever the load (measured: experiments/bench_threads.py)
+    for load in (0.0, 1.0, 5.0):
+        assert choose_threads(0, SMALL_MACHINE_CORES, load).threads == 1
+    assert choose_threads(0, 16, 0.0).threads == 16
+    assert choose_threads(0, 16, 4.0, processes=2).threads == 6
+    assert choose_threads(0, 16, 40.0).threads == 1
+    assert choose_threads(3, 2, 9.0).threads == 3            # an explicit setting is used as given
+    assert choose_threads(0, 2, 0.0).setting == "auto"
+    # OMP_NUM_THREADS (a sweep's --threads, or the user's) wins under auto, not over an explicit setting
+    assert choose_threads(0, 16, 0.0, env_threads="2").threads == 2
+    assert choose_threads(4, 16, 0.0, env_threads="2").threads == 4
+    assert choose_threads(0, 16, 0.0, env_threads="x").threads == 16

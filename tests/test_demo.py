@@ -1,4 +1,4 @@
-"""`offpolicy-moe demo` end to end at toy size (the real demo's learning is in the slow test / README figures)."""
+"""`offpolicy-moe demo` end to end at toy size (the real demo's learning is in the slow test / docs/benchmarks.md figures)."""
 from __future__ import annotations
 
 import argparse

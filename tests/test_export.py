@@ -20,7 +20,7 @@ from offpolicy_moe.engine.checkpoint import load_checkpoint
 from offpolicy_moe.engine.launch import train
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.presets import tiny_qwen3_moe_config
-from offpolicy_moe.report.experiment import load_experiment, plan_runs
+from offpolicy_moe.sweep.plan import load_experiment, plan_runs
 from offpolicy_moe.tasks import encode_prompts, make_task
 from offpolicy_moe.tasks.tokenizer import build_char_tokenizer
 
@@ -142,15 +142,15 @@ def test_export_of_a_local_model_path_run(tmp_path):
 
 
 def test_export_errors_are_one_line(pr2_run, tmp_path, capsys):
-    assert cli_main(["export", str(pr2_run), str(tmp_path / "a"), "--step", "9"]) == 1
+    assert cli_main(["export", str(pr2_run), str(tmp_path / "a"), "--step", "9"]) == 2     # user mistakes: rc 2
     err = capsys.readouterr().err.strip()
     assert "step_9" in err and "step_2" in err and "\n" not in err
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("x")
-    assert cli_main(["export", str(pr2_run), str(busy)]) == 1
+    assert cli_main(["export", str(pr2_run), str(busy)]) == 2
     assert "not empty" in capsys.readouterr().err
-    assert cli_main(["export", str(tmp_path), str(tmp_path / "b")]) == 1
+    assert cli_main(["export", str(tmp_path), str(tmp_path / "b")]) == 2
     assert "config.yaml" in capsys.readouterr().err
 
 

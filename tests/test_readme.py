@@ -2,6 +2,9 @@
 import re
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -10,12 +13,36 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
+def _run(block: str) -> dict:
+    ns: dict = {"__name__": "__readme__"}
+    exec(compile(block, "README.md", "exec"), ns)
+    return ns
+
+
+def test_readme_has_python_blocks():
+    assert len(_blocks("python")) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_every_python_block_runs_as_written(index):
+    _run(_blocks("python")[index])
+
+
 def test_loss_example_runs_and_trains():
     (block,) = [b for b in _blocks("python") if "from offpolicy_moe.losses import" in b]
-    ns: dict = {}
-    exec(compile(block, "README.md", "exec"), ns)
+    ns = _run(block)
     assert ns["logp"].grad is not None and ns["logp"].grad.abs().sum() > 0
     assert ns["loss"].ndim == 0
+
+
+def test_routing_example_replays_the_recorded_routes():
+    (block,) = [b for b in _blocks("python") if "RoutingController" in b]
+    ns = _run(block)
+    seqs, routes, logits = ns["seqs"], ns["routes"], ns["logits"]
+    assert torch.is_tensor(seqs) and logits.shape[:2] == seqs.shape
+    assert tuple(routes.ids.shape[:2]) == tuple(seqs.shape)
+    # the trainer's own top-k, recorded on the same tokens by the same fp32 model, equals the engine's routes
+    assert ns["routing_metrics"](routes, ns["own"].trace())["routing/decision_mismatch"] == 0.0
 
 
 def test_ci_runs_the_readme_install_and_test_commands():

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
+
+from offpolicy_moe.commands.errors import RunFailed, warn
+from offpolicy_moe.commands.train import build_config
+from offpolicy_moe.config.validate import validate
 
 #: the demo's settings on top of the schema defaults and the presets (key=value, overridable on the command line)
 DEMO_OVERRIDES = [
@@ -31,8 +34,19 @@ DEMO_OVERRIDES = [
 ]
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``--steps 0`` or ``-5`` is refused on one line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=250, help="RL steps (trained steps; default 250)")
+    p.add_argument("--steps", type=positive_int, default=250, help="RL steps (trained steps, >= 1; default 250)")
     p.add_argument("--run-dir", default=None, help="run folder (default runs/demo-<time>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -68,7 +82,7 @@ def summarize(run_dir: str | Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from offpolicy_moe.commands.train import build_config
+    # the engine loads torch: imported when the demo runs, so `offpolicy-moe --help` stays fast
     from offpolicy_moe.engine.launch import train
 
     run_dir = args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -76,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quiet:
         overrides.append("logging.progress=false")
     cfg = build_config(None, overrides + list(args.overrides), run_dir)
+    for w in validate(cfg):        # a config mistake stops here: one line, exit code 2, no folder written
+        warn(w)
     print(f"offpolicy-moe demo: tiny {cfg.model.num_experts}-expert top-{cfg.model.top_k} Qwen3-MoE, "
           f"{cfg.task.num_terms}-term arithmetic; SFT {cfg.trainer.sft_warmup_steps} steps, then "
           f"{cfg.trainer.steps} RL steps of {'+'.join(cfg.preset)} with staleness k={cfg.buffer.staleness} "
@@ -84,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
     summary = train(cfg)
     wall = time.perf_counter() - t0
     if summary["status"] != "completed":
-        print(f"demo run {summary['status']}: {summary.get('error', '')}", file=sys.stderr)
-        return 1
+        raise RunFailed(f"demo run {summary['status']}: {summary.get('error', '')}")
     s = summarize(run_dir)
 
     def f(x, fmt):

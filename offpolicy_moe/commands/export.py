@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from offpolicy_moe.commands.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,15 +15,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Export; one-line error and rc 1 on a bad run folder, checkpoint or output folder."""
-    from offpolicy_moe.config.validate import ConfigError
-    from offpolicy_moe.engine.checkpoint import CheckpointError
+    """Export through the one error path: a missing run folder or checkpoint step, or a non-empty ``OUT_DIR``, is a
+    user mistake (rc 2); a damaged or unsafe checkpoint is a :class:`CheckpointError` (rc 1)."""
+    # the engine loads torch: imported when the command runs, so `offpolicy-moe --help` stays fast
     from offpolicy_moe.engine.export import export_run
 
     try:
         out = export_run(args.run_dir, args.out_dir, step=args.step, overwrite=args.force)
-    except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError, ValueError) as exc:
-        print(f"offpolicy-moe export: error: {exc}", file=sys.stderr)
-        return 1
+    except (FileNotFoundError, FileExistsError) as exc:
+        raise UsageError(str(exc)) from None
     print(f"exported -> {out} (load with AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
     return 0

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
+from pathlib import Path
 
-from offpolicy_moe.commands.table import _where
+from offpolicy_moe.commands.errors import UsageError
+from offpolicy_moe.report.plot import plot_curves, plot_staleness
+from offpolicy_moe.report.spec import default_agg, parse_where, report_spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,37 +18,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--band", default="std", choices=["std", "minmax", "none"], help="band across seeds")
     p.add_argument("--where", action="append", metavar="AXIS=VALUE", help="keep only matching runs (repeatable)")
     p.add_argument("--staleness-axis", help="also plot the aggregated metric against this numeric axis")
-    p.add_argument("--agg", default="final", help="aggregate for the staleness plot (final | best | mean_last:N)")
+    p.add_argument("--agg", default=None, help="aggregate for the staleness plot (final | best | mean_last:N); "
+                                               "default: the sweep's report.agg, else final (as table)")
+
+
+def plot_specs(args: argparse.Namespace) -> list[dict]:
+    """The plots to draw: the command line's, or the sweep's ``report:`` section."""
+    if args.metrics:
+        if not args.by:
+            raise ValueError("--by is required with --metrics")
+        return [dict(metrics=args.metrics, by=args.by, band=args.band, where=parse_where(args.where),
+                     staleness_axis=args.staleness_axis, agg=args.agg)]
+    specs = report_spec(args.sweep_dir)["plots"]
+    if not specs:
+        raise ValueError("give --metrics and --by (this sweep's experiment.yaml has no report.plots)")
+    return [{**s, "where": {**(s.get("where") or {}), **parse_where(args.where)}} for s in specs]
+
+
+def draw(args: argparse.Namespace, s: dict) -> list[Path]:
+    """The PNG files of one plot spec."""
+    explicit = bool(args.metrics)
+    paths = []
+    if s.get("staleness_axis"):
+        paths += plot_staleness(args.sweep_dir, s["metrics"], s["staleness_axis"], s["by"], args.out,
+                                s.get("agg") or default_agg(args.sweep_dir), s["where"])
+        if explicit:  # explicit command line: curves as well
+            paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), s["where"])
+    else:  # report: section: a metric this trainer does not log is skipped, not fatal
+        paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), s["where"],
+                             skip_missing=not explicit)
+    return paths
 
 
 def run(args: argparse.Namespace) -> int:
-    from offpolicy_moe.report.plot import plot_curves, plot_staleness
-    from offpolicy_moe.report.spec import report_spec
-
+    if not Path(args.sweep_dir).is_dir():
+        raise UsageError(f"sweep folder '{args.sweep_dir}' does not exist")
     try:
-        if args.metrics:
-            if not args.by:
-                raise ValueError("--by is required with --metrics")
-            specs = [dict(metrics=args.metrics, by=args.by, band=args.band, where=_where(args.where),
-                          staleness_axis=args.staleness_axis, agg=args.agg)]
-        else:
-            specs = report_spec(args.sweep_dir)["plots"]
-            if not specs:
-                raise ValueError("give --metrics and --by (this sweep's experiment.yaml has no report.plots)")
-        paths = []
-        for s in specs:
-            where = {**(s.get("where") or {}), **_where(args.where)} if not args.metrics else s["where"]
-            if s.get("staleness_axis"):
-                paths += plot_staleness(args.sweep_dir, s["metrics"], s["staleness_axis"], s["by"], args.out,
-                                        s.get("agg", "final"), where)
-                if args.metrics:  # explicit command line: curves as well
-                    paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), where)
-            else:  # report: section: a metric this trainer does not log is skipped, not fatal
-                paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), where,
-                                     skip_missing=not args.metrics)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"offpolicy-moe plot: {exc}", file=sys.stderr)
-        return 2
+        paths = [p for s in plot_specs(args) for p in draw(args, s)]
+    except (ValueError, FileNotFoundError) as exc:   # the report layer's refusals of names and values
+        raise UsageError(str(exc)) from None
     for p in paths:
         print(f"wrote {p}")
     return 0

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from offpolicy_moe.config import ConfigError
+from offpolicy_moe.commands.errors import RunFailed, UsageError
+from offpolicy_moe.sweep.execute import run_sweep
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,23 +25,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def run(args: argparse.Namespace) -> int:
-    from offpolicy_moe.report.sweep import run_sweep
-
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``"0,1,2"`` -> ``[0, 1, 2]``; :class:`UsageError` on anything else."""
+    if not text:
+        return None
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds else None
+        return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        print(f"offpolicy-moe sweep: --seeds must be comma-separated integers, got {args.seeds!r}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--seeds must be comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    seeds = parse_seeds(args.seeds)
     if args.jobs < 1:
-        print("offpolicy-moe sweep: --jobs must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        res = run_sweep(args.experiment, out=args.out, seeds=seeds, overrides=args.overrides, jobs=args.jobs,
-                        threads=args.threads,
-                        resume=args.resume, overwrite=args.overwrite, train_cmd=args.train_cmd,
-                        timeout=args.timeout, progress=not args.no_progress, dry_run=args.dry_run)
-    except ConfigError as exc:
-        print(f"offpolicy-moe sweep: {exc}", file=sys.stderr)
-        return 2
-    return 1 if res.failed else 0
+        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    res = run_sweep(args.experiment, out=args.out, seeds=seeds, overrides=args.overrides, jobs=args.jobs,
+                    threads=args.threads, resume=args.resume, overwrite=args.overwrite, train_cmd=args.train_cmd,
+                    timeout=args.timeout, progress=not args.no_progress, dry_run=args.dry_run)
+    if res.failed:
+        raise RunFailed(f"{len(res.failed)} of {len(res.results)} runs failed: "
+                        f"{', '.join(r.name for r in res.failed)} (see their train.log)")
+    return 0

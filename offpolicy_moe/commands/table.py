@@ -5,15 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def _where(items):
-    out = {}
-    for it in items or []:
-        if "=" not in it:
-            raise ValueError(f"--where expects AXIS=VALUE, got {it!r}")
-        k, v = it.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
+from offpolicy_moe.commands.errors import UsageError
+from offpolicy_moe.report.spec import default_agg, parse_where, report_spec
+from offpolicy_moe.report.table import FORMATS, build_table, parse_metrics, render_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,8 +16,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cols", help="axis (or axes) for columns; omit for one column per metric")
     p.add_argument("--metric", help="metric name(s), comma-separated; suffix :lower / :higher sets the direction. "
                                     "Omitted: render every table of the experiment's report: section")
-    p.add_argument("--agg", default="final", help="final | best | mean_last:N | min | max | collapse[:F] (step where the trailing 5-point mean falls below F x its best; default F 0.5) (default final)")
-    p.add_argument("--format", default="console", choices=["md", "csv", "latex", "console"])
+    p.add_argument("--agg", default=None,
+                   help="final | best | mean_last:N | min | max | collapse[:F] (step where the trailing 5-point mean "
+                        "falls below F x its best; default F 0.5). Default: the sweep's report.agg, else final "
+                        "(as plot)")
+    p.add_argument("--format", default="console", choices=list(FORMATS))
     g = p.add_mutually_exclusive_group()
     g.add_argument("--higher-is-better", dest="higher", action="store_true", default=True)
     g.add_argument("--lower-is-better", dest="higher", action="store_false")
@@ -32,38 +29,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write to this file instead of stdout")
 
 
-def run(args: argparse.Namespace) -> int:
-    from offpolicy_moe.report.spec import report_spec
-    from offpolicy_moe.report.table import build_table, parse_metrics, render_table
+def table_specs(args: argparse.Namespace) -> list[dict]:
+    """The tables to render: the command line's, or the sweep's ``report:`` section."""
+    if args.metric:
+        if not args.rows:
+            raise ValueError("--rows is required with --metric")
+        return [dict(rows=args.rows, cols=args.cols, metric=args.metric, agg=args.agg,
+                     where=parse_where(args.where), lower_is_better=not args.higher, digits=args.digits)]
+    specs = report_spec(args.sweep_dir)["tables"]
+    if not specs:
+        raise ValueError("give --rows and --metric (this sweep's experiment.yaml has no report.tables)")
+    return [{**s, "where": {**(s.get("where") or {}), **parse_where(args.where)}} for s in specs]
 
+
+def render(args: argparse.Namespace, spec: dict) -> str:
+    """One table of ``spec`` rendered in ``args.format`` (notes of csv tables go to stderr)."""
+    metrics = parse_metrics(spec["metric"], default_higher=not spec.get("lower_is_better", False))
+    agg = spec.get("agg") or default_agg(args.sweep_dir)
+    t = build_table(args.sweep_dir, spec["rows"], spec.get("cols"), metrics, agg, spec["where"])
+    text = render_table(t, args.format, spec.get("digits", args.digits))
+    if args.format == "csv":
+        for note in t.notes():
+            print(note, file=sys.stderr)
+    if spec.get("title") and args.format == "md":
+        text = f"### {spec['title']}\n\n{text}"
+    elif spec.get("title") and args.format == "console":
+        text = f"== {spec['title']} ==\n{text}"
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    if not Path(args.sweep_dir).is_dir():
+        raise UsageError(f"sweep folder '{args.sweep_dir}' does not exist")
     try:
-        if args.metric:
-            if not args.rows:
-                raise ValueError("--rows is required with --metric")
-            specs = [dict(rows=args.rows, cols=args.cols, metric=args.metric, agg=args.agg,
-                          where=_where(args.where), lower_is_better=not args.higher, digits=args.digits)]
-        else:
-            specs = report_spec(args.sweep_dir)["tables"]
-            if not specs:
-                raise ValueError("give --rows and --metric (this sweep's experiment.yaml has no report.tables)")
-        parts = []
-        for spec in specs:
-            metrics = parse_metrics(spec["metric"], default_higher=not spec.get("lower_is_better", False))
-            where = {**spec.get("where", {}), **_where(args.where)} if not args.metric else spec["where"]
-            t = build_table(args.sweep_dir, spec["rows"], spec.get("cols"), metrics, spec.get("agg", "final"), where)
-            text = render_table(t, args.format, spec.get("digits", args.digits))
-            if args.format == "csv":
-                for note in t.notes():
-                    print(note, file=sys.stderr)
-            if spec.get("title") and args.format == "md":
-                text = f"### {spec['title']}\n\n{text}"
-            elif spec.get("title") and args.format == "console":
-                text = f"== {spec['title']} ==\n{text}"
-            parts.append(text)
-        text = "\n".join(parts)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"offpolicy-moe table: {exc}", file=sys.stderr)
-        return 2
+        text = "\n".join(render(args, spec) for spec in table_specs(args))
+    except (ValueError, FileNotFoundError) as exc:   # the report layer's refusals of names and values
+        raise UsageError(str(exc)) from None
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)

@@ -1,5 +1,5 @@
-"""Run configuration: typed schema (``schema``), loading with presets and overrides (``load``), cross-field
-validation (``validate``)."""
+"""Run configuration: typed schema with per-key ranges (``schema``, ``ranges``), loading with presets and overrides
+(``load``), validation (``validate``) and the file-reading checks of a start (``preflight``)."""
 from offpolicy_moe.config.load import (
     PRESETS_ENV,
     available_presets,
@@ -14,6 +14,7 @@ from offpolicy_moe.config.load import (
     to_dict,
     to_yaml,
 )
+from offpolicy_moe.config.preflight import preflight
 from offpolicy_moe.config.schema import TrainConfig
 from offpolicy_moe.config.validate import ConfigError, infer_model_is_moe, validate
 
@@ -30,6 +31,7 @@ __all__ = [
     "preset_description",
     "preset_dirs",
     "preset_path",
+    "preflight",
     "save_resolved",
     "to_dict",
     "to_yaml",

@@ -5,7 +5,7 @@ OmegaConf structured configs, which reject unknown keys with a "Did you mean ...
 and parse ``3e-4`` as a float (plain PyYAML reads it as a string). Every error is re-raised as
 :class:`ConfigError` naming the source (preset file, config file or override) and the dotted key.
 
-Presets are YAML fragments in the repository's top-level ``algorithms/`` folder (one per algorithm or mechanism),
+Presets are YAML fragments shipped as package data in ``offpolicy_moe/presets/`` (one per algorithm or mechanism),
 or in the folders listed in the environment variable ``OFFPOLICY_MOE_PRESETS`` (``os.pathsep``-separated, searched
 first). A preset may itself list ``preset: [...]``: those are expanded first (depth-first, in order), then the
 preset's own keys; cycles are refused. A preset named twice is applied twice, at both positions.
@@ -19,11 +19,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.resources
 import os
 import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -36,11 +38,13 @@ _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 # ----------------------------------------------------------------------------------------------- presets
 def preset_dirs() -> list[Path]:
-    """Folders searched for ``<name>.yaml`` presets: ``$OFFPOLICY_MOE_PRESETS`` entries, then ``<repo>/algorithms``."""
-    import offpolicy_moe
+    """Folders searched for ``<name>.yaml`` presets: ``$OFFPOLICY_MOE_PRESETS`` entries, then the package's own.
 
+    The package's presets are package data (``offpolicy_moe/presets/*.yaml``), located through
+    :mod:`importlib.resources`, so editable installs, wheels and ``pip install git+...`` find the same files.
+    """
     dirs = [Path(p) for p in os.environ.get(PRESETS_ENV, "").split(os.pathsep) if p]
-    dirs.append(Path(offpolicy_moe.__file__).resolve().parents[1] / "algorithms")
+    dirs.append(Path(str(importlib.resources.files("offpolicy_moe") / "presets")))
     return dirs
 
 
@@ -115,7 +119,7 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
     pairs = []
     for ov in overrides:
         if not isinstance(ov, str) or "=" not in ov:
-            raise ConfigError(f"override {ov!r}: expected key=value (e.g. algo.loss.clip_high=0.28)")
+            raise ConfigError(f"override {ov!r}: expected key=value (e.g. algo.loss.options.clip_high=0.28)")
         key, value = ov.split("=", 1)
         key = key.strip()
         if key.startswith("+"):
@@ -135,7 +139,7 @@ def load_config(
 ) -> TrainConfig:
     """Resolve a :class:`TrainConfig`: schema defaults < presets (in order) < YAML at ``path`` < ``overrides``.
 
-    ``overrides`` are ``key=value`` strings (``algo.loss.clip_low=3e-4``, ``preset=[m2po,r3]``). ``presets`` are
+    ``overrides`` are ``key=value`` strings (``algo.loss.options.clip_low=3e-4``, ``preset=[m2po,r3]``). ``presets`` are
     extra preset names applied after the YAML's own ``preset:`` list. Unknown keys, wrong types and unknown
     presets raise :class:`ConfigError` naming the file or override and the key. Cross-field rules are checked
     separately by :func:`offpolicy_moe.config.validate.validate`.
@@ -177,6 +181,8 @@ def _resolve(user: DictConfig, source: str, overrides: Sequence[str], presets: S
     for key, value in rest:
         try:
             frag = OmegaConf.from_dotlist([f"{key}={value}"])
+        except yaml.YAMLError:   # not YAML (e.g. `task.operators=*`, read as an alias): take the text as written
+            frag = OmegaConf.create(nest_dotted({key: value}))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override '{key}={value}': {_exc_text(exc)}") from None
         cfg = _merge(cfg, frag, f"override '{key}={value}'")

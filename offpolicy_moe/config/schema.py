@@ -3,11 +3,36 @@
 Every key a user can set lives in one of these dataclasses.  YAML presets, the user's YAML and
 ``key=value`` overrides are merged on top of these defaults (see :mod:`offpolicy_moe.config.load`),
 so a misspelt key or a wrong type fails before any compute, naming the key.
+
+Each field declares its allowed range or choices next to its default (:func:`~offpolicy_moe.config.ranges.ranged`);
+:func:`offpolicy_moe.config.validate.validate` checks them all, and that every number is finite, generically.
+Vocabularies owned elsewhere are imported from their owner: KL kinds (``losses.kl``), correction modes and levels
+(``losses.correction``), reward kinds (``tasks.rewards``), dtypes (``models.dtypes``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+from offpolicy_moe.config.ranges import ranged
+from offpolicy_moe.losses.correction import LEVELS as CORRECTION_LEVELS
+from offpolicy_moe.losses.correction import MODES as CORRECTION_MODES
+from offpolicy_moe.losses.kl import KL_KINDS
+from offpolicy_moe.models.dtypes import DTYPE_NAMES
+from offpolicy_moe.tasks.rewards import REWARD_KINDS
+
+# Vocabularies this package's config owns (no other module defines them).
+REPLAY_MODES = ("none", "r2", "r3", "pr2")
+OLD_LOGP_SOURCES = ("trainer", "engine", "proximal")
+BUFFER_MODES = ("fixed", "bounded", "async")
+STALE_POLICIES = ("wait", "drop")       # buffer.mode=async (docs/async.md)
+WORKER_DEATH = ("restart", "stop")
+ENGINES = ("hf",)                     # until the rollout engines have a registry of their own
+SAMPLERS = ("native", "hf")
+SCHEDULERS = ("constant", "cosine", "linear")
+ON_NAN = ("skip", "stop")
+WANDB_MODES = ("offline", "online", "disabled")
+LOGGERS = ("console", "jsonl", "wandb")
 
 
 @dataclass
@@ -15,13 +40,14 @@ class TaskConfig:
     """The procedural arithmetic task (or a local dataset on disk)."""
 
     name: str = "arithmetic"          # arithmetic | jsonl:<path> (prompt/answer records)
-    min_digits: int = 1
-    max_digits: int = 1
-    num_terms: int = 3                # operands per problem (1-digit, 3 terms: 1,000 problems, SFT generalises)
+    min_digits: int = ranged(1, ge=1)
+    max_digits: int = ranged(1, ge=1)
+    # operands per problem (1-digit, 3 terms: 1,000 problems, SFT generalises)
+    num_terms: int = ranged(3, ge=2)
     operators: str = "+"              # subset of "+-*"
-    reward: str = "exact"             # exact | partial (per-digit credit)
-    train_size: int = 4096
-    eval_size: int = 128
+    reward: str = ranged("exact", choices=REWARD_KINDS)            # exact | partial (per-digit credit)
+    train_size: int = ranged(4096, ge=1)
+    eval_size: int = ranged(128, ge=1)
     seed: int = 1234
 
 
@@ -32,11 +58,11 @@ class ModelConfig:
     preset: str = "tiny-qwen3-moe"    # tiny-qwen3-moe | tiny-dense (no MoE, for refusal tests) | path
     path: Optional[str] = None        # local HF checkpoint directory (loaded offline); overrides preset
     tokenizer_path: Optional[str] = None
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_experts: int = 8
-    top_k: int = 2
-    dtype: str = "float32"            # trainer precision
+    num_layers: int = ranged(2, ge=1)
+    hidden_size: int = ranged(64, ge=1)
+    num_experts: int = ranged(8, ge=1)
+    top_k: int = ranged(2, ge=1)
+    dtype: str = ranged("float32", choices=DTYPE_NAMES)           # trainer precision
     experts_implementation: str = "grouped_mm"
     gradient_checkpointing: bool = False
 
@@ -45,48 +71,53 @@ class ModelConfig:
 class RolloutConfig:
     """The rollout engine: its own copy of the policy, its own precision."""
 
-    engine: str = "hf"
-    dtype: str = "bfloat16"           # bfloat16 (realistic mismatch) | float16 | float32
-    router_noise: float = 0.0         # std of Gaussian noise added to the engine's router logits
-    prompts_per_step: int = 16
-    group_size: int = 8
-    max_new_tokens: int = 4           # answers of the default task are <= 2 characters, + eos
-    temperature: float = 1.0
-    top_p: float = 1.0
-    batch_size: int = 128             # sequences per generate call
-    sampler: str = "native"           # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
+    engine: str = ranged("hf", choices=ENGINES)
+    dtype: str = ranged("bfloat16", choices=DTYPE_NAMES)          # bfloat16 (realistic mismatch) | float16 | float32
+    router_noise: float = ranged(0.0, ge=0)        # std of Gaussian noise added to the engine's router logits
+    prompts_per_step: int = ranged(16, ge=1)
+    group_size: int = ranged(8, ge=1)
+    max_new_tokens: int = ranged(4, ge=1)          # answers of the default task are <= 2 characters, + eos
+    temperature: float = ranged(1.0, gt=0)
+    top_p: float = ranged(1.0, gt=0, le=1)
+    batch_size: int = ranged(128, ge=1)            # sequences per generate call
+    # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
+    sampler: str = ranged("native", choices=SAMPLERS)
     compact_finished: bool = True     # native sampler: finished sequences leave the decode batch
     # buffer.mode=async (docs/async.md): rollout worker processes per trainer process
-    workers: int = 1
-    worker_threads: int = 1           # torch threads of each worker
-    update_in_flight: bool = False    # a sequence may continue across a weight update (each token keeps its version)
-    on_worker_death: str = "restart"  # restart (re-issue its orders) | stop (checkpoint, then stop)
-    worker_timeout_s: float = 600.0   # the longest wait for a batch / a policy version before a named timeout
+    workers: int = ranged(1, ge=1)
+    worker_threads: int = ranged(1, ge=1)          # torch threads of each worker
+    # a sequence may continue across a weight update (each token keeps the version that sampled it)
+    update_in_flight: bool = False
+    # restart (re-issue its iterations) | stop (checkpoint, then stop)
+    on_worker_death: str = ranged("restart", choices=WORKER_DEATH)
+    # the longest wait for a batch / a policy version before a timeout that names it
+    worker_timeout_s: float = ranged(600.0, gt=0)
 
 
 @dataclass
 class BufferConfig:
-    """Staleness buffer (algorithms.md, 'Staleness')."""
+    """Staleness buffer (docs/algorithms.md, 'Staleness')."""
 
-    staleness: int = 0                # k: a batch generated at step v is consumed at step v + k
-    mode: str = "fixed"               # fixed (exact delay line) | bounded (drop batches older than k) | async (workers)
-    max_delay: Optional[int] = None   # bounded mode: simulated arrival latency ~ U{0..max_delay} (None = k)
-    on_stale: str = "wait"            # async: a worker that would exceed k waits | drop (generate ahead, drop, redo)
-    max_ahead: Optional[int] = None   # async + drop: iterations handed out beyond k (None = rollout.workers)
+    staleness: int = ranged(0, ge=0)               # k: a batch generated at step v is consumed at step v + k
+    # fixed (exact delay line) | bounded (drop batches older than k) | async (rollout worker processes)
+    mode: str = ranged("fixed", choices=BUFFER_MODES)
+    # bounded mode: simulated arrival latency ~ U{0..max_delay} (None = k)
+    max_delay: Optional[int] = ranged(None, ge=0, optional=True)
+    # async: a worker that would exceed k waits | drop (generate ahead, drop stale batches, generate them again)
+    on_stale: str = ranged("wait", choices=STALE_POLICIES)
+    # async + drop: iterations handed out beyond k (None = rollout.workers)
+    max_ahead: Optional[int] = ranged(None, ge=0, optional=True)
 
 
 @dataclass
 class LossConfig:
-    """Policy objective and its options (algorithms.md)."""
+    """Policy objective and its options (docs/algorithms.md, docs/losses.md)."""
 
-    name: str = "grpo"                # grpo | gspo | m2po | unclipped | any registered name
+    name: str = "grpo"                # grpo | gspo | m2po | cispo | unclipped | any registered name
     agg: Optional[str] = None         # None = the objective's default aggregation
-    clip_low: Optional[float] = None  # None = the objective's default
-    clip_high: Optional[float] = None
-    dual_clip: Optional[float] = None
-    m2po_tau: float = 0.04
-    m2po_variant: str = "mask"        # mask | adaptive_clip
-    m2po_scope: str = "global"        # global | local
+    # the loss's own options, checked against its signature (offpolicy_moe.losses.resolve_loss_options), e.g.
+    # grpo {clip_low, clip_high, dual_clip}, m2po {tau, variant, scope}; a missing or null key = the loss's default
+    options: dict[str, Any] = field(default_factory=dict)
     adv_norm: str = "std"             # std | none
     norm_length: Optional[int] = None # seq-mean-token-sum-norm constant (default: max_new_tokens)
 
@@ -95,27 +126,28 @@ class LossConfig:
 class CorrectionConfig:
     """Train/inference mismatch correction weights (TIS / MIS / IcePop)."""
 
-    mode: str = "none"                # none | truncate | mask
-    level: str = "token"              # token | sequence | geometric
-    high: float = 2.0
-    low: Optional[float] = None
+    mode: str = ranged("none", choices=("none", *CORRECTION_MODES))
+    level: str = ranged("token", choices=CORRECTION_LEVELS)             # token | sequence | geometric
+    high: float = ranged(2.0, gt=0)
+    low: Optional[float] = ranged(None, ge=0, optional=True)
 
 
 @dataclass
 class RoutingConfig:
     """Routing mechanism for MoE policies."""
 
-    replay: str = "none"              # none | r2 | r3 | pr2
-    pr2_lr_mult: float = 3.0          # predictor lr = lr x this; the paper uses 1e3 with a policy lr of 1e-6
+    replay: str = ranged("none", choices=REPLAY_MODES)             # none | r2 | r3 | pr2
+    # predictor lr = lr x this; the paper uses 1e3 with a policy lr of 1e-6
+    pr2_lr_mult: float = ranged(3.0, gt=0)
     pr2_bias_in_weights: bool = True
-    pr2_feature_sample_rate: float = 0.125
+    pr2_feature_sample_rate: float = ranged(0.125, gt=0, le=1)
     metrics: bool = True              # routing mismatch metrics even without replay
 
 
 @dataclass
 class KLConfig:
-    coef: float = 0.0
-    kind: str = "k3"
+    coef: float = ranged(0.0, ge=0)
+    kind: str = ranged("k3", choices=KL_KINDS)
 
 
 @dataclass
@@ -124,47 +156,47 @@ class AlgoConfig:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     kl: KLConfig = field(default_factory=KLConfig)
-    old_logp_source: str = "trainer"  # trainer | engine (bypass) | proximal
-    router_aux_loss_coef: float = 0.0
+    old_logp_source: str = ranged("trainer", choices=OLD_LOGP_SOURCES) # trainer | engine (bypass) | proximal
+    router_aux_loss_coef: float = ranged(0.0, ge=0)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4                  # RL lr; 1e-3 collapses the tiny default model, 3e-4 improves it
-    weight_decay: float = 0.0
+    lr: float = ranged(3e-4, gt=0)                 # RL lr; 1e-3 collapses the tiny default model, 3e-4 improves it
+    weight_decay: float = ranged(0.0, ge=0)
     betas: tuple = (0.9, 0.999)
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    scheduler: str = "constant"       # constant | cosine | linear
+    grad_clip: float = ranged(1.0, ge=0)
+    warmup_steps: int = ranged(0, ge=0)
+    scheduler: str = ranged("constant", choices=SCHEDULERS)      # constant | cosine | linear
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 100
-    updates_per_step: int = 1         # optimizer updates per consumed batch (mini-batches)
-    grad_accum: int = 1               # micro-batches per update
-    sft_warmup_steps: int = 60        # SFT warm start -> partially solved default task (0 = none)
-    sft_lr: float = 3e-3
-    sft_batch_size: int = 64
-    eval_every: int = 25
-    log_every: int = 10
-    checkpoint_every: int = 0         # 0 = only at the end
-    on_nan: str = "skip"              # skip (count in actor/nan_skipped) | stop
+    steps: int = ranged(100, ge=1)     # trained steps; a run needs at least one
+    updates_per_step: int = ranged(1, ge=1)        # optimizer updates per consumed batch (mini-batches)
+    grad_accum: int = ranged(1, ge=1)              # micro-batches per update
+    sft_warmup_steps: int = ranged(60, ge=0)       # SFT warm start -> partially solved default task (0 = none)
+    sft_lr: float = ranged(3e-3, gt=0)
+    sft_batch_size: int = ranged(64, ge=1)
+    eval_every: int = ranged(25, ge=0)
+    log_every: int = ranged(10, ge=1)
+    checkpoint_every: int = ranged(50, ge=0)       # also at the last step; 0 = only at the end (a stop loses the run)
+    on_nan: str = ranged("skip", choices=ON_NAN)             # skip (count in actor/nan_skipped) | stop
     deterministic: bool = True
-    threads: int = 0                  # 0 = torch default
+    threads: int = ranged(0, ge=0)                 # 0 = auto (commands/threads.py: 1 per process on <= 2 cores)
     fuse_old_logp: bool = True        # on-policy single update: take old_logp from the update forward (no extra pass)
     share_prompt: bool = True         # trainer forwards run each distinct prompt once (no route replay/recording)
-    keep_checkpoints: int = 2         # newest checkpoints kept (0 = all)
-    min_free_mb: float = 50.0         # free disk space required in the run folder at start
+    keep_checkpoints: int = ranged(2, ge=0)        # newest checkpoints kept (0 = all)
+    min_free_mb: float = ranged(50.0, ge=0)        # free disk space required in the run folder at start
     mismatch_metrics: bool = True     # recompute trainer log-probs for mismatch/* even in bypass mode
-    eval_batch_size: int = 128
+    eval_batch_size: int = ranged(128, ge=1)
     export_final: bool = True         # finished run -> RUN_DIR/export (Hugging Face folder); sweeps turn it off
 
 
 @dataclass
 class LoggingConfig:
     loggers: list = field(default_factory=lambda: ["console", "jsonl"])
-    wandb_mode: str = "offline"       # offline | online | disabled
+    wandb_mode: str = ranged("offline", choices=WANDB_MODES)      # offline | online | disabled
     wandb_project: str = "offpolicy-moe"
     progress: bool = True
 

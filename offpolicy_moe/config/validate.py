@@ -1,46 +1,31 @@
-"""Cross-field validation of a resolved :class:`~offpolicy_moe.config.schema.TrainConfig`, before any compute.
+"""Validation of a resolved :class:`~offpolicy_moe.config.schema.TrainConfig`, before any compute.
 
 ``validate(cfg, model_is_moe=None)`` raises :class:`ConfigError` (a ``ValueError``) listing EVERY violated rule,
-each message naming the keys involved, and returns the list of warnings (strings) for combinations that are legal
-but probably not what the user meant. ``model_is_moe`` tells whether the policy is a Mixture-of-Experts model;
-``None`` infers it from the config (``model.preset``, ``model.num_experts``, or ``config.json`` of ``model.path``
-when that exists) and skips the MoE rules when it cannot tell.
+each message one line that starts with the keys involved, and returns the list of warnings (strings) for
+combinations that are legal but probably not what the user meant. ``model_is_moe`` tells whether the policy is a
+Mixture-of-Experts model; ``None`` infers it from the config (``model.preset``, ``model.num_experts``, or
+``config.json`` of ``model.path`` when that exists) and skips the MoE rules when it cannot tell.
 
-Rules (E = error, W = warning):
+Per-key rules are declared once, next to each schema field (:mod:`offpolicy_moe.config.ranges`): every number of
+every key must be finite (NaN fails every ``<`` test, so it is refused first), then within its declared range, and
+every enumerated key one of its choices (vocabularies imported from their owners). The loss keys, whose dataclass
+the losses own, take their ranges from :data:`LOSS_RULES`. Then one function per config section checks the
+cross-field rules (E = error, W = warning):
 
-| # | keys | rule | why |
-|---|------|------|-----|
-| 1 | every enum-like string key (table ``ENUMS``) | value in its allowed set | typo guard (OmegaConf checks only types) |
-| 2 | ``algo.loss.name`` | registered in ``offpolicy_moe.losses`` (built-ins when the registry is absent) | E |
-| 3 | ``algo.loss.agg`` | ``None`` or an aggregation mode of algorithms.md | E |
-| 4 | ``buffer.staleness`` | ≥ 0 | E: a delay line cannot be negative |
-| 5 | ``algo.loss.m2po_tau`` | > 0 | E: τ ≤ 0 masks every trust-region token (M2PO, arXiv 2510.01161) |
-| 6 | ``algo.loss.clip_low``, ``clip_high`` | ≥ 0, ``clip_low`` < 1 | E: 1 − ε_low must stay positive |
-| 7 | ``algo.loss.dual_clip`` | ``None`` or > 1 | E: dual-clip constant c > 1 (Ye et al., arXiv 1912.09729) |
-| 8 | ``algo.loss.name`` ∈ {m2po, unclipped} with ``clip_low``/``clip_high``/``dual_clip`` | W: ignored, these objectives do not clip |
-| 9 | ``algo.correction.mode`` ≠ none with ``algo.old_logp_source`` = engine | E: bypass already makes the ratio π_θ/μ; correction weights would count the mismatch twice |
-| 10 | ``algo.correction.high`` > 0, ``low`` ≥ 0, ``low`` < ``high`` | E |
-| 11 | ``algo.correction.mode`` = truncate with ``high`` < 1 | W: TIS cap below 1 shrinks every weight |
-| 12 | ``algo.routing.replay`` ∈ {r2, r3, pr2} on a dense model (``model_is_moe`` False) | E: nothing to replay |
-| 13 | ``algo.routing.replay`` = r2 with ``algo.old_logp_source`` = engine | E: R2 records routes in the trainer's old-log-prob pass, which bypass skips |
-| 14 | ``algo.routing.replay`` = r2 with ``trainer.updates_per_step`` = 1 | W: R2 only fixes drift across mini-steps (R3 paper, arXiv 2510.11370) |
-| 15 | ``algo.routing.pr2_lr_mult`` > 0, ``pr2_feature_sample_rate`` ∈ (0, 1] | E |
-| 16 | ``algo.loss.name`` = gspo with ``algo.loss.agg`` ∉ {None, seq-mean-token-mean} | W: token sums length-weight sequences (GSPO, arXiv 2507.18071; TRL #3823) |
-| 17 | ``rollout.group_size`` < 2 with ``algo.loss.adv_norm`` = std | W: every group-normalised advantage is 0 |
-| 18 | ``rollout.group_size``, ``prompts_per_step``, ``max_new_tokens``, ``batch_size`` ≥ 1 | E |
-| 19 | ``rollout.temperature`` > 0, ``rollout.top_p`` ∈ (0, 1], ``rollout.router_noise`` ≥ 0 | E |
-| 20 | ``rollout.router_noise`` > 0 on a dense model | W: no router to perturb |
-| 21 | ``trainer.updates_per_step``, ``grad_accum``, ``log_every`` ≥ 1; ``steps``, ``eval_every``, ``checkpoint_every``, ``sft_warmup_steps`` ≥ 0 | E |
-| 22 | ``trainer.updates_per_step`` × ``trainer.grad_accum`` ≤ sequences per step (``prompts_per_step`` × ``group_size``) | E: empty mini-batches |
-| 23 | sequences per step divisible by ``updates_per_step`` × ``grad_accum`` | W: uneven mini-batches |
-| 24 | ``buffer.staleness`` ≥ ``trainer.steps`` (> 0) | W: the first k steps only generate, so nothing is trained |
-| 25 | ``optim.lr`` > 0, ``weight_decay`` ≥ 0, ``grad_clip`` ≥ 0, ``warmup_steps`` ≥ 0, ``betas`` two values in [0, 1) | E |
-| 26 | ``algo.kl.coef`` ≥ 0 | E |
-| 27 | ``model.top_k`` ∈ [1, ``model.num_experts``] for the built-in MoE preset | E |
-| 28 | ``task.operators`` a non-empty subset of ``+-*``; ``min_digits`` ≤ ``max_digits``, both ≥ 1; ``num_terms`` ≥ 2 | E |
-| 29 | ``task.name`` = arithmetic or ``jsonl:<path>``; ``model.preset`` a built-in preset unless ``model.path`` is set; ``model.path``/``task.name`` not a ``/path/to/`` placeholder | E |
-| 30 | ``logging.loggers`` ⊆ {console, jsonl, wandb} | E |
-| 31 | ``algo.routing.replay`` = pr2 with ``algo.loss.name`` = gspo | nothing: allowed (PR2 paper pairs it with GRPO; GSPO works too) |
+| section | rule |
+|---|---|
+| loss | ``algo.loss.name`` registered (E); ``algo.loss.options`` checked by the loss's registry entry (E); a sequence-level loss with a token-summing ``agg`` (W: GSPO, arXiv 2507.18071) |
+| correction | ``mode`` ≠ none with ``old_logp_source=engine`` (E: the mismatch would be corrected twice); ``low`` < ``high`` (E); truncate with ``high`` < 1 (W) |
+| routing | replay on a dense model (E); R2 with bypass (E: R2 records in the old-log-prob pass bypass skips); R2 with one update per step (W: R3 paper, arXiv 2510.11370) |
+| rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W) |
+| trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached) |
+| optim | ``betas`` two values in [0, 1) (E) |
+| model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder (E) |
+| task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; else ``jsonl:<path>`` (E) |
+| logging | ``loggers`` ⊆ console, jsonl, wandb (E) |
+
+Checks that read files (task files, ``model.path``, tokenizer, answer lengths, buffer feasibility) live in
+:mod:`offpolicy_moe.config.preflight`.
 """
 from __future__ import annotations
 
@@ -48,31 +33,17 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-BUILTIN_LOSSES = ("grpo", "gspo", "m2po", "unclipped")
-LOGGERS = ("console", "jsonl", "wandb")
+from offpolicy_moe.config.ranges import Rule, declared_rules, field_problems
+from offpolicy_moe.config.schema import LOGGERS, TrainConfig
+from offpolicy_moe.losses import AGG_MODES, get_loss_spec, list_policy_losses, loss_options_problem
+from offpolicy_moe.models.moe_shape import declares_moe
+from offpolicy_moe.models.presets import HEAD_DIM, PRESETS
 
-# dotted key -> allowed values (rule 1)
-ENUMS: dict[str, tuple[str, ...]] = {
-    "algo.routing.replay": ("none", "r2", "r3", "pr2"),
-    "algo.correction.mode": ("none", "truncate", "mask"),
-    "algo.correction.level": ("token", "sequence", "geometric"),
-    "algo.old_logp_source": ("trainer", "engine", "proximal"),
-    "algo.loss.m2po_variant": ("mask", "adaptive_clip"),
-    "algo.loss.m2po_scope": ("global", "local"),
-    "algo.loss.adv_norm": ("std", "none"),
-    "algo.kl.kind": ("k1", "k2", "k3", "k3+"),
-    "buffer.mode": ("fixed", "bounded", "async"),
-    "buffer.on_stale": ("wait", "drop"),
-    "rollout.on_worker_death": ("restart", "stop"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "rollout.dtype": ("float32", "bfloat16", "float16"),
-    "rollout.engine": ("hf",),
-    "rollout.sampler": ("native", "hf"),
-    "task.reward": ("exact", "partial"),
-    "optim.scheduler": ("constant", "cosine", "linear"),
-    "trainer.on_nan": ("skip", "stop"),
-    "logging.wandb_mode": ("offline", "online", "disabled"),
+# Ranges of the loss keys (their dataclass belongs to the losses; the generic walk applies these).
+LOSS_RULES: dict[str, Rule] = {
+    "algo.loss.agg": Rule(choices=AGG_MODES, optional=True),
+    "algo.loss.adv_norm": Rule(choices=("std", "none")),
+    "algo.loss.norm_length": Rule(ge=1, optional=True),         # a divisor: 0 gives inf/NaN
 }
 
 
@@ -80,253 +51,202 @@ class ConfigError(ValueError):
     """An invalid configuration; the message names the offending keys (and the file or override)."""
 
 
+class Findings:
+    """Errors and warnings collected by the section checks."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+
+    def error(self, msg: str) -> None:
+        """Record an error (one line, starting with the key); a repeated message is kept once."""
+        if msg not in self.errors:
+            self.errors.append(msg)
+
+    def warn(self, msg: str) -> None:
+        """Record a warning (one line, starting with the key)."""
+        self.warnings.append(msg)
+
+    def raise_if_errors(self) -> None:
+        """Raise :class:`ConfigError`: one line for one error, else a header and one line per error."""
+        if len(self.errors) == 1:
+            raise ConfigError(f"invalid configuration: {self.errors[0]}")
+        if self.errors:
+            raise ConfigError("\n  - ".join([f"invalid configuration ({len(self.errors)} problems):", *self.errors]))
+
+
+def vocabularies() -> dict[str, tuple]:
+    """``{dotted key: allowed values}`` of every enumerated key (declared in the schema, plus the loss keys)."""
+    out = {k: r.choices for k, r in declared_rules(TrainConfig).items() if r.choices is not None}
+    out.update({k: r.choices for k, r in LOSS_RULES.items() if r.choices is not None})
+    out["algo.loss.name"] = tuple(list_policy_losses())
+    return out
+
+
 def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
-    """Check the cross-field rules of the module docstring table.
+    """Check every key's declared range and every section's cross-field rules (module docstring).
 
     Returns the warnings (strings naming their keys). Raises :class:`ConfigError` listing every error found.
     """
-    errors: list[str] = []
-    warnings: list[str] = []
-    E, W = errors.append, warnings.append
-    a, loss, corr, rt = cfg.algo, cfg.algo.loss, cfg.algo.correction, cfg.algo.routing
     if model_is_moe is None:
         model_is_moe = infer_model_is_moe(cfg)
+    found = Findings()
+    for msg in field_problems(cfg, "", LOSS_RULES):
+        found.error(msg)
+    check_loss(cfg, found)
+    check_correction(cfg, found)
+    check_routing(cfg, found, model_is_moe)
+    check_rollout(cfg, found, model_is_moe)
+    check_trainer(cfg, found)
+    check_optim(cfg, found)
+    check_model(cfg, found, model_is_moe)
+    check_task(cfg, found)
+    check_logging(cfg, found)
+    found.raise_if_errors()
+    return found.warnings
 
-    # 1. enums
-    for key, allowed in ENUMS.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            E(f"{key}: unknown value {value!r}; expected one of {', '.join(allowed)}")
 
-    # 2./3. loss name and aggregation
-    if not _loss_is_registered(loss.name):
-        E(f"algo.loss.name: unknown loss {loss.name!r}; registered: {', '.join(sorted(_registered_losses()))}")
-    if loss.agg is not None and loss.agg not in AGG_MODES:
-        E(f"algo.loss.agg: unknown aggregation {loss.agg!r}; expected one of {', '.join(AGG_MODES)} (or null)")
+def check_loss(cfg: Any, found: Findings) -> None:
+    """``algo.loss``: a registered name, its ``options`` checked by the loss's own registry entry (names and
+    values, with a did-you-mean), and a token-summing ``agg`` with a sequence-level loss (W)."""
+    loss = cfg.algo.loss
+    registered = list_policy_losses()
+    if loss.name not in registered:
+        found.error(f"algo.loss.name: unknown loss {loss.name!r}; registered: {', '.join(sorted(registered))}")
+        return
+    problem = loss_options_problem(loss.name, loss.options)
+    if problem:
+        found.error(f"algo.loss.options: {problem}")
+    if get_loss_spec(loss.name).sequence_level and loss.agg not in (None, "seq-mean-token-mean"):
+        found.warn(f"algo.loss.agg={loss.agg} with algo.loss.name={loss.name} (a sequence-level ratio): token-level "
+                   "sums weight each sequence by its length; use seq-mean-token-mean")
 
-    # 4.-8. objective parameters
-    if cfg.buffer.staleness < 0:
-        E(f"buffer.staleness: must be >= 0, got {cfg.buffer.staleness}")
-    if not loss.m2po_tau > 0:
-        E(f"algo.loss.m2po_tau: the M2 budget tau must be > 0, got {loss.m2po_tau}")
-    for name in ("clip_low", "clip_high"):
-        v = getattr(loss, name)
-        if v is not None and v < 0:
-            E(f"algo.loss.{name}: clip ranges must be >= 0, got {v}")
-    if loss.clip_low is not None and loss.clip_low >= 1:
-        E(f"algo.loss.clip_low: must be < 1 (the lower bound 1 - clip_low must stay positive), got {loss.clip_low}")
-    if loss.dual_clip is not None and not loss.dual_clip > 1:
-        E(f"algo.loss.dual_clip: the dual-clip constant must be > 1 (or null), got {loss.dual_clip}")
-    if loss.name in ("m2po", "unclipped"):
-        set_clips = [n for n in ("clip_low", "clip_high", "dual_clip") if getattr(loss, n) is not None]
-        if set_clips:
-            W(f"algo.loss.{'/'.join(set_clips)}: ignored with algo.loss.name={loss.name} (no ratio clipping)")
 
-    # 9.-11. mismatch correction
-    if corr.mode != "none" and a.old_logp_source == "engine":
-        E(
-            f"algo.correction.mode={corr.mode} with algo.old_logp_source=engine (bypass): the PPO ratio is already "
-            "pi_theta/mu, so TIS/MIS weights would correct the mismatch twice; use old_logp_source=trainer or "
-            "correction.mode=none"
-        )
-    if not corr.high > 0:
-        E(f"algo.correction.high: must be > 0, got {corr.high}")
-    if corr.low is not None:
-        if corr.low < 0:
-            E(f"algo.correction.low: must be >= 0 (or null), got {corr.low}")
-        elif corr.low >= corr.high:
-            E(f"algo.correction.low ({corr.low}) must be < algo.correction.high ({corr.high})")
+def check_correction(cfg: Any, found: Findings) -> None:
+    """``algo.correction``: not with bypass; ``low`` < ``high``; a TIS cap below 1."""
+    corr = cfg.algo.correction
+    if corr.mode != "none" and cfg.algo.old_logp_source == "engine":
+        found.error(f"algo.correction.mode={corr.mode} with algo.old_logp_source=engine (bypass): the PPO ratio is "
+                    "already pi_theta/mu, so TIS/MIS weights would correct the mismatch twice; use "
+                    "old_logp_source=trainer or correction.mode=none")
+    if corr.low is not None and corr.high is not None and corr.low >= corr.high:
+        found.error(f"algo.correction.low ({corr.low}) must be < algo.correction.high ({corr.high})")
     if corr.mode == "truncate" and 0 < corr.high < 1:
-        W(f"algo.correction.high={corr.high} < 1 with correction.mode=truncate: every TIS weight is capped below 1")
+        found.warn(f"algo.correction.high={corr.high} < 1 with correction.mode=truncate: every TIS weight is capped "
+                   "below 1")
 
-    # 12.-15. routing
-    if rt.replay in ("r2", "r3", "pr2") and model_is_moe is False:
-        E(
-            f"algo.routing.replay={rt.replay} needs a Mixture-of-Experts model, but the model is dense "
-            f"(model.preset={cfg.model.preset!r}, model.path={cfg.model.path!r})"
-        )
-    if rt.replay == "r2" and a.old_logp_source == "engine":
-        E(
-            "algo.routing.replay=r2 with algo.old_logp_source=engine: R2 records routes in the trainer's "
-            "old-log-prob pass, which bypass mode skips; use old_logp_source=trainer, or replay=r3"
-        )
-    if rt.replay == "r2" and cfg.trainer.updates_per_step == 1:
-        W("algo.routing.replay=r2 with trainer.updates_per_step=1: R2 only fixes routing drift across mini-steps")
-    if not rt.pr2_lr_mult > 0:
-        E(f"algo.routing.pr2_lr_mult: must be > 0, got {rt.pr2_lr_mult}")
-    if not 0 < rt.pr2_feature_sample_rate <= 1:
-        E(f"algo.routing.pr2_feature_sample_rate: must be in (0, 1], got {rt.pr2_feature_sample_rate}")
 
-    # 16.-17. aggregation and advantages
-    if loss.name == "gspo" and loss.agg not in (None, "seq-mean-token-mean"):
-        W(
-            f"algo.loss.agg={loss.agg} with algo.loss.name=gspo: token-level sums weight each sequence by its "
-            "length; GSPO is defined with seq-mean-token-mean"
-        )
+def check_routing(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
+    """``algo.routing``: replay needs an MoE model; R2 needs the trainer's old-log-prob pass; the trainer adds no
+    load-balancing loss, so a non-zero ``algo.router_aux_loss_coef`` is refused rather than ignored."""
+    replay = cfg.algo.routing.replay
+    if cfg.algo.router_aux_loss_coef > 0:
+        found.error(f"algo.router_aux_loss_coef={cfg.algo.router_aux_loss_coef}: the trainer does not add a "
+                    "load-balancing loss (set 0); in your own loop, RoutingController.load_balancing_loss gives it "
+                    "from the experts actually used under replay")
+    if replay in ("r2", "r3", "pr2") and model_is_moe is False:
+        found.error(f"algo.routing.replay={replay} needs a Mixture-of-Experts model, but the model is dense "
+                    f"(model.preset={cfg.model.preset!r}, model.path={cfg.model.path!r})")
+    if replay == "r2" and cfg.algo.old_logp_source == "engine":
+        found.error("algo.routing.replay=r2 with algo.old_logp_source=engine: R2 records routes in the trainer's "
+                    "old-log-prob pass, which bypass mode skips; use old_logp_source=trainer, or replay=r3")
+    if replay == "r2" and cfg.trainer.updates_per_step == 1:
+        found.warn("algo.routing.replay=r2 with trainer.updates_per_step=1: R2 only fixes routing drift across "
+                   "mini-steps")
+
+
+def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
+    """``rollout``: group-normalised advantages need groups; router noise needs a router."""
     ro = cfg.rollout
-    if ro.group_size < 2 and loss.adv_norm == "std":
-        W(f"rollout.group_size={ro.group_size} with algo.loss.adv_norm=std: every group advantage is 0")
+    if 1 <= ro.group_size < 2 and cfg.algo.loss.adv_norm == "std":
+        found.warn(f"rollout.group_size={ro.group_size} with algo.loss.adv_norm=std: every group advantage is 0")
+    if ro.router_noise > 0 and model_is_moe is False:
+        found.warn("rollout.router_noise > 0 on a dense model has no effect")
 
-    # 18.-20. rollout
-    for name in ("group_size", "prompts_per_step", "max_new_tokens", "batch_size"):
-        if getattr(ro, name) < 1:
-            E(f"rollout.{name}: must be >= 1, got {getattr(ro, name)}")
-    if not ro.temperature > 0:
-        E(f"rollout.temperature: must be > 0, got {ro.temperature}")
-    if not 0 < ro.top_p <= 1:
-        E(f"rollout.top_p: must be in (0, 1], got {ro.top_p}")
-    if ro.router_noise < 0:
-        E(f"rollout.router_noise: must be >= 0, got {ro.router_noise}")
-    elif ro.router_noise > 0 and model_is_moe is False:
-        W("rollout.router_noise > 0 on a dense model has no effect")
 
-    # 21.-24. trainer
-    tr = cfg.trainer
-    for name in ("updates_per_step", "grad_accum", "log_every"):
-        if getattr(tr, name) < 1:
-            E(f"trainer.{name}: must be >= 1, got {getattr(tr, name)}")
-    for name in ("steps", "eval_every", "checkpoint_every", "sft_warmup_steps"):
-        if getattr(tr, name) < 0:
-            E(f"trainer.{name}: must be >= 0, got {getattr(tr, name)}")
+def check_trainer(cfg: Any, found: Findings) -> None:
+    """``trainer`` with ``rollout`` and ``buffer``: mini-batches not empty (nor uneven); staleness reachable."""
+    ro, tr = cfg.rollout, cfg.trainer
     n_seq = ro.prompts_per_step * ro.group_size
     parts = tr.updates_per_step * tr.grad_accum
     if n_seq >= 1 and parts >= 1:
         if parts > n_seq:
-            E(
-                f"trainer.updates_per_step x trainer.grad_accum = {parts} exceeds the {n_seq} sequences per step "
-                f"(rollout.prompts_per_step x rollout.group_size): some mini-batches would be empty"
-            )
+            found.error(f"trainer.updates_per_step x trainer.grad_accum = {parts} exceeds the {n_seq} sequences per "
+                        "step (rollout.prompts_per_step x rollout.group_size): some mini-batches would be empty")
         elif n_seq % parts:
-            W(
-                f"rollout.prompts_per_step x rollout.group_size = {n_seq} is not divisible by "
-                f"trainer.updates_per_step x trainer.grad_accum = {parts}: mini-batches are uneven"
-            )
-    if tr.steps > 0 and cfg.buffer.staleness >= tr.steps:
-        W(f"buffer.staleness={cfg.buffer.staleness} >= trainer.steps={tr.steps}: the first k steps only generate")
+            found.warn(f"rollout.prompts_per_step x rollout.group_size = {n_seq} is not divisible by "
+                       f"trainer.updates_per_step x trainer.grad_accum = {parts}: mini-batches are uneven")
+    k = cfg.buffer.staleness
+    if tr.steps >= 1 and k >= 1 and k >= tr.steps:
+        found.error(f"buffer.staleness={k} >= trainer.steps={tr.steps}: the trained policy reaches version "
+                    f"{tr.steps - 1} at most, so a lag of {k} versions never occurs; use trainer.steps > {k}")
 
-    # 25.-26. optimiser, KL
-    op = cfg.optim
-    if not op.lr > 0:
-        E(f"optim.lr: must be > 0, got {op.lr}")
-    for name in ("weight_decay", "grad_clip", "warmup_steps"):
-        if getattr(op, name) < 0:
-            E(f"optim.{name}: must be >= 0, got {getattr(op, name)}")
-    betas = tuple(op.betas)
+
+def check_optim(cfg: Any, found: Findings) -> None:
+    """``optim.betas``: two values in [0, 1) (the scalar keys are covered by their declared ranges)."""
+    betas = tuple(cfg.optim.betas)
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-        E(f"optim.betas: expected two values in [0, 1), got {list(betas)}")
-    if a.kl.coef < 0:
-        E(f"algo.kl.coef: must be >= 0, got {a.kl.coef}")
+        found.error(f"optim.betas: expected two values in [0, 1), got {list(betas)}")
 
-    # 27. model
+
+def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
+    """``model``: a built-in preset's shape can be built; ``model.path`` is not a placeholder."""
     m = cfg.model
-    if m.path is None and model_is_moe is not False:
-        if m.num_experts < 1:
-            E(f"model.num_experts: must be >= 1, got {m.num_experts}")
-        elif not 1 <= m.top_k <= m.num_experts:
-            E(f"model.top_k: must be in [1, model.num_experts={m.num_experts}], got {m.top_k}")
-    for name in ("num_layers", "hidden_size"):
-        if getattr(m, name) < 1:
-            E(f"model.{name}: must be >= 1, got {getattr(m, name)}")
+    if m.path is None:
+        if m.preset not in PRESETS:
+            found.error(f"model.preset: unknown preset {m.preset!r}; expected one of {', '.join(sorted(PRESETS))} "
+                        "or set model.path")
+        if model_is_moe is not False and m.num_experts >= 1 and m.top_k >= 1:
+            if m.num_experts < 2:
+                found.error(f"model.num_experts: an MoE preset needs >= 2 experts, got {m.num_experts}")
+            elif m.top_k > m.num_experts:
+                found.error(f"model.top_k: must be in [1, model.num_experts={m.num_experts}], got {m.top_k}")
+        if m.hidden_size >= 1 and m.hidden_size % HEAD_DIM:
+            found.error(f"model.hidden_size: the presets need a multiple of the head size {HEAD_DIM}, "
+                        f"got {m.hidden_size}")
+    for key, value in (("model.path", m.path), ("model.tokenizer_path", m.tokenizer_path),
+                       ("task.name", cfg.task.name)):
+        if isinstance(value, str) and "/path/to/" in value:
+            found.error(f"{key}: {value!r} is a placeholder; set it to a real path (e.g. {key}=...)")
 
-    # 28.-29. task, placeholders
+
+def check_task(cfg: Any, found: Findings) -> None:
+    """``task``: the arithmetic generator's options, or a ``jsonl:<path>`` name."""
     t = cfg.task
     if t.name == "arithmetic":
         if not t.operators or set(t.operators) - set("+-*"):
-            E(f"task.operators: must be a non-empty subset of '+-*', got {t.operators!r}")
-        if t.min_digits < 1 or t.min_digits > t.max_digits:
-            E(f"task.min_digits/task.max_digits: need 1 <= min_digits <= max_digits, got {t.min_digits}, {t.max_digits}")
-        if t.num_terms < 2:
-            E(f"task.num_terms: must be >= 2, got {t.num_terms}")
+            found.error(f"task.operators: must be a non-empty subset of '+-*', got {t.operators!r}")
+        if t.min_digits > t.max_digits:
+            found.error(f"task.min_digits/task.max_digits: need min_digits <= max_digits, got {t.min_digits}, "
+                        f"{t.max_digits}")
     elif not t.name.startswith("jsonl:") or t.name == "jsonl:":
-        E(f"task.name: unknown task {t.name!r}; expected arithmetic or jsonl:<path>")
-    if m.path is None and m.preset not in ("tiny-qwen3-moe", "tiny-dense") and m.preset not in _model_presets():
-        E(f"model.preset: unknown preset {m.preset!r}; expected one of {', '.join(_model_presets())} or set model.path")
-    for key, value in (("model.path", m.path), ("model.tokenizer_path", m.tokenizer_path), ("task.name", t.name)):
-        if isinstance(value, str) and "/path/to/" in value:
-            E(f"{key}: {value!r} is a placeholder; set it to a real path (e.g. {key}=...)")
-    for name in ("train_size", "eval_size"):
-        if getattr(t, name) < 1:
-            E(f"task.{name}: must be >= 1, got {getattr(t, name)}")
+        found.error(f"task.name: unknown task {t.name!r}; expected arithmetic or jsonl:<path>")
 
-    # 30. loggers
+
+def check_logging(cfg: Any, found: Findings) -> None:
+    """``logging.loggers``: a subset of the known loggers."""
     bad = [x for x in cfg.logging.loggers if x not in LOGGERS]
     if bad:
-        E(f"logging.loggers: unknown logger(s) {bad}; expected a subset of {', '.join(LOGGERS)}")
-
-    if errors:
-        head = f"invalid configuration ({len(errors)} problem{'s' if len(errors) > 1 else ''}):"
-        raise ConfigError("\n  - ".join([head, *errors]))
-    return warnings
+        found.error(f"logging.loggers: unknown logger(s) {bad}; expected a subset of {', '.join(LOGGERS)}")
 
 
 def infer_model_is_moe(cfg: Any) -> Optional[bool]:
     """True/False when the config tells whether the policy is MoE, else ``None``.
 
-    ``model.path`` with a ``config.json``: MoE iff it declares more than one expert (``num_experts``,
-    ``num_local_experts`` or ``n_routed_experts``). Built-in presets: ``*dense*`` is dense; otherwise
+    ``model.path`` with a readable ``config.json``: MoE iff it declares more than one routed expert
+    (:func:`offpolicy_moe.models.moe_shape`, every family's key). Built-in presets: ``*dense*`` is dense; otherwise
     ``model.num_experts > 1``.
     """
     m = cfg.model
     if m.path:
-        cj = Path(m.path) / "config.json"
+        cj = Path(m.path).expanduser() / "config.json"
         if not cj.is_file():
             return None
         try:
             hf = json.loads(cj.read_text())
         except (OSError, ValueError):
             return None
-        for k in ("num_experts", "num_local_experts", "n_routed_experts"):
-            v = hf.get(k) or (hf.get("text_config") or {}).get(k)
-            if isinstance(v, int):
-                return v > 1
-        return False
+        return declares_moe(hf) if isinstance(hf, dict) else None
     if "dense" in str(m.preset):
         return False
     return m.num_experts > 1
-
-
-def _model_presets() -> tuple[str, ...]:
-    builtin = ("tiny-qwen3-moe", "tiny-dense")
-    try:
-        from offpolicy_moe.models.presets import PRESETS
-    except ImportError:
-        return builtin
-    return tuple(sorted(set(builtin) | set(PRESETS)))
-
-
-def _loss_is_registered(name: str) -> bool:
-    """Ask ``offpolicy_moe.losses.get_policy_loss`` when importable, else check the built-in names."""
-    try:
-        from offpolicy_moe.losses import get_policy_loss
-    except ImportError:
-        return name in _registered_losses()
-    try:
-        get_policy_loss(name)
-    except (KeyError, ValueError, LookupError):
-        return False
-    return True
-
-
-def _registered_losses() -> set[str]:
-    try:
-        from offpolicy_moe import losses as L  # floor 1; may not exist in a partial build
-    except ImportError:
-        return set(BUILTIN_LOSSES)
-    for attr in ("available_policy_losses", "list_policy_losses", "registered_policy_losses"):
-        fn = getattr(L, attr, None)
-        if callable(fn):
-            try:
-                return set(fn())
-            except Exception:  # noqa: BLE001 - fall through to the registry dict
-                pass
-    reg = getattr(L, "POLICY_LOSS_REGISTRY", None)
-    if isinstance(reg, dict) and reg:
-        return set(reg)
-    return set(BUILTIN_LOSSES)
-
-
-def _get(cfg: Any, dotted: str) -> Any:
-    cur = cfg
-    for part in dotted.split("."):
-        cur = getattr(cur, part)
-    return cur

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from types import SimpleNamespace
 from typing import Optional
 
+from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.engine.batch import RolloutBatch
 
-__all__ = ["StalenessBuffer"]
+__all__ = ["StalenessBuffer", "check_buffer_feasible", "iteration_budget", "steps_within_budget"]
 
 
 class StalenessBuffer:
@@ -89,3 +91,46 @@ class StalenessBuffer:
         self.dropped = state["dropped"]
         self._rng.setstate(state["rng"])
         self._queue = deque((a, RolloutBatch.from_state_dict(b)) for a, b in state["queue"])
+
+
+# ------------------------------------------------------------------ feasibility (checked before compute)
+def iteration_budget(steps: int, staleness: int, mode: str) -> int:
+    """Iterations a run may take to train ``steps`` steps before its buffer counts as starved.
+
+    ``fixed``: exactly ``steps + staleness``. ``bounded``: ``steps + staleness + 10 * steps`` (arrival delays and
+    drops leave some iterations without a batch).
+    """
+    return steps + staleness + 10 * steps * (mode == "bounded")
+
+
+def steps_within_budget(staleness: int, mode: str, max_delay: Optional[int], seed: int, steps: int) -> int:
+    """Trained steps a run reaches within :func:`iteration_budget`, found by driving the run's own buffer (same
+    seed, so the same arrival delays) with placeholder batches: a batch's version is the number of steps trained when
+    it was generated, as in the trainer's loop. It stops early once the remaining steps are out of reach (at most one
+    per iteration), so a result below ``steps`` is a lower bound."""
+    buffer = StalenessBuffer(staleness, mode, max_delay=max_delay, seed=seed)
+    trained, budget = 0, iteration_budget(steps, staleness, mode)
+    for iteration in range(budget):
+        if budget - iteration < steps - trained:   # at most one step per iteration: the rest cannot be reached
+            break
+        buffer.push(SimpleNamespace(version=trained, generated_at=iteration), iteration)  # type: ignore[arg-type]
+        consumed, _ = buffer.pop(iteration, trained)
+        if consumed is not None:
+            trained += 1
+            if trained == steps:
+                break
+    return trained
+
+
+def check_buffer_feasible(cfg) -> None:
+    """Raise :class:`~offpolicy_moe.config.validate.ConfigError` naming ``buffer.max_delay`` when a bounded
+    buffer would drop so many batches that ``trainer.steps`` cannot be trained within the iteration budget."""
+    b, steps = cfg.buffer, cfg.trainer.steps
+    if b.mode != "bounded" or steps < 1:
+        return
+    reached = steps_within_budget(b.staleness, b.mode, b.max_delay, cfg.seed, steps)
+    if reached < steps:
+        budget = iteration_budget(steps, b.staleness, b.mode)
+        raise ConfigError(f"buffer.max_delay={b.max_delay}: with buffer.staleness={b.staleness} the bounded buffer "
+                          f"drops most batches and trains at most {reached} of trainer.steps={steps} steps in "
+                          f"{budget} iterations; lower buffer.max_delay (at most buffer.staleness drops none)")

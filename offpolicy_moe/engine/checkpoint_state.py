@@ -9,6 +9,7 @@ import torch
 
 from offpolicy_moe.engine.checkpoint import (CheckpointError, LoadedCheckpoint, gather_rng_states, load_checkpoint,
                                              save_checkpoint)
+from offpolicy_moe.models.moe_shape import moe_shape
 
 __all__ = ["FORMAT", "model_signature", "CheckpointState"]
 
@@ -18,9 +19,9 @@ FORMAT = "offpolicy_moe.trainer/1"
 def model_signature(model: torch.nn.Module) -> dict:
     """The facts of the model a checkpoint must match: class, vocabulary, experts, top-k, layers, width."""
     cfg = model.config
+    num_experts, top_k = moe_shape(cfg)
     return {"class": type(model).__name__, "vocab_size": int(getattr(cfg, "vocab_size", -1)),
-            "num_experts": getattr(cfg, "num_experts", getattr(cfg, "num_local_experts", None)),
-            "top_k": getattr(cfg, "num_experts_per_tok", None),
+            "num_experts": num_experts, "top_k": top_k,
             "num_layers": getattr(cfg, "num_hidden_layers", None),
             "hidden_size": getattr(cfg, "hidden_size", None)}
 

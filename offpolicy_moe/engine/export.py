@@ -101,12 +101,12 @@ def _pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
     if step is None:
         path = resume_checkpoint(root)
         if path is None:
-            raise CheckpointError(f"run folder {str(run_dir)!r} has no checkpoint to export")
+            raise FileNotFoundError(f"run folder {str(run_dir)!r} has no checkpoint to export")
         return path
     path = root / f"step_{step}"
     if not path.is_dir():
         have = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
-        raise CheckpointError(f"run folder {str(run_dir)!r} has no checkpoint step_{step} (has: "
+        raise FileNotFoundError(f"run folder {str(run_dir)!r} has no checkpoint step_{step} (has: "
                               f"{', '.join(have) or 'none'})")
     verify_checkpoint(path)
     return path

@@ -12,8 +12,9 @@ from typing import Any, Iterator, Optional
 import torch
 
 from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.logprobs import response_logprobs
-from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
+from offpolicy_moe.engine.forward_plan import MODES as FORWARD_MODES
+from offpolicy_moe.engine.forward_plan import ForwardPlan
+from offpolicy_moe.engine.logprobs import plan_shared_forward, response_logprobs
 from offpolicy_moe.routing import RoutingController
 
 __all__ = ["RoutedForward", "eval_mode", "REPLAY_ENGINE"]
@@ -52,6 +53,7 @@ class RoutedForward:
         self.temperature = float(temperature)
         self.ref_model: Optional[torch.nn.Module] = None
         self.ref_controller: Optional[RoutingController] = None
+        self.last_plan = ForwardPlan("plain")   # the way the last forward ran (perf/forward_* metrics)
 
     def set_reference(self, ref_model: Optional[torch.nn.Module]) -> None:
         """Register the frozen reference model (KL penalty); it gets its own routing controller when the actor has
@@ -92,21 +94,24 @@ class RoutedForward:
         if record and ctl is None:
             raise RuntimeError("route recording needs a RoutingController (an MoE model with routing enabled)")
         share = self.share_prompt and not (ctl is not None and ctl.active)
-        packing = None
-        if share and takes_4d_mask(model.module if hasattr(model, "module") else model):
-            packing = plan_group_packing(ids, am, batch.prompt_len, samples_per_row=self.group_size)
+        replaying = routes is not None or record
+        plan, packing = ForwardPlan("plain"), None
+        if share:   # replayed / recorded traces: packing only (they are re-laid out; no routes flow in the cache way)
+            plan, packing = plan_shared_forward(model, ids, am, batch.prompt_len, True, group_size=self.group_size,
+                                                allowed=("plain", "pack") if replaying else FORWARD_MODES)
             if packing is not None and routes is not None:
                 packed_routes = packing.pack_trace(routes)
-                packing, routes = (None, routes) if packed_routes is None else (packing, packed_routes)
+                if packed_routes is None:
+                    packing, plan = None, ForwardPlan("plain", plan.costs)
+                else:
+                    routes = packed_routes
+        self.last_plan = plan
         replay_ctx = ctl.replay(routes) if (routes is not None and ctl is not None) else contextlib.nullcontext()
         rec_ctx = ctl.record() if record else contextlib.nullcontext()
-        # no packing planned (no 4-D masks, or it did not fit or pay): share through the prompt's KV cache, where no
-        # routes flow
-        cache = packing is None and share and routes is None and not record
         with replay_ctx, rec_ctx as rec:
             logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.temperature,
                                      response_mask=batch.response_mask.to(dev),
-                                     share_prompt="cache" if cache else False, packing=packing)
+                                     share_prompt="cache" if plan.mode == "cache" else False, packing=packing)
         if not record:
             return logp
         trace = rec.trace()

@@ -21,7 +21,10 @@ rounding, gradients included):
   no cache in training).
 
 Both feed only ``T - 1`` response tokens (nothing is predicted from the last one), and both are skipped when fewer
-than half of the rows repeat a prompt.
+than half of the rows repeat a prompt.  Packing's attention grows with the square of the packed row, so neither
+always pays: ``share_prompt=True``/``"auto"`` lets a cost model (:mod:`offpolicy_moe.engine.forward_plan`) pick
+plain, packed or cached per batch from the prompt length, response length and group sizes
+(:func:`plan_shared_forward`).
 """
 from __future__ import annotations
 
@@ -29,10 +32,14 @@ from typing import Optional
 
 import torch
 
-from offpolicy_moe.engine.layout import accepts_kwarg, position_ids_from_mask, prompt_groups
-from offpolicy_moe.engine.packing import GroupPacking, plan_group_packing, takes_4d_mask
+from transformers import DynamicCache
 
-__all__ = ["position_ids_from_mask", "prompt_groups", "response_logprobs"]
+from offpolicy_moe.engine.forward_plan import MODES, ForwardPlan, plan_forward
+from offpolicy_moe.engine.layout import accepts_kwarg, position_ids_from_mask, prompt_groups
+from offpolicy_moe.engine.packing import (DEFAULT_MAX_MASK_ELEMENTS, GroupPacking, plan_group_packing,
+                                          takes_4d_mask)
+
+__all__ = ["position_ids_from_mask", "prompt_groups", "response_logprobs", "plan_shared_forward"]
 
 _SHARE_MODES = (False, True, "auto", "pack", "cache")
 
@@ -61,8 +68,6 @@ def _shared_prompt_logits(model: torch.nn.Module, base: torch.nn.Module, input_i
                           inverse: torch.Tensor) -> torch.Tensor:
     """``[B, T, V]`` logits predicting the ``T`` response tokens: prompt pass on the distinct prompts, cache repeated
     to the rows, response pass on tokens ``P .. P+T-2`` against it."""
-    from transformers import DynamicCache
-
     P = prompt_len
     pos = position_ids_from_mask(attention_mask)
     cache = DynamicCache(config=getattr(base, "config", None))
@@ -80,6 +85,52 @@ def _shared_prompt_logits(model: torch.nn.Module, base: torch.nn.Module, input_i
     return torch.cat([first_logits, out.logits], dim=1)
 
 
+def plan_shared_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        prompt_len: int, share_prompt: bool | str = True, *, allowed: tuple = MODES,
+                        max_mask_elements: int = DEFAULT_MAX_MASK_ELEMENTS, group_size: Optional[int] = None
+                        ) -> tuple[ForwardPlan, Optional[GroupPacking]]:
+    """Which forward runs this batch, ``(plan, packing)`` (``packing`` set when ``plan.mode == "pack"``).
+
+    ``share_prompt``: False → plain; ``"pack"``/``"cache"`` → that way whenever it applies (packing with the group
+    size that feeds fewest tokens); True/``"auto"`` → the cost model's pick among the ways that apply
+    (:func:`offpolicy_moe.engine.forward_plan.choose_forward`).  A way applies when at least half of the rows
+    repeat a prompt, it is in ``allowed``, and the model supports it (packing: a 4-D mask; the cache: a KV cache
+    and no activation checkpointing).
+
+    ``group_size``: decide from the shape of whole groups (every prompt with ``group_size`` rows) instead of the rows
+    present, and pack rows of that many slots.  The trainer passes the rollout group size, so a micro-batch holding
+    part of a group runs the same way, with rows of the same width, as the whole batch: its log-probs are then bit
+    for bit those of the uncut batch (the width changes attention's float rounding)."""
+    if share_prompt not in _SHARE_MODES:
+        raise ValueError(f"share_prompt must be one of {_SHARE_MODES}, got {share_prompt!r}")
+    base = model.module if hasattr(model, "module") else model   # DDP wrapper
+    B, S = input_ids.shape
+    if share_prompt is False or B == 0 or not 0 < prompt_len < S:
+        return ForwardPlan("plain"), None
+    ways = [m for m in ("pack", "cache") if m in allowed and share_prompt in (True, "auto", m)]
+    if "pack" in ways and not takes_4d_mask(base):
+        ways.remove("pack")
+    if "cache" in ways and not _can_share(base):
+        ways.remove("cache")
+    first, inverse = prompt_groups(input_ids, attention_mask, prompt_len)
+    if group_size is not None:     # the decision depends on (prompt, response, group) shapes only
+        inverse = torch.arange(first.numel(), device=inverse.device).repeat_interleave(int(group_size))
+        B = int(inverse.numel())
+    if not ways or 2 * first.numel() > B:
+        return ForwardPlan("plain"), None
+    if share_prompt in ("pack", "cache"):
+        plan, per_row = ForwardPlan(share_prompt), group_size
+    else:
+        plan = plan_forward(base.config, prompt_len, S - prompt_len - 1, inverse, ["plain", *ways],
+                            max_mask_elements=max_mask_elements)
+        per_row = plan.samples_per_row
+    if plan.mode != "pack":
+        return plan, None
+    packing = plan_group_packing(input_ids, attention_mask, prompt_len, max_mask_elements=max_mask_elements,
+                                 samples_per_row=per_row)
+    return (plan, packing) if packing is not None else (ForwardPlan("plain", plan.costs), None)
+
+
 def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_len: int, *, temperature: float = 1.0,
                       response_mask: Optional[torch.Tensor] = None, share_prompt: bool | str = False,
@@ -88,9 +139,10 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     ``log π(x_{P+t} | x_{<P+t}) = z_{P-1+t}[x_{P+t}] / τ - logsumexp(z_{P-1+t} / τ)``.
 
     ``share_prompt`` (``True``/``"auto"``): run each distinct prompt once when at least half of the rows repeat a
-    prompt — packed with its responses in one forward (:mod:`offpolicy_moe.engine.packing`) when the attention
-    takes a 4-D mask and the mask fits, else a prompt pass whose KV cache the response pass reuses (module
-    docstring), else the plain forward; ``"pack"`` / ``"cache"`` try only that way before the plain forward.  ``packing``: a layout planned by the caller (who re-laid out a replay trace the same way).  The
+    prompt and the cost model estimates it cheaper than the plain forward — packed with its responses in one
+    forward (:mod:`offpolicy_moe.engine.packing`) or a prompt pass whose KV cache the response pass reuses
+    (module docstring), see :func:`plan_shared_forward`; ``"pack"`` / ``"cache"`` try only that way before the
+    plain forward.  ``packing``: a layout planned by the caller (who re-laid out a replay trace the same way).  The
     values are the plain forward's up to float rounding."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
@@ -105,8 +157,10 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         raise ValueError(f"share_prompt must be one of {_SHARE_MODES}, got {share_prompt!r}")
     base = model.module if hasattr(model, "module") else model   # DDP wrapper
     logits = None
-    if packing is None and share_prompt in (True, "auto", "pack") and takes_4d_mask(base):
-        packing = plan_group_packing(input_ids, attention_mask, prompt_len)
+    mode = "pack"
+    if packing is None:
+        plan, packing = plan_shared_forward(model, input_ids, attention_mask, prompt_len, share_prompt)
+        mode = plan.mode
     if packing is not None:
         if packing.inverse.shape[0] != input_ids.shape[0] or packing.prompt_len != prompt_len \
                 or packing.fed != T - 1:
@@ -117,10 +171,9 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         out = model(input_ids=packing.input_ids, attention_mask=packing.attention_mask(dtype),
                     position_ids=packing.position_ids, use_cache=False)
         logits = packing.response_logits(out.logits)
-    elif share_prompt in (True, "auto", "cache") and _can_share(base):
+    elif mode == "cache":
         first, inverse = prompt_groups(input_ids, attention_mask, prompt_len)
-        if 0 < 2 * first.numel() <= input_ids.shape[0]:
-            logits = _shared_prompt_logits(model, base, input_ids, attention_mask, prompt_len, first, inverse)
+        logits = _shared_prompt_logits(model, base, input_ids, attention_mask, prompt_len, first, inverse)
     if logits is None:
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False)

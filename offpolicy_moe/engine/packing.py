@@ -155,7 +155,11 @@ def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     ``samples_per_row`` fixes the response slots of a packed row (e.g. the rollout group size) instead of choosing
     them from the rows present: a micro-batch holding part of a group then packs rows of the same width as the
     whole group, so its log-probs are bit for bit those of the uncut batch (the width changes the float rounding of
-    attention)."""
+    attention).  The cost model chooses it too
+    (:func:`offpolicy_moe.engine.forward_plan.forward_costs`)."""
+    if samples_per_row is not None and samples_per_row < 1:
+        raise ValueError(f"samples_per_row must be >= 1, got {samples_per_row}")
+
     B, S = input_ids.shape
     P, R = prompt_len, S - prompt_len - 1
     if B == 0 or not 0 < P < S:

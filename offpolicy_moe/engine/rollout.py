@@ -26,24 +26,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.kv_cache import preallocated_cache
 from offpolicy_moe.engine.layout import accepts_kwarg
-from offpolicy_moe.routing import RoutingController
+from offpolicy_moe.routing import FeatureCache, RoutingController, cat_features, cat_traces
+from offpolicy_moe.models.dtypes import resolve_dtype
+from offpolicy_moe.tasks import decode_completions, encode_prompts
 
 __all__ = ["RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "make_engine",
            "resolve_dtype"]
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` → ``torch.bfloat16`` (also fp32/bf16/fp16 spellings); ValueError otherwise."""
-    try:
-        return _DTYPES[str(name)]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
 @dataclass(frozen=True)
@@ -80,39 +73,19 @@ class RolloutEngine(abc.ABC):
 
 
 def _encode(tokenizer: Any, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(input_ids, attention_mask)`` via the task helper's ``encode_prompts`` when available."""
-    try:
-        from offpolicy_moe.tasks import encode_prompts  # type: ignore
-    except ImportError:
-        encode_prompts = None
-    if encode_prompts is not None:
-        enc = encode_prompts(tokenizer, list(prompts))
-    else:
-        tokenizer.padding_side = "left"
-        enc = tokenizer(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
-    if isinstance(enc, tuple):
-        return enc[0], enc[1]
-    return enc["input_ids"], enc["attention_mask"]
+    """Left-padded ``(input_ids, attention_mask)``, encoded as the task's evaluation encodes them."""
+    return encode_prompts(tokenizer, list(prompts))
 
 
 def _decode(tokenizer: Any, resp: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
     """Completion texts, decoded exactly as the task's evaluation decodes them (so rewards agree with eval)."""
-    try:
-        from offpolicy_moe.tasks import decode_completions  # type: ignore
-    except ImportError:
-        decode_completions = None
-    if decode_completions is not None:
-        return list(decode_completions(tokenizer, resp))
-    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(resp, response_mask)],
-                                  skip_special_tokens=True)
+    return list(decode_completions(tokenizer, resp))
 
 
 def _cat_traces(traces: list) -> Any:
     """Concatenate per-chunk route traces along the batch dimension (chunks are padded to a common length)."""
     if len(traces) == 1:
         return traces[0]
-    from offpolicy_moe.routing import cat_traces
-
     return cat_traces(traces, side="right")     # responses are right-padded
 
 
@@ -223,22 +196,24 @@ class HFRolloutEngine(RolloutEngine):
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                     return_dict_in_generate=True, output_scores=True, num_beams=1)
 
-    def _process_scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampling distribution's scores from float32 next-token logits, as ``generate``'s logits processors
-        compute them: ``z / temperature`` (when ≠ 1), then top-p (nucleus, Holtzman et al. arXiv 1904.09751): in
-        ascending order of score, tokens whose cumulative probability is ``<= 1 - top_p`` get ``-inf`` (the most
-        likely token is always kept)."""
-        scores = logits
+    def _warpers(self) -> LogitsProcessorList:
+        """The logits processors ``generate`` applies for this engine's sampling settings, in its order:
+        temperature (only when ≠ 1), then top-p (only when < 1)."""
+        procs = LogitsProcessorList()
         if self.temperature != 1.0:
-            scores = scores / self.temperature
+            procs.append(TemperatureLogitsWarper(self.temperature))
         if self.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=False)
-            cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-            drop_sorted = cum <= (1 - self.top_p)
-            drop_sorted[..., -1:] = False
-            drop = drop_sorted.scatter(1, order, drop_sorted)
-            scores = scores.masked_fill(drop, -float("inf"))
-        return scores
+            procs.append(TopPLogitsWarper(self.top_p))
+        return procs
+
+    def _process_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution's scores from float32 next-token logits, by the same logits processors
+        ``generate`` runs (transformers' ``TemperatureLogitsWarper`` then ``TopPLogitsWarper``): ``z / temperature``,
+        then top-p (nucleus, Holtzman et al. arXiv 1904.09751) sets to ``-inf`` the least likely tokens whose
+        cumulative probability is ``<= 1 - top_p`` (the most likely token is always kept).  Neither reads the
+        sequence so far."""
+        warpers = self._warpers()
+        return warpers(None, logits) if warpers else logits
 
     def _shared_prefill_groups(self, ids: torch.Tensor, am: torch.Tensor, group_size: int) -> int:
         """``group_size`` when the rows come in blocks of ``group_size`` identical prompts and the router hooks (if
@@ -260,11 +235,9 @@ class HFRolloutEngine(RolloutEngine):
         and, once a quarter of the decoded rows has finished, leave the decode batch (``compact_finished``; not with
         router noise or PR2, whose per-token draws follow the batch); stops when every row has finished or after
         ``max_new_tokens``.  Returns ``(sequences [B, P+T'], scores [B, T', V])``."""
-        from transformers import DynamicCache
-
         model, tok = self.model, self.tokenizer
-        B = ids.shape[0]
-        cache = DynamicCache(config=model.config)
+        B, P = ids.shape
+        cache = preallocated_cache(model.config, P + self.max_new_tokens)      # no per-token torch.cat of the cache
         pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
         keep = {"logits_to_keep": 1} if self._keeps_logits else {}
         g = self._shared_prefill_groups(ids, am, group_size)
@@ -282,7 +255,8 @@ class HFRolloutEngine(RolloutEngine):
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
         tokens, scores_all = [], []
-        mask, last_pos = am, pos[:, -1:]
+        mask_buf = torch.cat([am, am.new_ones((B, self.max_new_tokens))], dim=1)    # mask[:, :P+t+1] at step t
+        last_pos = pos[:, -1:]
         fed = torch.arange(B, device=ids.device)          # rows still fed to the model
         compact = self.compact_finished and self.router_noise == 0 and self.pr2_predictors is None
         for t in range(self.max_new_tokens):
@@ -303,10 +277,10 @@ class HFRolloutEngine(RolloutEngine):
             if compact and 4 * int(still.sum()) <= 3 * fed.numel():   # >= 1/4 of the fed rows finished: drop them
                 keep_rows = still.nonzero().flatten()
                 cache.batch_select_indices(keep_rows)
-                mask, last_pos, fed = mask[keep_rows], last_pos[keep_rows], fed[keep_rows]
+                mask_buf, last_pos, fed = mask_buf[keep_rows], last_pos[keep_rows], fed[keep_rows]
                 if recorder is not None:
                     recorder.scatter_rows(fed, B)
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            mask = mask_buf[:, :P + t + 1]
             last_pos = last_pos + 1
             if self.between_tokens is not None:
                 self.between_tokens(self)
@@ -367,8 +341,6 @@ class HFRolloutEngine(RolloutEngine):
         for start in range(0, p_ids.shape[0], self.batch_size):
             cache = None
             if self.pr2_predictors is not None:
-                from offpolicy_moe.routing import FeatureCache
-
                 gen = torch.Generator().manual_seed(seed + start)
                 cache = FeatureCache(sample_rate=self.pr2_feature_sample_rate, generator=gen, store_device="cpu")
             chunk_ids = p_ids[start:start + self.batch_size]
@@ -401,8 +373,6 @@ class HFRolloutEngine(RolloutEngine):
             routes = routes.to("cpu")
         features = None
         if feats:
-            from offpolicy_moe.routing import cat_features
-
             features = cat_features(feats, sizes) if len(feats) > 1 else feats[0]
             features = features.filter(attention_mask.cpu())     # drop left-pad and after-EOS positions
         completions = _decode(self.tokenizer, resp.cpu(), response_mask.cpu())

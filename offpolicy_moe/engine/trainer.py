@@ -32,9 +32,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
-from offpolicy_moe.config.validate import validate
+from offpolicy_moe.config.preflight import preflight
 from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.buffer import StalenessBuffer
+from offpolicy_moe.engine.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
 from offpolicy_moe.engine.callbacks import Callback, CallbackList
 from offpolicy_moe.engine.checkpoint import set_rng_state
 from offpolicy_moe.engine.checkpoint_state import CheckpointState
@@ -48,7 +48,7 @@ from offpolicy_moe.engine.pipeline.source import AsyncBatchSource
 from offpolicy_moe.engine.rollout import make_engine
 from offpolicy_moe.engine.run_dir import RunDir
 from offpolicy_moe.engine.sft import sft_warm_start
-from offpolicy_moe.engine.update import PolicyUpdate, loss_spec
+from offpolicy_moe.engine.update import PolicyUpdate, loss_setup
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
 from offpolicy_moe.tasks import evaluate_greedy, make_task
@@ -91,12 +91,13 @@ def _accelerator() -> Accelerator:
 
 
 def _check_config(cfg: Any) -> None:
-    """Every cross-field rule lives in :func:`offpolicy_moe.config.validate.validate` (raises ConfigError); a
-    training run also needs at least one step."""
-    for w in validate(cfg):
+    """The checks ``train --dry-run`` makes, before any compute: every rule of
+    :func:`offpolicy_moe.config.validate.validate`, the file-reading :func:`offpolicy_moe.config.preflight.preflight`
+    (task file, model folder and tokenizer, answers that fit), and a bounded buffer that can train
+    ``trainer.steps`` steps (raise ConfigError; warnings are printed)."""
+    for w in preflight(cfg):
         print(f"offpolicy-moe: warning: {w}", file=sys.stderr)
-    if cfg.trainer.steps < 1:
-        raise ValueError(f"trainer.steps must be >= 1 to train, got {cfg.trainer.steps}")
+    check_buffer_feasible(cfg)
 
 
 class Trainer:
@@ -139,10 +140,10 @@ class Trainer:
                                      share_prompt=getattr(tc, "share_prompt", True),
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size)
         self.engine = self._build_engine()
-        loss = loss_spec(cfg.algo.loss, self.world)
+        loss = loss_setup(cfg.algo.loss, self.world)
         self.old_logp = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
                                     measure_routing=self.measure_routing,
-                                    needs_global_pass=loss.global_pass is not None)
+                                    needs_global_pass=loss.spec.needs_global_pass)
         self.policy_update = PolicyUpdate(cfg, loss=loss, forward=self.forward, old_pass=self.old_logp,
                                           model=self.model, bare_model=self.unwrapped, optimizer=self.optimizer,
                                           scheduler=self.scheduler, accelerator=self.accelerator, task=self.task,
@@ -382,7 +383,7 @@ class Trainer:
         cfg, tc = self.cfg, self.cfg.trainer
         if cfg.buffer.mode == "async":     # rollout worker processes (docs/async.md)
             return run_async(self, stopped=TrainingStopped)
-        max_iterations = tc.steps + cfg.buffer.staleness + 10 * tc.steps * (cfg.buffer.mode == "bounded")
+        max_iterations = iteration_budget(tc.steps, cfg.buffer.staleness, cfg.buffer.mode)
         while self.step < tc.steps:
             if self.iteration >= max_iterations:
                 raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {self.step} "

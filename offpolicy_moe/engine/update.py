@@ -10,7 +10,6 @@ backward; a non-finite loss or gradient norm is skipped and counted or stops the
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -21,39 +20,36 @@ from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.faults import NonFiniteLossError, is_finite
 from offpolicy_moe.engine.forward import RoutedForward
 from offpolicy_moe.engine.old_logp import FusedOldLogp, OldLogpPass, float_metrics
-from offpolicy_moe.losses import (aggregate, correction_weights, get_policy_loss, global_counts, group_advantages,
-                                  kl_penalty, m2po_adaptive_cap, m2po_mask, metrics_to_floats)
+from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_loss_spec, global_counts,
+                                  group_advantages, kl_penalty, metrics_to_floats, resolve_loss_options)
 from offpolicy_moe.routing import pr2_predictor_loss
 
-__all__ = ["PolicyUpdate", "LossSpec", "loss_spec", "mean_metrics"]
+__all__ = ["PolicyUpdate", "LossSetup", "loss_setup", "mean_metrics"]
 
 
 @dataclass
-class LossSpec:
-    """The configured policy loss: its function, its keyword options, and whether it selects tokens over the whole
-    mini-batch before the micro-batches (``global_pass``: ``"mask"`` / ``"cap"`` or None, with budget ``tau``)."""
+class LossSetup:
+    """The configured policy loss: its registry entry (capabilities), its validated options (plus the process group
+    for a distributed loss under several processes), and whether it selects over the whole mini-batch."""
 
-    fn: Callable
+    spec: LossSpec
     options: dict = field(default_factory=dict)
-    global_pass: Optional[str] = None
-    tau: float = 0.0
+    global_pass: bool = False
+
+    @property
+    def fn(self) -> Callable:
+        return self.spec.fn
 
 
-def loss_spec(loss_cfg: Any, world: int = 1) -> LossSpec:
-    """The ONE place that reads loss-specific fields of ``algo.loss`` (to be replaced by the loss registry's
-    declared options and capabilities): the options the loss function accepts (and the process group with several
-    processes), and M2PO's global selection."""
-    fn = get_policy_loss(loss_cfg.name)
-    params = set(inspect.signature(fn).parameters)
-    opts = {"clip_low": loss_cfg.clip_low, "clip_high": loss_cfg.clip_high, "dual_clip": loss_cfg.dual_clip,
-            "tau": loss_cfg.m2po_tau, "variant": loss_cfg.m2po_variant, "scope": loss_cfg.m2po_scope}
-    options = {k: v for k, v in opts.items() if k in params and v is not None}
-    if "process_group" in params and world > 1:
-        options["process_group"] = torch.distributed.group.WORLD
-    global_pass = None
-    if loss_cfg.name == "m2po" and loss_cfg.m2po_scope == "global":
-        global_pass = "cap" if loss_cfg.m2po_variant == "adaptive_clip" else "mask"
-    return LossSpec(fn=fn, options=options, global_pass=global_pass, tau=float(loss_cfg.m2po_tau or 0.0))
+def loss_setup(loss_cfg: Any, world: int = 1) -> LossSetup:
+    """``algo.loss`` -> its registry entry and options (:func:`resolve_loss_options`); the trainer never names a
+    loss: capabilities come from the entry."""
+    spec = get_loss_spec(loss_cfg.name)
+    options = resolve_loss_options(loss_cfg.name, loss_cfg.options)
+    call_opts = dict(options)
+    if spec.distributed and world > 1:
+        call_opts["process_group"] = torch.distributed.group.WORLD
+    return LossSetup(spec=spec, options=call_opts, global_pass=bool(spec.wants_global_pass(options)))
 
 
 def mean_metrics(dicts: list[dict]) -> dict[str, float]:
@@ -88,7 +84,7 @@ class _MiniBatch:
     num_tokens: torch.Tensor
     num_seqs: torch.Tensor
     pr2_on: bool
-    global_sel: dict = field(default_factory=dict)
+    global_sel: list = field(default_factory=list)
 
 
 class PolicyUpdate:
@@ -96,7 +92,7 @@ class PolicyUpdate:
     trainer).  Built with the config, the loss, the routed forward and old-logp pass, the DDP-wrapped and bare
     models, the optimizer and scheduler, the accelerator, the task (rewards) and the PR2 predictors (or None)."""
 
-    def __init__(self, cfg: Any, *, loss: LossSpec, forward: RoutedForward, old_pass: OldLogpPass,
+    def __init__(self, cfg: Any, *, loss: LossSetup, forward: RoutedForward, old_pass: OldLogpPass,
                  model: torch.nn.Module, bare_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, accelerator: Any, task: Any, predictors: Any = None):
         self.cfg = cfg
@@ -179,6 +175,7 @@ class PolicyUpdate:
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/nan_skipped"] = float(self.nan_skipped)
         metrics["actor/updates"] = float(self.updates)
+        metrics.update(self.forward.last_plan.metrics())     # perf/forward_*: the last update forward's way
         metrics["_tokens"] = float(int(batch.attention_mask.sum()))
         return metrics
 
@@ -189,22 +186,19 @@ class PolicyUpdate:
         n_tok, n_seq = global_counts([p.response_mask.to(self.device) for p in parts], self.process_group)
         return _MiniBatch(micro, parts, part_routes, n_tok, n_seq, pr2_on)
 
-    def global_selection(self, mb: _MiniBatch, adv: torch.Tensor) -> dict:
+    def global_selection(self, mb: _MiniBatch, adv: torch.Tensor) -> list[dict]:
         """The loss's selection over the WHOLE mini-batch (M2PO's token mask or adaptive cap), from one no-grad
         pass over its micro-batches; empty when the loss needs none or the loss call sees the whole mini-batch
         anyway (one micro-batch, one process)."""
-        if self.spec.global_pass is None or (len(mb.parts) == 1 and self.world == 1):
-            return {}
+        if not self.spec.global_pass or (len(mb.parts) == 1 and self.world == 1):
+            return [{} for _ in mb.parts]
         with torch.no_grad():
             lrs = [self.forward.logp(self.bare_model, p, r) - p.old_logp.to(self.device)
                    for p, r in zip(mb.parts, mb.routes)]
         advs = [adv.index_select(0, m).to(self.device) for m in mb.rows]
         masks = [p.response_mask.to(self.device) for p in mb.parts]
-        if self.spec.global_pass == "cap":
-            return {"m2po_cap": m2po_adaptive_cap(lrs, advs, masks, tau=self.spec.tau,
-                                                  process_group=self.process_group)}
-        keep = m2po_mask(lrs, advs, masks, tau=self.spec.tau, process_group=self.process_group)
-        return {"m2po_keep": keep}
+        opts = {k: v for k, v in self.spec.options.items() if k != "process_group"}
+        return self.spec.spec.run_global_pass(lrs, advs, masks, opts, self.process_group)
 
     # ------------------------------------------------------------------ one optimizer update
     def minibatch_step(self, mb: _MiniBatch, adv: torch.Tensor, weights: Optional[torch.Tensor],
@@ -269,10 +263,8 @@ class PolicyUpdate:
         kw = dict(agg=cfg.algo.loss.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
                   norm_length=self.norm_length,
                   weights=weights.index_select(0, rows).to(dev) if weights is not None else None, **self.spec.options)
-        if "m2po_keep" in mb.global_sel:
-            kw["m2po_keep"] = mb.global_sel["m2po_keep"][j]
-        if "m2po_cap" in mb.global_sel:
-            kw["m2po_cap"] = mb.global_sel["m2po_cap"]
+        if mb.global_sel:
+            kw.update(mb.global_sel[j])
         loss, lm = self.loss_fn(logp, old_lp, adv.index_select(0, rows).to(dev), mask, **kw)
         if ref_lp is not None and cfg.algo.kl.coef > 0:
             kl_tok = kl_penalty(logp, ref_lp.index_select(0, rows).to(dev), cfg.algo.kl.kind, mask=mask)

@@ -1,22 +1,30 @@
-"""Register offpolicy_moe's objectives in verl's policy-loss registry.
+"""Register every offpolicy_moe objective in verl's policy-loss registry.
 
 Usage (in the verl process, before the actor builds its loss)::
 
     from offpolicy_moe.integrations import verl as opm_verl
-    opm_verl.register()   # adds offpolicy_moe/grpo, offpolicy_moe/gspo, offpolicy_moe/m2po, offpolicy_moe/unclipped
+    opm_verl.register()   # adds offpolicy_moe/<name> for every registered loss (cispo, grpo, gspo, m2po, ...)
 
 then select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=offpolicy_moe/m2po``.
 
 The registered functions follow verl's calling convention
 ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-rollout_is_weights=None) -> (loss, metrics: dict[str, float])`` and read from ``config`` (attribute
-or mapping access; ``config.policy_loss.<key>`` is searched before ``config.<key>``):
+rollout_is_weights=None) -> (loss, metrics: dict[str, float])``.  The adapter never names a loss:
+it asks the registry (:func:`offpolicy_moe.losses.get_loss_spec`) which options a loss has, and
+reads them from ``config`` (attribute or mapping access):
 
-* clip ranges: ``clip_ratio_low`` / ``clip_ratio_high`` (falling back to ``clip_ratio``, then to the
-  objective's own default), ``clip_ratio_c`` as GRPO's dual clip;
-* M2PO: ``m2po_tau`` (or ``m2_budget`` / ``M2_budget``), ``m2po_variant``, ``m2po_scope``
-  (default ``local``: verl calls the loss per micro-batch; ``global`` selects across data-parallel
-  ranks through the default process group, so every rank must call in lockstep);
+* the loss's options live under its OWN key: ``config.policy_loss.<name>`` (searched first), then
+  ``config.<name>``, e.g. ``policy_loss: {m2po: {tau: 0.04, variant: mask}}``; they are checked by
+  :func:`offpolicy_moe.losses.resolve_loss_options` (an unknown key names the loss and suggests the
+  closest option);
+* verl's own clip keys feed the options of the same meaning when the loss has them:
+  ``clip_ratio_low`` / ``clip_ratio_high`` (falling back to ``clip_ratio``) give ``clip_low`` /
+  ``clip_high``, ``clip_ratio_c`` gives ``dual_clip``; a value under the loss's key wins;
+* verl calls the loss once per micro-batch, so a loss with a mini-batch-wide pass (M2PO's
+  selection) selects over that call's tokens.  ``register(cross_rank=True)`` gives such a loss
+  verl's default process group (when its options ask for the pass and torch.distributed is
+  initialised), so the selection spans the data-parallel ranks of each call; every rank must then
+  call in lockstep (not with verl's dynamic batch size, whose micro-batch counts differ by rank);
 * global counts: ``global_batch_info = {dp_size, batch_num_tokens, global_batch_size}`` as verl
   passes them; the loss is then multiplied by ``dp_size`` (DDP averages over ranks), and
   ``loss_scale_factor`` is the ``seq-mean-token-sum-norm`` constant.
@@ -30,11 +38,18 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from ..losses import get_policy_loss, metrics_to_floats
+from ..losses import LossSpec, get_loss_spec, list_policy_losses, metrics_to_floats, resolve_loss_options
 
-OBJECTIVES = ("grpo", "gspo", "m2po", "unclipped")
 _MISSING = object()
+
+VERL_KEYS: dict[str, tuple[str, ...]] = {
+    "clip_low": ("clip_ratio_low", "clip_ratio"),
+    "clip_high": ("clip_ratio_high", "clip_ratio"),
+    "dual_clip": ("clip_ratio_c",),
+}
+"""Our option name -> verl's actor keys of the same meaning (first non-None wins)."""
 
 
 def _lookup(config: Any, key: str) -> Any:
@@ -48,14 +63,14 @@ def _lookup(config: Any, key: str) -> Any:
         return _MISSING
 
 
+def _scopes(config: Any) -> list:
+    sub = _lookup(config, "policy_loss")
+    return ([sub] if sub is not _MISSING and sub is not None else []) + [config]
+
+
 def config_value(config: Any, *keys: str, default: Any = None) -> Any:
     """First non-None value among ``config.policy_loss.<key>`` and ``config.<key>`` for ``keys``."""
-    scopes = []
-    sub = _lookup(config, "policy_loss")
-    if sub is not _MISSING and sub is not None:
-        scopes.append(sub)
-    scopes.append(config)
-    for scope in scopes:
+    for scope in _scopes(config):
         for key in keys:
             v = _lookup(scope, key)
             if v is not _MISSING and v is not None:
@@ -63,26 +78,35 @@ def config_value(config: Any, *keys: str, default: Any = None) -> Any:
     return default
 
 
-def _options(name: str, config: Any) -> dict:
-    """Objective-specific keyword options read from a verl actor config."""
-    opts: dict = {}
-    if name in ("grpo", "gspo"):
-        base = config_value(config, "clip_ratio")
-        opts["clip_low"] = config_value(config, "clip_ratio_low", default=base)
-        opts["clip_high"] = config_value(config, "clip_ratio_high", default=base)
-        if name == "grpo":
-            opts["dual_clip"] = config_value(config, "clip_ratio_c")
-    elif name == "m2po":
-        opts["tau"] = float(config_value(config, "m2po_tau", "m2_budget", "M2_budget", default=0.04))
-        opts["variant"] = config_value(config, "m2po_variant", default="mask")
-        scope = config_value(config, "m2po_scope", default="local")
-        opts["scope"] = scope
-        if scope == "global":
-            import torch.distributed as dist
+def _as_dict(section: Any) -> dict:
+    if isinstance(section, Mapping):
+        return dict(section)
+    if hasattr(section, "items"):
+        return dict(section.items())
+    return dict(vars(section))
 
-            if dist.is_available() and dist.is_initialized():
-                opts["process_group"] = dist.group.WORLD
-    return opts
+
+def loss_options(spec: LossSpec, config: Any) -> dict:
+    """The options of loss ``spec`` from a verl actor config (see the module docstring), validated."""
+    opts: dict = {}
+    for option in spec.options:
+        keys = VERL_KEYS.get(option, ())
+        v = config_value(config, *keys) if keys else None
+        if v is not None:
+            opts[option] = v
+    for scope in reversed(_scopes(config)):
+        section = _lookup(scope, spec.name)
+        if section is not _MISSING and section is not None:
+            opts.update(_as_dict(section))
+    return resolve_loss_options(spec.name, opts)
+
+
+def _runtime(spec: LossSpec, options: dict, cross_rank: bool) -> dict:
+    if not cross_rank:
+        return {}
+    if spec.distributed and spec.wants_global_pass(options) and dist.is_available() and dist.is_initialized():
+        return {"process_group": dist.group.WORLD}
+    return {}
 
 
 def _batch_info(config: Any) -> tuple[dict, float]:
@@ -102,9 +126,10 @@ def _batch_info(config: Any) -> tuple[dict, float]:
     return kw, scale
 
 
-def make_verl_loss(name: str) -> Callable:
-    """Wrap our objective ``name`` with verl's policy-loss calling convention."""
-    fn = get_policy_loss(name)
+def make_verl_loss(name: str, *, cross_rank: bool = False) -> Callable:
+    """Wrap our objective ``name`` with verl's policy-loss calling convention (options per call from ``config``)."""
+    spec = get_loss_spec(name)
+    fn = spec.fn
 
     def verl_policy_loss(
         old_log_prob: torch.Tensor,
@@ -116,9 +141,10 @@ def make_verl_loss(name: str) -> Callable:
         rollout_is_weights: Optional[torch.Tensor] = None,
     ):
         counts, scale = _batch_info(config)
+        opts = loss_options(spec, config)
         loss, metrics = fn(
             log_prob, old_log_prob, advantages, response_mask,
-            agg=loss_agg_mode, weights=rollout_is_weights, **counts, **_options(name, config),
+            agg=loss_agg_mode, weights=rollout_is_weights, **counts, **opts, **_runtime(spec, opts, cross_rank),
         )
         out = metrics_to_floats(metrics)
         # verl's own metric names, next to ours
@@ -143,20 +169,23 @@ def _core_algos():
         ) from err
 
 
-def register(prefix: str = "offpolicy_moe", names: tuple = OBJECTIVES) -> list[str]:
-    """Register our objectives into verl under ``<prefix>/<name>``; returns the registered names.
+def register(prefix: str = "offpolicy_moe", names: Optional[tuple] = None, *, cross_rank: bool = False) -> list[str]:
+    """Register our objectives (default: every loss in the registry) into verl under ``<prefix>/<name>``.
 
-    Idempotent: a name already registered (by a previous call) is left as it is.
+    ``cross_rank=True`` lets a loss with a mini-batch-wide pass select across data-parallel ranks
+    (see the module docstring).  Returns the registered names.  Idempotent: a name already
+    registered is left as it is.
     """
     core = _core_algos()
+    names = tuple(list_policy_losses()) if names is None else tuple(names)
     registry = getattr(core, "POLICY_LOSS_REGISTRY", None)
     done = []
     for name in names:
         full = f"{prefix}/{name}"
         if registry is None or full not in registry:
-            core.register_policy_loss(full)(make_verl_loss(name))
+            core.register_policy_loss(full)(make_verl_loss(name, cross_rank=cross_rank))
         done.append(full)
     return done
 
 
-__all__ = ["register", "make_verl_loss", "config_value", "OBJECTIVES"]
+__all__ = ["register", "make_verl_loss", "config_value", "loss_options", "VERL_KEYS"]

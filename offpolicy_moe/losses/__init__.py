@@ -9,12 +9,14 @@ Everything is a pure function on tensors ``[B, T]`` (response-aligned, with a re
   **options) -> (loss, metrics)``;
 * :func:`m2po_mask`, :func:`m2po_adaptive_cap`: exact global M2PO selection (micro-batches, ranks);
 * :func:`correction_weights` (TIS / MIS / IcePop), :func:`mismatch_metrics`;
-* :func:`kl_penalty`; the registry :func:`register_policy_loss` / :func:`get_policy_loss`.
+* :func:`cispo_loss` (clipped, stop-gradient importance weight; every token keeps a gradient);
+* :func:`kl_penalty`; the registry :func:`register_policy_loss` / :func:`get_loss_spec` /
+  :func:`resolve_loss_options` (each loss registers itself, with its options and capabilities).
 
 Metrics are dicts of detached float32 0-d tensors (no host sync); :func:`metrics_to_floats`
-converts a dict with one sync.  Semantics: ``shared/design/algorithms.md``.
+converts a dict with one sync.
 """
-from ._validate import AGG_MODES, LOG_RATIO_BOUND, value_checks
+from ._validate import AGG_MODES, LOG_RATIO_BOUND, ratio_bound, value_checks
 from .advantages import group_advantages
 from .aggregation import aggregate, global_counts
 from .correction import correction_weights, mismatch_metrics
@@ -22,18 +24,28 @@ from .kl import KL_KINDS, kl_penalty
 from .m2po import m2po_adaptive_cap, m2po_loss, m2po_mask
 from .objectives import grpo_loss, gspo_loss, metrics_to_floats, unclipped_loss
 from .registry import (
+    LossSpec,
+    get_loss_spec,
     get_policy_loss,
     list_policy_losses,
+    loss_options_problem,
     policy_loss_options,
     register_policy_loss,
+    resolve_loss_options,
     unregister_policy_loss,
 )
+from .cispo import cispo_loss
 
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "LOG_RATIO_BOUND",
+    "LossSpec",
     "aggregate",
+    "cispo_loss",
+    "get_loss_spec",
+    "ratio_bound",
+    "resolve_loss_options",
     "correction_weights",
     "get_policy_loss",
     "global_counts",
@@ -42,6 +54,7 @@ __all__ = [
     "gspo_loss",
     "kl_penalty",
     "list_policy_losses",
+    "loss_options_problem",
     "m2po_adaptive_cap",
     "m2po_loss",
     "m2po_mask",

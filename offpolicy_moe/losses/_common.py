@@ -2,20 +2,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ._validate import (
+    MASK_MESSAGE,
+    FusedCheck,
     as_bool_mask,
     check_2d,
     check_advantages,
     check_agg,
+    check_below_one,
+    check_count,
     check_float,
+    check_nonneg,
+    check_positive,
     check_same_shape,
     check_tensor,
-    check_values,
     clamp_log_ratio,
+    compute_dtype,
+    mask_is_binary,
+    ratio_bound,
+    value_checks_enabled,
 )
 
 Metrics = dict[str, torch.Tensor]
@@ -23,14 +32,15 @@ Metrics = dict[str, torch.Tensor]
 
 @dataclass
 class PolicyInputs:
-    """Checked, masked inputs of a policy objective (all [B, T])."""
+    """Checked, masked inputs of a policy objective (all [B, T], in the compute dtype)."""
 
     logp: torch.Tensor          # with gradient; 0 at masked positions
     raw_log_ratio: torch.Tensor  # logp - sg[old_logp], 0 at masked positions, NOT clamped (has gradient)
-    log_ratio: torch.Tensor     # raw_log_ratio clamped to +-20 (has gradient inside the bound)
+    log_ratio: torch.Tensor     # raw_log_ratio clamped to +-bound (has gradient inside the bound)
     adv: torch.Tensor           # detached, 0 at masked positions
     mask: torch.Tensor          # bool
     weights: Optional[torch.Tensor]  # detached, 0 at masked positions, or None
+    bound: float                # the log-ratio clamp, ratio_bound(input dtype)
 
 
 def prepare(
@@ -40,8 +50,19 @@ def prepare(
     mask: torch.Tensor,
     weights: Optional[torch.Tensor],
     agg: str,
+    *,
+    num_tokens: object = None,
+    num_seqs: object = None,
+    norm_length: Optional[float] = None,
+    extra_checks: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> PolicyInputs:
-    """Validate the common arguments of every objective and build masked, log-space quantities."""
+    """Validate the common arguments of every objective and build masked, log-space quantities.
+
+    Shapes, dtypes, the aggregation mode and numeric counts are checked for free; the value checks
+    (0/1 mask; no NaN/Inf in ``logp``, ``old_logp``, ``advantages``, ``weights`` at valid
+    positions; tensor counts not NaN or negative; ``extra_checks``) cost one reduction per tensor
+    and ONE host sync.  Half-precision inputs are computed in float32 (see :func:`ratio_bound`).
+    """
     for name, t in (("logp", logp), ("old_logp", old_logp), ("mask", mask)):
         check_tensor(name, t)
     check_2d("logp", logp)
@@ -53,22 +74,40 @@ def prepare(
         check_tensor("weights", weights)
         check_same_shape("logp", logp, "weights", weights)
     check_agg(agg)
-    check_values(
-        mask,
-        [("logp", logp), ("old_logp", old_logp), ("advantages", advantages), ("weights", weights)],
-    )
+    check_count("num_tokens", num_tokens)
+    check_count("num_seqs", num_seqs)
+    if norm_length is not None:
+        check_positive("norm_length", norm_length)
     m = as_bool_mask(mask)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    lp = torch.where(m, logp, zero)
-    raw = torch.where(m, logp - old_logp.detach().to(logp.dtype), zero)
-    a = torch.where(m, adv.detach().to(logp.dtype), zero)
-    w = None if weights is None else torch.where(m, weights.detach().to(logp.dtype), zero)
-    return PolicyInputs(lp, raw, clamp_log_ratio(raw), a, m, w)
+    dtype = compute_dtype(logp.dtype)
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    lp = torch.where(m, logp.to(dtype), zero)
+    raw = torch.where(m, lp - old_logp.detach().to(dtype), zero)
+    a = torch.where(m, adv.detach().to(dtype), zero)
+    w = None if weights is None else torch.where(m, weights.detach().to(dtype), zero)
+    if value_checks_enabled():
+        check = FusedCheck()
+        binary = mask_is_binary(mask)
+        if binary is not None:
+            check.holds(MASK_MESSAGE.format(dtype=mask.dtype), binary)
+        check.finite("logp contains NaN or Inf at a valid (mask=1) position", lp)
+        check.finite("old_logp contains NaN or Inf at a valid (mask=1) position", raw)
+        check.finite("advantages contains NaN or Inf at a valid (mask=1) position", a)
+        check.finite("weights contains NaN or Inf at a valid (mask=1) position", w)
+        for name, c in (("num_tokens", num_tokens), ("num_seqs", num_seqs)):
+            if isinstance(c, torch.Tensor):
+                check.holds(f"{name} must be a finite number >= 0 (got a NaN, Inf or negative tensor)",
+                            (c.detach().double() >= 0).all() & torch.isfinite(c.detach().double()).all())
+        for message, ok in extra_checks:
+            check.holds(message, ok)
+        check.run()
+    bound = ratio_bound(logp.dtype)
+    return PolicyInputs(lp, raw, clamp_log_ratio(raw, bound), a, m, w, bound)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Detached mean of ``x`` over ``mask``; 0 when nothing is valid."""
-    x = x.detach()
+    """Detached mean of ``x`` over ``mask`` (summed in at least float32); 0 when nothing is valid."""
+    x = x.detach().to(compute_dtype(x.dtype))
     s = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
     return (s / mask.sum().clamp(min=1).to(x.dtype)).to(torch.float32)
 
@@ -95,7 +134,10 @@ def apply_weights(loss_mat: torch.Tensor, weights: Optional[torch.Tensor]) -> to
 
 
 def check_clip(name: str, value: float) -> float:
-    from ._validate import check_nonneg
-
-    check_nonneg(name, value)
+    """A clip range: ``clip_low`` in [0, 1), any other clip range >= 0; returned as a float."""
+    if name == "clip_low":
+        check_below_one(name, value)
+    else:
+        check_nonneg(name, value)
     return float(value)
+

@@ -1,9 +1,13 @@
 """Input checks shared by every loss function.
 
 Shape and option checks are free (no device sync) and always run.  Value checks (mask is 0/1,
-no NaN/Inf at valid positions) need one host sync per call; they run by default and can be
-switched off inside a ``with value_checks(False):`` block for hot loops that already trust their
-inputs.
+no NaN/Inf at valid positions, counts not NaN or negative) are fused into ONE reduction per tensor
+and ONE host sync per call (:class:`FusedCheck`); they run by default and can be switched off
+inside a ``with value_checks(False):`` block for hot loops that already trust their inputs.
+
+Half precision: every ratio is computed in float32 and its log is clamped to
+:func:`ratio_bound` of the input dtype, so ``exp`` and the gradient that flows back into a
+float16 ``logp`` stay finite (the bound leaves a factor ``e`` of headroom below the dtype's max).
 """
 from __future__ import annotations
 
@@ -15,7 +19,23 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 LOG_RATIO_BOUND = 20.0
-"""Every log-ratio is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` before ``exp``."""
+"""Every log-ratio is clamped to ``[-b, b]`` before ``exp``, ``b = ratio_bound(dtype) <= LOG_RATIO_BOUND``."""
+
+
+def ratio_bound(dtype: torch.dtype) -> float:
+    """Log-ratio clamp for inputs of ``dtype``: ``min(20, log(finfo(dtype).max) - 1)``.
+
+    20 for float32, float64 and bfloat16; about 10.09 for float16 (``log(65504) - 1``), so that a
+    ratio times an advantage or weight of a few units still fits the dtype.
+    """
+    if not dtype.is_floating_point:
+        return LOG_RATIO_BOUND
+    return min(LOG_RATIO_BOUND, math.log(torch.finfo(dtype).max) - 1.0)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loss computes in: float32 for half inputs, else the input's float dtype."""
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -85,6 +105,57 @@ def check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def check_below_one(name: str, value: Optional[float]) -> None:
+    """A lower clip range ``eps`` must satisfy ``0 <= eps < 1`` so that ``1 - eps`` stays positive."""
+    check_nonneg(name, value)
+    if value is not None and value >= 1:
+        raise ValueError(f"{name} must be < 1 (the lower bound 1 - {name} must stay positive), got {value!r}")
+
+
+def check_count(name: str, value: object) -> None:
+    """A global count (``num_tokens``/``num_seqs``): None, a tensor (checked by value later) or a finite number >= 0."""
+    if value is None or isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+class FusedCheck:
+    """Collects data-dependent checks as 0-d bool tensors and resolves them with ONE host sync.
+
+    Finiteness of a tensor is one ``aminmax`` reduction (NaN propagates through min/max, and an
+    Inf shows up as the min or max), so no bool tensor of the input's size is materialised.
+    Callers pass tensors already zeroed at masked positions, so only valid positions count.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[str, torch.Tensor]] = []
+
+    def finite(self, message: str, x: Optional[torch.Tensor]) -> None:
+        """Require ``x`` (if given and non-empty) to hold no NaN/Inf; ``message`` is the error."""
+        if x is None or x.numel() == 0:
+            return
+        lo, hi = torch.aminmax(x.detach())
+        self._items.append((message, torch.isfinite(lo) & torch.isfinite(hi)))
+
+    def holds(self, message: str, ok: torch.Tensor) -> None:
+        """Require the 0-d bool tensor ``ok`` to be True."""
+        self._items.append((message, ok.reshape(())))
+
+    def run(self) -> None:
+        """One sync; raise ValueError with the first failing item's message."""
+        if not self._items:
+            return
+        oks = torch.stack([ok.to(self._items[0][1].device) for _, ok in self._items])
+        if bool(oks.all()):
+            return
+        for (message, _), ok in zip(self._items, oks.tolist()):
+            if not ok:
+                raise ValueError(message)
+
+
 def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
     """Return ``mask`` as a bool tensor (values are checked separately, see :func:`check_values`)."""
     return mask if mask.dtype == torch.bool else mask != 0
@@ -106,35 +177,42 @@ def check_advantages(advantages: torch.Tensor, ref_shape: torch.Size, ref_name: 
 def check_values(mask: torch.Tensor, named: Sequence[tuple[str, Optional[torch.Tensor]]]) -> None:
     """Raise ValueError if ``mask`` is not 0/1 or a named tensor is NaN/Inf at a valid position.
 
-    One host sync for all checks together; skipped inside ``value_checks(False)``.
+    One reduction per tensor and one host sync for all checks (:class:`FusedCheck`); skipped
+    inside ``value_checks(False)``.  A [B] tensor is checked on the rows with a valid token.
     """
     if not _VALUE_CHECKS.get():
         return
     valid = as_bool_mask(mask)
-    oks = []
-    if mask.dtype != torch.bool:
-        oks.append(((mask == 0) | (mask == 1)).all())
-    present = [(n, t) for n, t in named if t is not None]
-    for _, t in present:
-        t_valid = valid if t.shape == valid.shape else valid.any(-1) if t.dim() == 1 else None
-        finite = torch.isfinite(t.detach())
-        oks.append((finite | ~t_valid).all() if t_valid is not None else finite.all())
-    if not oks:
-        return
-    if bool(torch.stack(oks).all()):
-        return
-    # error path: find the culprit
-    i = 0
-    if mask.dtype != torch.bool:
-        if not bool(oks[0]):
-            raise ValueError(
-                f"mask must be boolean or contain only 0 and 1 (dtype {mask.dtype}); found other values"
-            )
-        i = 1
-    for (name, _), ok in zip(present, oks[i:]):
-        if not bool(ok):
-            raise ValueError(f"{name} contains NaN or Inf at a valid (mask=1) position")
+    check = FusedCheck()
+    binary = mask_is_binary(mask)
+    if binary is not None:
+        check.holds(MASK_MESSAGE.format(dtype=mask.dtype), binary)
+    rows = None
+    for name, t in named:
+        if t is None:
+            continue
+        if t.shape == valid.shape:
+            m = valid
+        elif t.dim() == 1 and valid.dim() == 2 and t.shape[0] == valid.shape[0]:
+            rows = valid.any(-1) if rows is None else rows
+            m = rows
+        else:
+            m = None
+        x = t.detach() if m is None else torch.where(m, t.detach(), torch.zeros((), dtype=t.dtype, device=t.device))
+        check.finite(f"{name} contains NaN or Inf at a valid (mask=1) position", x)
+    check.run()
 
 
-def clamp_log_ratio(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+def mask_is_binary(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """0-d bool tensor: ``mask`` holds only 0 and 1 (None for a bool mask, which cannot fail)."""
+    if mask.dtype == torch.bool:
+        return None
+    return ((mask == 0) | (mask == 1)).all()
+
+
+MASK_MESSAGE = "mask must be boolean or contain only 0 and 1 (dtype {dtype}); found other values"
+
+
+def clamp_log_ratio(x: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Tensor:
+    """``clamp(x, -bound, bound)`` (use :func:`ratio_bound` of the input dtype for ``bound``)."""
+    return x.clamp(-bound, bound)

@@ -1,4 +1,4 @@
-"""Reduce a per-token loss matrix to a scalar (algorithms.md, "Loss aggregation").
+"""Reduce a per-token loss matrix to a scalar (docs/algorithms.md, "Loss aggregation").
 
 Global counts: pass ``num_tokens`` (valid tokens) and ``num_seqs`` (sequences with at least one
 valid token) counted over the WHOLE optimizer mini-batch, i.e. over every gradient-accumulation
@@ -13,7 +13,16 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ._validate import AGG_MODES, as_bool_mask, check_2d, check_agg, check_same_shape, check_tensor
+from ._validate import (
+    AGG_MODES,
+    as_bool_mask,
+    check_2d,
+    check_agg,
+    check_count,
+    check_positive,
+    check_same_shape,
+    check_tensor,
+)
 
 Count = Union[int, float, torch.Tensor, None]
 
@@ -51,15 +60,18 @@ def aggregate(
 
     ``N_seq`` counts only sequences with at least one valid token.  Masked positions are replaced
     by 0 (never multiplied), so NaN/Inf there cannot leak.  An all-masked batch gives 0 with a zero
-    gradient.  ``num_tokens``/``num_seqs`` may be ints, floats or 0-d tensors (e.g. all-reduced).
+    gradient.  ``num_tokens``/``num_seqs`` may be ints, floats (finite, >= 0: a negative or NaN count
+raises) or 0-d tensors (e.g. all-reduced; the objectives check those in their fused value check).
     """
     check_tensor("loss_mat", loss_mat)
     check_tensor("mask", mask)
     check_2d("loss_mat", loss_mat)
     check_same_shape("loss_mat", loss_mat, "mask", mask)
     check_agg(mode)
-    if norm_length is not None and not (norm_length > 0):
-        raise ValueError(f"norm_length must be > 0, got {norm_length!r}")
+    check_count("num_tokens", num_tokens)
+    check_count("num_seqs", num_seqs)
+    if norm_length is not None:
+        check_positive("norm_length", norm_length)
     m = as_bool_mask(mask)
     masked = torch.where(m, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     if mode == "token-mean":

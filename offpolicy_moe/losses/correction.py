@@ -22,6 +22,7 @@ from ._validate import (
     check_tensor,
     check_values,
     clamp_log_ratio,
+    ratio_bound,
 )
 
 LEVELS = ("token", "sequence", "geometric")
@@ -51,7 +52,8 @@ def correction_weights(
 ) -> tuple[torch.Tensor, Metrics]:
     """Detached per-token weights [B, T] from ``rho = exp(old_logp - behav_logp)``.
 
-    Level (log rho summed over valid tokens only, clamped to +-20 before ``exp``):
+    Level (log rho summed over valid tokens only, clamped to +-20 before ``exp``; to
+    :func:`ratio_bound` of the dtype for float16, whose weights must fit it):
 
     * ``token``: ``rho_t``
     * ``sequence``: ``prod_t rho_t = exp(sum_t log rho_t)``, broadcast over the sequence
@@ -84,7 +86,7 @@ def correction_weights(
         if level == "geometric":
             total = total / m.sum(-1, keepdim=True).clamp(min=1).to(dtype)
         lw = total.expand_as(log_rho)
-    rho = torch.exp(clamp_log_ratio(lw))
+    rho = torch.exp(clamp_log_ratio(lw, ratio_bound(old_logp.dtype)))
     too_high = rho > high
     too_low = rho < low if low is not None else torch.zeros_like(m)
     if mode == "truncate":

@@ -18,6 +18,8 @@ from ._validate import (
     check_tensor,
     check_values,
     clamp_log_ratio,
+    compute_dtype,
+    ratio_bound,
 )
 
 KL_KINDS = ("k1", "k2", "k3", "k3+")
@@ -35,7 +37,9 @@ def kl_penalty(
     With ``d = logp - ref_logp``:
     ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = exp(-d') + d' - 1`` with ``d' = clamp(d, +-20)``;
     ``k3+ = k2 - sg[k2] + sg[k3]`` (value k3, gradient k2).  With ``mask``, masked positions are 0.
-    Aggregate the result with :func:`aggregate` like any per-token loss.
+    Half-precision inputs are computed (and returned) in float32, with ``d'`` clamped to
+    :func:`ratio_bound` of the input dtype.  Aggregate the result with :func:`aggregate` like any
+    per-token loss.
     """
     check_tensor("logp", logp)
     check_tensor("ref_logp", ref_logp)
@@ -47,16 +51,18 @@ def kl_penalty(
         check_same_shape("logp", logp, "mask", mask)
         check_values(mask, [("logp", logp), ("ref_logp", ref_logp)])
         m = as_bool_mask(mask)
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        d = torch.where(m, logp - ref_logp.detach().to(logp.dtype), zero)
+        dtype = compute_dtype(logp.dtype)
+        zero = torch.zeros((), dtype=dtype, device=logp.device)
+        d = torch.where(m, logp.to(dtype) - ref_logp.detach().to(dtype), zero)
     else:
-        d = logp - ref_logp.detach().to(logp.dtype)
+        dtype = compute_dtype(logp.dtype)
+        d = logp.to(dtype) - ref_logp.detach().to(dtype)
     if kind == "k1":
         return d
     k2 = 0.5 * d * d
     if kind == "k2":
         return k2
-    dc = clamp_log_ratio(d)
+    dc = clamp_log_ratio(d, ratio_bound(logp.dtype))
     k3 = torch.exp(-dc) + dc - 1.0
     if kind == "k3":
         return k3

@@ -19,7 +19,6 @@ import torch
 
 from ._common import Metrics, apply_weights, frac, masked_mean, prepare
 from ._validate import (
-    LOG_RATIO_BOUND,
     as_bool_mask,
     check_2d,
     check_advantages,
@@ -28,9 +27,12 @@ from ._validate import (
     check_same_shape,
     check_tensor,
     check_values,
+    clamp_log_ratio,
+    ratio_bound,
     value_checks,
 )
 from .aggregation import Count, aggregate
+from .registry import register_policy_loss
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -49,7 +51,7 @@ def _trust_region(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     valid = as_bool_mask(mask)
     dtype = torch.promote_types(log_ratio.dtype, torch.float32)
     lr = torch.where(valid, log_ratio.detach().to(dtype), torch.zeros((), dtype=dtype, device=log_ratio.device))
-    lr = lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    lr = clamp_log_ratio(lr, ratio_bound(log_ratio.dtype))
     a = adv.detach()
     tr = valid & (((a > 0) & (lr > 0)) | ((a < 0) & (lr < 0)))
     m2 = torch.where(tr, lr * lr, torch.full((), math.inf, dtype=dtype, device=lr.device))
@@ -215,8 +217,37 @@ def m2po_adaptive_cap(
 
 
 # ----------------------------------------------------------------------------------------------
-# the loss
+# the loss and its registry entry
 
+VARIANTS = ("mask", "adaptive_clip")
+SCOPES = ("global", "local")
+
+
+def check_m2po_options(tau: float = 0.04, variant: str = "mask", scope: str = "global") -> None:
+    """One-line ValueError for a bad M2PO option: ``tau`` > 0 finite, ``variant`` and ``scope`` known."""
+    check_positive("tau", tau)
+    check_choice("variant", variant, VARIANTS)
+    check_choice("scope", scope, SCOPES)
+
+
+def m2po_global_pass(log_ratios, advantages, masks, options, process_group=None) -> list[dict]:
+    """The mini-batch-wide M2PO selection: one :func:`m2po_mask` (or :func:`m2po_adaptive_cap`) over
+    all micro-batches (and ranks), returned as each micro-batch's ``m2po_keep`` (or ``m2po_cap``)."""
+    tau = float(options.get("tau", 0.04))
+    if options.get("variant", "mask") == "adaptive_clip":
+        cap = m2po_adaptive_cap(log_ratios, advantages, masks, tau=tau, process_group=process_group)
+        return [{"m2po_cap": cap} for _ in log_ratios]
+    keeps = m2po_mask(log_ratios, advantages, masks, tau=tau, process_group=process_group)
+    return [{"m2po_keep": k} for k in keeps]
+
+
+@register_policy_loss(
+    "m2po",
+    runtime=("process_group", "m2po_keep", "m2po_cap"),
+    global_pass=m2po_global_pass,
+    global_pass_when=lambda options: options.get("scope", "global") == "global",
+    check_options=check_m2po_options,
+)
 def m2po_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -253,14 +284,28 @@ def m2po_loss(
     ``m2po/log_ratio_bound`` (sqrt(c), capped at 20) and ``actor/clipfrac``.
     """
     agg = "token-mean" if agg is None else agg
-    check_positive("tau", tau)
-    check_choice("variant", variant, ("mask", "adaptive_clip"))
-    check_choice("scope", scope, ("global", "local"))
-    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    check_m2po_options(tau, variant, scope)
+    x = prepare(logp, old_logp, advantages, mask, weights, agg,
+                num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+                extra_checks=_cap_checks(m2po_cap, logp.device))
     group = process_group if scope == "global" else None
     with value_checks(False):  # already checked by prepare()
         return _m2po_loss_body(x, logp, agg, num_tokens, num_seqs, norm_length, tau, variant, group,
                                m2po_keep, m2po_cap)
+
+
+def _cap_checks(m2po_cap, device) -> list:
+    """A numeric ``m2po_cap`` is checked now (>= 0, inf allowed); a tensor one joins the fused value check."""
+    if m2po_cap is None:
+        return []
+    if not isinstance(m2po_cap, torch.Tensor):
+        if isinstance(m2po_cap, bool) or not isinstance(m2po_cap, (int, float)) or not m2po_cap >= 0:
+            raise ValueError(f"m2po_cap must be a number >= 0 (inf allowed), got {m2po_cap!r}")
+        return []
+    if m2po_cap.numel() != 1:
+        raise ValueError(f"m2po_cap must be a number or a one-element tensor, got shape {tuple(m2po_cap.shape)}")
+    return [("m2po_cap must be >= 0 (inf allowed), got a negative or NaN tensor",
+             (m2po_cap.detach().reshape(()) >= 0).to(device))]
 
 
 def _m2po_loss_body(x, logp, agg, num_tokens, num_seqs, norm_length, tau, variant, group, m2po_keep, m2po_cap):
@@ -280,7 +325,7 @@ def _m2po_loss_body(x, logp, agg, num_tokens, num_seqs, norm_length, tau, varian
             check_tensor("m2po_keep", m2po_keep)
             check_same_shape("logp", logp, "m2po_keep", m2po_keep)
             keep = as_bool_mask(m2po_keep) & x.mask
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        zero = torch.zeros((), dtype=ratio.dtype, device=logp.device)
         loss_mat = torch.where(keep, -x.adv * ratio, zero)
         metrics["m2po/m2_after"] = masked_mean(m2_fin, tr & keep)
         metrics["m2po/masked_frac"] = frac(~keep, x.mask)
@@ -288,8 +333,8 @@ def _m2po_loss_body(x, logp, agg, num_tokens, num_seqs, norm_length, tau, varian
         if m2po_cap is None:
             cap = m2po_adaptive_cap(x.log_ratio.detach(), x.adv, x.mask, tau=tau, process_group=group)
         else:
-            cap = torch.as_tensor(m2po_cap, dtype=torch.float64, device=logp.device)
-        bound = cap.sqrt().clamp(max=LOG_RATIO_BOUND).to(logp.dtype)
+            cap = torch.as_tensor(m2po_cap, dtype=torch.float64, device=logp.device).reshape(())
+        bound = cap.sqrt().clamp(max=x.bound).to(ratio.dtype)
         unclipped = -x.adv * ratio
         clipped = -x.adv * torch.clamp(ratio, min=torch.exp(-bound), max=torch.exp(bound))
         use_clipped = clipped > unclipped
@@ -306,4 +351,4 @@ def _m2po_loss_body(x, logp, agg, num_tokens, num_seqs, norm_length, tau, varian
     return loss, metrics
 
 
-__all__ = ["m2po_mask", "m2po_adaptive_cap", "m2po_loss"]
+__all__ = ["m2po_mask", "m2po_adaptive_cap", "m2po_loss", "m2po_global_pass", "check_m2po_options"]

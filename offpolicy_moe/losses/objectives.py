@@ -13,35 +13,42 @@ Metrics are detached float32 0-d tensors (no host sync); use :func:`metrics_to_f
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Optional
 
 import torch
 
+from ._closed_form import count_valid, finish_lean, prepare_lean, share
 from ._common import Metrics, apply_weights, check_clip, frac, masked_max, masked_mean, prepare
-from ._validate import LOG_RATIO_BOUND
 from .aggregation import Count, aggregate
+from .registry import register_policy_loss
 
 GRPO_CLIP = (0.2, 0.2)
 GSPO_CLIP = (3e-4, 4e-4)
 
 
-def _clipped_surrogate(
-    ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``max(-A r, -A clip(r, 1-lo, 1+hi))`` with the unclipped branch kept on ties.
+def check_grpo_options(
+    clip_low: Optional[float] = None, clip_high: Optional[float] = None, dual_clip: Optional[float] = None
+) -> None:
+    """One-line ValueError for a bad GRPO option: ``clip_low`` in [0, 1), ``clip_high`` >= 0, ``dual_clip`` > 1."""
+    if clip_low is not None:
+        check_clip("clip_low", clip_low)
+    if clip_high is not None:
+        check_clip("clip_high", clip_high)
+    if dual_clip is not None and not (
+        isinstance(dual_clip, (int, float)) and not isinstance(dual_clip, bool) and math.isfinite(dual_clip)
+        and dual_clip > 1.0
+    ):
+        raise ValueError(f"dual_clip must be a finite number > 1 (or None), got {dual_clip!r}")
 
-    Returns the per-token loss and the masks of lower/upper clip activity.
-    """
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    use_clipped = clipped > unclipped
-    loss = torch.where(use_clipped, clipped, unclipped)
-    low = use_clipped & (adv < 0)
-    high = use_clipped & (adv > 0)
-    return loss, low, high
+
+def check_gspo_options(clip_low: Optional[float] = None, clip_high: Optional[float] = None) -> None:
+    """One-line ValueError for a bad GSPO option: ``clip_low`` in [0, 1), ``clip_high`` >= 0."""
+    check_grpo_options(clip_low, clip_high)
 
 
+@register_policy_loss("grpo", clips=True, check_options=check_grpo_options)
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -69,34 +76,45 @@ def grpo_loss(
     (masked mean of ``old_logp - logp``), ``actor/ratio_mean``, ``actor/ratio_max``.
     """
     agg = "token-mean" if agg is None else agg
-    lo = check_clip("clip_low", GRPO_CLIP[0] if clip_low is None else clip_low)
-    hi = check_clip("clip_high", GRPO_CLIP[1] if clip_high is None else clip_high)
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
-        raise ValueError(f"dual_clip must be a number > 1 (or None), got {dual_clip!r}")
-    x = prepare(logp, old_logp, advantages, mask, weights, agg)
-    ratio = torch.exp(x.log_ratio)
-    loss_mat, low, high = _clipped_surrogate(ratio, x.adv, lo, hi)
-    dual_active = torch.zeros_like(x.mask)
-    if dual_clip is not None:
-        cap = -x.adv * float(dual_clip)
-        dual_active = (x.adv < 0) & (cap < loss_mat)
-        loss_mat = torch.where(dual_active, cap, loss_mat)
-    loss = aggregate(
-        apply_weights(loss_mat, x.weights), x.mask, agg,
-        num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
-    )
-    metrics: Metrics = {
-        "actor/clipfrac": frac(low | high, x.mask),
-        "actor/clipfrac_low": frac(low, x.mask),
-        "actor/clipfrac_high": frac(high, x.mask),
-        "actor/dual_clipfrac": frac(dual_active, x.mask),
-        "actor/ppo_kl": masked_mean(-x.log_ratio, x.mask),
-        "actor/ratio_mean": masked_mean(ratio, x.mask),
-        "actor/ratio_max": masked_max(ratio, x.mask),
-    }
+    check_grpo_options(clip_low, clip_high, dual_clip)
+    lo = float(GRPO_CLIP[0] if clip_low is None else clip_low)
+    hi = float(GRPO_CLIP[1] if clip_high is None else clip_high)
+    counts = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    x = prepare_lean(logp, old_logp, advantages, mask, weights, agg, **counts)
+    with torch.no_grad():
+        ratio = torch.exp(x.log_ratio)
+        a_r = x.adv * ratio
+        a_clip = x.adv * ratio.clamp(1.0 - lo, 1.0 + hi)
+        clipped = a_clip < a_r                     # -A clip(r) > -A r: the clipped branch is the max
+        loss_tok = -torch.minimum(a_r, a_clip)
+        # d loss_t / d logp_t: -A r on the unclipped branch inside the log-ratio bound, else 0
+        grad_flows = ~clipped & (x.log_ratio == x.raw)
+        dual = None
+        if dual_clip is not None:
+            cap = x.adv * -float(dual_clip)
+            dual = (x.adv < 0) & (cap < loss_tok)
+            loss_tok = torch.where(dual, cap, loss_tok)
+            grad_flows &= ~dual
+        coef = torch.where(grad_flows, -a_r, torch.zeros((), dtype=a_r.dtype, device=a_r.device))
+    loss = finish_lean(x, logp, loss_tok, coef, agg, inputs=(old_logp, advantages, mask, weights), **counts)
+    with torch.no_grad():
+        n = x.n_valid
+        valid_ratio = torch.where(x.mask, ratio, torch.zeros((), dtype=ratio.dtype, device=ratio.device))
+        low = count_valid(clipped & (x.adv < 0), x.mask)
+        high = count_valid(clipped & (x.adv > 0), x.mask)
+        metrics: Metrics = {
+            "actor/clipfrac": share(low + high, n),
+            "actor/clipfrac_low": share(low, n),
+            "actor/clipfrac_high": share(high, n),
+            "actor/dual_clipfrac": share(count_valid(dual, x.mask), n) if dual is not None else share(n * 0, n),
+            "actor/ppo_kl": (-x.log_ratio.sum() / n.clamp(min=1)).to(torch.float32),
+            "actor/ratio_mean": (valid_ratio.sum() / n.clamp(min=1)).to(torch.float32),
+            "actor/ratio_max": (valid_ratio.amax() if ratio.numel() else n * 0).to(torch.float32),
+        }
     return loss, metrics
 
 
+@register_policy_loss("gspo", clips=True, sequence_level=True, check_options=check_gspo_options)
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -125,40 +143,48 @@ def gspo_loss(
     (mean of s_i over non-empty sequences), ``gspo/seq_clipfrac``.
     """
     agg = "seq-mean-token-mean" if agg is None else agg
-    lo = check_clip("clip_low", GSPO_CLIP[0] if clip_low is None else clip_low)
-    hi = check_clip("clip_high", GSPO_CLIP[1] if clip_high is None else clip_high)
-    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    check_gspo_options(clip_low, clip_high)
+    lo = float(GSPO_CLIP[0] if clip_low is None else clip_low)
+    hi = float(GSPO_CLIP[1] if clip_high is None else clip_high)
     if agg in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         warnings.warn(
             f"gspo_loss with agg={agg!r} weights each sequence by its length; GSPO's objective is "
             "'seq-mean-token-mean'",
             stacklevel=2,
         )
-    n_tok = x.mask.sum(-1)
-    seq_log = (x.raw_log_ratio.detach().sum(-1) / n_tok.clamp(min=1).to(logp.dtype)).clamp(
-        -LOG_RATIO_BOUND, LOG_RATIO_BOUND
-    )
-    log_s = x.logp - x.logp.detach() + seq_log.unsqueeze(-1)
-    s = torch.exp(log_s)
-    loss_mat, low, high = _clipped_surrogate(s, x.adv, lo, hi)
-    loss = aggregate(
-        apply_weights(loss_mat, x.weights), x.mask, agg,
-        num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
-    )
-    has_tok = n_tok > 0
-    seq_s = torch.exp(seq_log)
-    seq_clipped = ((seq_s < 1.0 - lo) | (seq_s > 1.0 + hi)) & has_tok
-    metrics: Metrics = {
-        "actor/clipfrac": frac(low | high, x.mask),
-        "actor/clipfrac_low": frac(low, x.mask),
-        "actor/clipfrac_high": frac(high, x.mask),
-        "actor/ppo_kl": masked_mean(-x.log_ratio, x.mask),
-        "gspo/seq_ratio_mean": masked_mean(seq_s, has_tok),
-        "gspo/seq_clipfrac": frac(seq_clipped, has_tok),
-    }
+    counts = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    x = prepare_lean(logp, old_logp, advantages, mask, weights, agg, **counts)
+    with torch.no_grad():
+        n_tok = x.mask.sum(-1)
+        seq_log = (x.raw.sum(-1) / n_tok.clamp(min=1).to(x.raw.dtype)).clamp(-x.bound, x.bound)
+        seq_s = torch.exp(seq_log)
+        s = seq_s.unsqueeze(-1)                     # [B, 1]: every token of sequence i has the value s_i
+        a_s = x.adv * s
+        a_clip = x.adv * s.clamp(1.0 - lo, 1.0 + hi)
+        clipped = a_clip < a_s
+        loss_tok = -torch.minimum(a_s, a_clip)
+        # d/d logp_t of -A exp(logp_t - sg[logp_t] + sg[log s_i]) is -A s_i (0 on the clipped branch)
+        coef = torch.where(clipped, torch.zeros((), dtype=a_s.dtype, device=a_s.device), -a_s)
+        coef = coef.expand_as(x.raw) if coef.shape != x.raw.shape else coef
+    loss = finish_lean(x, logp, loss_tok, coef, agg, inputs=(old_logp, advantages, mask, weights), **counts)
+    with torch.no_grad():
+        n = x.n_valid
+        has_tok = n_tok > 0
+        low = count_valid(clipped & (x.adv < 0), x.mask)
+        high = count_valid(clipped & (x.adv > 0), x.mask)
+        seq_clipped = ((seq_s < 1.0 - lo) | (seq_s > 1.0 + hi)) & has_tok
+        metrics: Metrics = {
+            "actor/clipfrac": share(low + high, n),
+            "actor/clipfrac_low": share(low, n),
+            "actor/clipfrac_high": share(high, n),
+            "actor/ppo_kl": (-x.log_ratio.sum() / n.clamp(min=1)).to(torch.float32),
+            "gspo/seq_ratio_mean": masked_mean(seq_s, has_tok),
+            "gspo/seq_clipfrac": frac(seq_clipped, has_tok),
+        }
     return loss, metrics
 
 
+@register_policy_loss("unclipped")
 def unclipped_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -178,7 +204,8 @@ def unclipped_loss(
     Metrics: ``actor/ppo_kl``, ``actor/ratio_mean``, ``actor/ratio_max``.
     """
     agg = "token-mean" if agg is None else agg
-    x = prepare(logp, old_logp, advantages, mask, weights, agg)
+    x = prepare(logp, old_logp, advantages, mask, weights, agg,
+                num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     ratio = torch.exp(x.log_ratio)
     loss = aggregate(
         apply_weights(-x.adv * ratio, x.weights), x.mask, agg,
@@ -205,4 +232,7 @@ def metrics_to_floats(metrics: dict) -> dict[str, float]:
     return {k: out[k] for k in metrics}
 
 
-__all__ = ["grpo_loss", "gspo_loss", "unclipped_loss", "metrics_to_floats", "GRPO_CLIP", "GSPO_CLIP"]
+__all__ = [
+    "grpo_loss", "gspo_loss", "unclipped_loss", "metrics_to_floats", "check_grpo_options", "check_gspo_options",
+    "GRPO_CLIP", "GSPO_CLIP",
+]

@@ -1,36 +1,116 @@
-"""Registry of policy objectives: plug a user's loss into the trainer by name.
+"""Registry of policy objectives: each entry is a loss that describes itself.
 
 Calling convention (every registered function must accept it)::
 
     loss, metrics = fn(logp, old_logp, advantages, mask, *,
                        agg=None, weights=None, num_tokens=None, num_seqs=None, norm_length=None,
-                       **options)
+                       **options, **runtime)
 
 * ``logp`` [B, T] (with gradient), ``old_logp`` [B, T] (constant), ``advantages`` [B] or [B, T],
   ``mask`` [B, T] bool/0-1, ``weights`` [B, T] detached correction weights or None;
 * ``agg`` an aggregation mode of :func:`aggregate` or None (the objective's default);
   ``num_tokens`` / ``num_seqs`` global counts (see :mod:`offpolicy_moe.losses.aggregation`),
   ``norm_length`` the ``seq-mean-token-sum-norm`` constant;
-* ``**options`` the objective's own keyword options (``clip_low``, ``tau``, ...); list them with
-  :func:`policy_loss_options`;
+* ``**options`` the user's options of this loss (``clip_low``, ``tau``, ...): the keyword-only
+  parameters of its signature, minus the ``runtime`` ones the caller supplies (a process group, a
+  precomputed selection);
 * returns a scalar loss tensor and a ``dict[str, Tensor | float]`` of detached metrics.
 
-The registry is a plain module-level mapping filled at import time (the four built-in objectives)
-and by the user's ``@register_policy_loss`` decorations.
+A loss registers itself in its own module with :func:`register_policy_loss`, declaring its
+capabilities in a :class:`LossSpec`: whether it clips the ratio, whether it is sequence-level,
+whether it takes a ``process_group``, and whether it needs a pass over the whole optimizer
+mini-batch before the micro-batches (``global_pass``).  The trainer, the config validator and the
+verl adapter only ask :func:`get_loss_spec` and :func:`resolve_loss_options`; none names a loss.
+The registry is a module-level mapping filled at import time by those registrations.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .m2po import m2po_loss
-from .objectives import grpo_loss, gspo_loss, unclipped_loss
+import torch
 
 PolicyLoss = Callable[..., tuple]
+GlobalPass = Callable[..., list]
+"""``global_pass(log_ratios, advantages, masks, options, process_group) -> list[dict]``: one dict of
+extra keyword arguments per micro-batch (lists of [B_i, T] tensors in, one selection over all)."""
 
 _REQUIRED_KEYWORDS = ("agg", "weights", "num_tokens", "num_seqs", "norm_length")
 _BASE_PARAMS = ("logp", "old_logp", "advantages", "mask") + _REQUIRED_KEYWORDS
-_REGISTRY: dict[str, PolicyLoss] = {}
+_REGISTRY: dict[str, "LossSpec"] = {}
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered objective and what it declares about itself.
+
+    * ``clips``: it bounds the importance ratio (PPO-style clip, CISPO's weight clip);
+    * ``sequence_level``: its ratio is per sequence, so token-sum aggregation length-weights it;
+    * ``runtime``: keyword parameters the CALLER supplies (not user options), e.g. ``process_group``;
+    * ``global_pass``: a selection over the whole mini-batch that must run before the micro-batches
+      (``None`` if the loss has none); ``global_pass_when(options)`` says whether these options ask
+      for it (default: always);
+    * ``check_options``: ``check_options(**options)`` raises a one-line ValueError naming a bad value.
+    """
+
+    name: str
+    fn: PolicyLoss
+    clips: bool = False
+    sequence_level: bool = False
+    runtime: tuple[str, ...] = ()
+    global_pass: Optional[GlobalPass] = None
+    global_pass_when: Optional[Callable[[Mapping[str, Any]], bool]] = None
+    check_options: Optional[Callable[..., None]] = None
+    option_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """Names of the user options (keyword parameters beyond the convention and the runtime ones)."""
+        return tuple(self.option_defaults)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the loss takes a ``process_group`` (to select or reduce across data-parallel ranks)."""
+        return "process_group" in self.runtime
+
+    @property
+    def needs_global_pass(self) -> bool:
+        """Whether the loss has a mini-batch-wide pass at all (for any options)."""
+        return self.global_pass is not None
+
+    def wants_global_pass(self, options: Mapping[str, Any]) -> bool:
+        """Whether the resolved ``options`` ask for the mini-batch-wide pass before the micro-batches."""
+        if self.global_pass is None:
+            return False
+        return True if self.global_pass_when is None else bool(self.global_pass_when(options))
+
+    def run_global_pass(
+        self,
+        log_ratios: Sequence[torch.Tensor],
+        advantages: Sequence[torch.Tensor],
+        masks: Sequence[torch.Tensor],
+        options: Mapping[str, Any],
+        process_group: object = None,
+    ) -> list[dict]:
+        """Per-micro-batch extra keyword arguments from one selection over all micro-batches (and ranks)."""
+        if self.global_pass is None:
+            return [{} for _ in log_ratios]
+        return self.global_pass(list(log_ratios), list(advantages), list(masks), dict(options), process_group)
+
+
+def _option_defaults(name: str, fn: PolicyLoss, runtime: Sequence[str]) -> dict[str, Any]:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {
+        k: (None if p.default is inspect.Parameter.empty else p.default)
+        for k, p in params.items()
+        if k not in _BASE_PARAMS and k not in runtime
+        and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
 
 
 def _check_signature(name: str, fn: PolicyLoss) -> None:
@@ -60,20 +140,35 @@ def _check_signature(name: str, fn: PolicyLoss) -> None:
         )
 
 
-def register_policy_loss(name: str, *, overwrite: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator registering ``fn`` under ``name`` (see the module docstring for the convention).
+def register_policy_loss(
+    name: str,
+    *,
+    overwrite: bool = False,
+    clips: bool = False,
+    sequence_level: bool = False,
+    runtime: Sequence[str] = (),
+    global_pass: Optional[GlobalPass] = None,
+    global_pass_when: Optional[Callable[[Mapping[str, Any]], bool]] = None,
+    check_options: Optional[Callable[..., None]] = None,
+) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator registering ``fn`` under ``name`` with its capabilities (see :class:`LossSpec`).
 
     Raises ValueError if ``name`` is taken (unless ``overwrite=True``), TypeError if ``fn`` cannot
-    accept the calling convention.
+    accept the calling convention.  Returns ``fn`` unchanged.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy loss name must be a non-empty string, got {name!r}")
 
     def decorate(fn: PolicyLoss) -> PolicyLoss:
         _check_signature(name, fn)
-        if name in _REGISTRY and _REGISTRY[name] is not fn and not overwrite:
+        old = _REGISTRY.get(name)
+        if old is not None and old.fn is not fn and not overwrite:
             raise ValueError(f"policy loss {name!r} is already registered; pass overwrite=True to replace it")
-        _REGISTRY[name] = fn
+        _REGISTRY[name] = LossSpec(
+            name=name, fn=fn, clips=clips, sequence_level=sequence_level, runtime=tuple(runtime),
+            global_pass=global_pass, global_pass_when=global_pass_when, check_options=check_options,
+            option_defaults=_option_defaults(name, fn, tuple(runtime)),
+        )
         return fn
 
     return decorate
@@ -81,18 +176,25 @@ def register_policy_loss(name: str, *, overwrite: bool = False) -> Callable[[Pol
 
 def unregister_policy_loss(name: str) -> None:
     """Remove ``name`` from the registry (ValueError if unknown)."""
-    get_policy_loss(name)
+    get_loss_spec(name)
     del _REGISTRY[name]
+
+
+def get_loss_spec(name: str) -> LossSpec:
+    """The registry entry of ``name``; ValueError listing the registered names (and a close one) otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"unknown policy loss {name!r}{hint}; registered losses: {', '.join(sorted(_REGISTRY))}"
+        ) from None
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The registered objective ``name``; ValueError listing the valid names otherwise."""
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown policy loss {name!r}; registered losses: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+    return get_loss_spec(name).fn
 
 
 def list_policy_losses() -> list[str]:
@@ -101,27 +203,54 @@ def list_policy_losses() -> list[str]:
 
 
 def policy_loss_options(name: str) -> tuple[str, ...]:
-    """The objective's own keyword options (beyond the common convention), e.g. ``('clip_low', ...)``."""
-    fn = get_policy_loss(name)
+    """The objective's own user options (beyond the common convention and its runtime arguments)."""
+    return get_loss_spec(name).options
+
+
+def resolve_loss_options(name: str, options: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """Check ``options`` against loss ``name``'s own options and values; return the explicit ones.
+
+    An unknown key raises ``ValueError: loss 'm2po' has no option 'tua' (did you mean 'tau'?);
+    its options: tau, variant, scope``; a bad value raises the loss's own one-line error.  Options
+    set to None mean "the loss's default" and are dropped from the result.
+    """
+    spec = get_loss_spec(name)
+    opts = dict(options or {})
+    for key in opts:
+        if key not in spec.option_defaults:
+            close = difflib.get_close_matches(str(key), list(spec.option_defaults), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            known = ", ".join(spec.options) or "none"
+            raise ValueError(f"loss {name!r} has no option {key!r}{hint}; its options: {known}")
+    given = {k: v for k, v in opts.items() if v is not None}
+    if spec.check_options is not None:
+        try:
+            spec.check_options(**given)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"loss {name!r}: {err}") from None
+    return given
+
+
+def loss_options_problem(name: str, options: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The one-line problem with ``options`` for loss ``name`` (see :func:`resolve_loss_options`), or None if fine.
+
+    The config validator's entry point: it reports the message under ``algo.loss.options``.
+    """
     try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return ()
-    return tuple(
-        k for k, p in params.items()
-        if k not in _BASE_PARAMS and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    )
+        resolve_loss_options(name, options)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
 
-
-register_policy_loss("grpo")(grpo_loss)
-register_policy_loss("gspo")(gspo_loss)
-register_policy_loss("m2po")(m2po_loss)
-register_policy_loss("unclipped")(unclipped_loss)
 
 __all__ = [
+    "LossSpec",
+    "loss_options_problem",
     "register_policy_loss",
     "unregister_policy_loss",
+    "get_loss_spec",
     "get_policy_loss",
     "list_policy_losses",
     "policy_loss_options",
+    "resolve_loss_options",
 ]

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
+from ..tasks.tokenizer import build_char_tokenizer, encode_texts
+from .dtypes import resolve_dtype
+from .moe_shape import moe_shape
+from .presets import PRESETS, build_preset
 
-from .presets import PRESETS, build_preset, resolve_dtype
-
-_EXPERT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
-_TOPK_ATTRS = ("num_experts_per_tok", "moe_topk", "top_k")
+# Files of which at least one must be present for AutoTokenizer to load a folder offline.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
 
 
 class CheckpointNotFoundError(FileNotFoundError, ValueError):
@@ -39,21 +40,14 @@ class MoEInfo:
     num_moe_layers: int
 
 
-def _cfg_int(config, names) -> Optional[int]:
-    for n in names:
-        v = getattr(config, n, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
 def moe_info(model) -> MoEInfo:
     """Experts and top-k from the model config; MoE layers = modules holding both ``experts`` and a
     router (``gate`` or ``router``), the layout of every transformers 5.x MoE family."""
     config = getattr(model, "config", None)
     layers = sum(1 for m in model.modules()
                  if hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router")))
-    return MoEInfo(_cfg_int(config, _EXPERT_ATTRS), _cfg_int(config, _TOPK_ATTRS), layers)
+    num_experts, top_k = moe_shape(config) if config is not None else (None, None)
+    return MoEInfo(num_experts, top_k, layers)
 
 
 def is_moe(model) -> bool:
@@ -99,8 +93,6 @@ def check_compatibility(model, tok, *, num_experts: Optional[int] = None, top_k:
         raise ValueError(f"expected top_k={top_k} but {type(model).__name__} routes to {info.top_k} experts per token "
                          f"(set model.top_k={info.top_k})")
     if task is not None:
-        from ..tasks.tokenizer import encode_texts
-
         sample = sorted(task.alphabet)
         try:
             encode_texts(tok, ["".join(sample)])
@@ -109,46 +101,86 @@ def check_compatibility(model, tok, *, num_experts: Optional[int] = None, top_k:
     return info
 
 
-def _require_dir(path: str, what: str) -> str:
+def _require_dir(path: str, key: str) -> str:
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"{what}={path!r} is not an existing directory (local checkpoints only; "
+        raise CheckpointNotFoundError(f"{key}={path!r} is not an existing directory (local checkpoints only; "
                                       "nothing is downloaded)")
     return path
 
 
-def load_tokenizer(path: str):
-    """``AutoTokenizer`` from a local directory (offline); sets ``pad_token = eos_token`` if it has none."""
+def load_model_config(path: str, key: str = "model.path"):
+    """The transformers config of the local checkpoint folder ``path`` (offline), without its weights.
+
+    Raises :class:`CheckpointNotFoundError` naming ``key`` when the folder is missing, has no ``config.json``,
+    or its ``config.json`` cannot be read as a model config.
+    """
+    from transformers import AutoConfig   # heavy; imported when a checkpoint is actually read
+
+    path = _require_dir(path, key)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointNotFoundError(f"{key}={path!r} has no config.json: not a Hugging Face model folder")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointNotFoundError(f"{key}={path!r}: config.json is not a usable model config ({first})") from None
+
+
+def require_tokenizer_files(path: str, key: str) -> str:
+    """``path`` when it is a folder holding at least one of :data:`TOKENIZER_FILES`; else a one-line
+    :class:`CheckpointNotFoundError` naming ``key`` and the files looked for."""
+    path = _require_dir(path, key)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        hint = " (or set model.tokenizer_path to a folder that has them)" if key == "model.path" else ""
+        raise CheckpointNotFoundError(f"{key}={path!r} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})"
+                                      f"{hint}")
+    return path
+
+
+def load_tokenizer(path: str, key: str = "model.tokenizer_path"):
+    """``AutoTokenizer`` from a local directory (offline); sets ``pad_token = eos_token`` if it has none.
+
+    ``key`` is the config key the folder came from; every error names it.
+    """
     from transformers import AutoTokenizer
 
-    path = _require_dir(path, "model.tokenizer_path")
+    path = require_tokenizer_files(path, key)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CheckpointNotFoundError(f"no usable tokenizer in {path!r}: {exc}") from exc
+    except (OSError, ValueError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointNotFoundError(f"{key}={path!r}: no usable tokenizer ({first})") from None
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
 
 
+def tokenizer_source(cfg) -> Optional[tuple[str, str]]:
+    """``(folder, key)`` the tokenizer of a ``ModelConfig`` is read from: ``model.tokenizer_path`` when set, else
+    ``model.path``; ``None`` for a preset (the built-in char tokenizer)."""
+    if getattr(cfg, "tokenizer_path", None):
+        return cfg.tokenizer_path, "model.tokenizer_path"
+    if getattr(cfg, "path", None):
+        return cfg.path, "model.path"
+    return None
+
+
 def _supports_experts_impl(config) -> bool:
-    return _cfg_int(config, _EXPERT_ATTRS) is not None
+    return moe_shape(config)[0] is not None
 
 
 def load_checkpoint(path: str, *, dtype="float32", experts_implementation: Optional[str] = "grouped_mm"):
     """``AutoModelForCausalLM`` from a local directory with ``local_files_only=True``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    path = _require_dir(path, "model.path")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointNotFoundError(f"model.path={path!r} has no config.json: not a Hugging Face checkpoint")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = load_model_config(path)
     kwargs = {"dtype": resolve_dtype(dtype), "local_files_only": True}
     if experts_implementation and _supports_experts_impl(config):
         kwargs["experts_implementation"] = experts_implementation
     try:
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **kwargs)
     except pickle.UnpicklingError as exc:   # transformers reads .bin weights with weights_only=True
         bins = ", ".join(sorted(p.name for p in Path(path).glob("*.bin"))) or "its weights"
         raise CheckpointNotFoundError(f"model.path={path!r}: {bins} refused by the safe loader (only tensors are "
@@ -180,14 +212,11 @@ def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_ex
     ``cfg``; for a checkpoint only against ``expected_num_experts``/``expected_top_k`` when given (the
     preset-size fields of ``cfg`` describe presets, not checkpoints).  ``seed`` fixes a preset's init.
     """
+    if getattr(cfg, "path", None):
+        load_model_config(cfg.path)   # a folder that is not a model is named as such before its tokenizer is read
     if tokenizer is None:
-        tok_path = getattr(cfg, "tokenizer_path", None) or getattr(cfg, "path", None)
-        if tok_path:
-            tokenizer = load_tokenizer(tok_path)
-        else:
-            from ..tasks.tokenizer import build_char_tokenizer
-
-            tokenizer = build_char_tokenizer()
+        source = tokenizer_source(cfg)
+        tokenizer = load_tokenizer(*source) if source else build_char_tokenizer()
     model = build_model(cfg, tokenizer, seed=seed)
     if getattr(cfg, "path", None):
         n_exp, k = expected_num_experts, expected_top_k

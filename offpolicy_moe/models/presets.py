@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from .dtypes import resolve_dtype
+
 HEAD_DIM = 16
 MAX_POSITIONS = 256
 
@@ -74,19 +76,6 @@ PRESETS: dict[str, tuple[Callable, Callable]] = {
     "tiny-qwen3-moe": (tiny_qwen3_moe_config, _build_moe),
     "tiny-dense": (tiny_dense_config, _build_dense),
 }
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(name) -> torch.dtype:
-    """``"float32" | "bfloat16" | "float16"`` (or a ``torch.dtype``) → ``torch.dtype``."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(set(DTYPES))}")
-    return DTYPES[name]
-
 
 def build_preset(preset: str, vocab_size: int, *, num_layers: int = 2, hidden_size: int = 64, num_experts: int = 8,
                  top_k: int = 2, special_ids: dict | None = None, dtype="float32",

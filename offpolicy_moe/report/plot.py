@@ -4,7 +4,7 @@
   value, usually the seeds) with a band (``std``: mean ± sample std; ``minmax``: min to max). Other axes that vary
   become side-by-side panels.
 * :func:`plot_staleness`: one PNG per metric, x = staleness (symlog axis so 0 sits at the origin, log beyond 1),
-  y = the per-run aggregate (``final`` by default, see :mod:`offpolicy_moe.report.table`), one line per value of
+  y = the per-run aggregate (:data:`~offpolicy_moe.report.table.DEFAULT_AGG` by default, as tables, see :mod:`offpolicy_moe.report.table`), one line per value of
   ``by``, error bars = sample std over seeds.
 Failed and incomplete runs are left out (their count goes in the title).
 """
@@ -16,8 +16,9 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence
 
+from offpolicy_moe.report.names import check_axes, check_metrics
 from offpolicy_moe.report.runs import RunRecord, axis_order, load_runs, natural_sort
-from offpolicy_moe.report.table import _split, aggregate_series, parse_metrics
+from offpolicy_moe.report.table import DEFAULT_AGG, aggregate_series, parse_metrics
 
 
 def _plt():
@@ -27,6 +28,13 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def set_grid_ticks(ax, values: Sequence[float]) -> None:
+    """Major ticks exactly at the grid's values (``0 1 4 16``), no minor ticks: a symlog axis would otherwise tick
+    at powers of ten that the sweep never ran."""
+    ax.set_xticks(list(values), [f"{v:g}" for v in values])
+    ax.xaxis.set_minor_locator(_plt().NullLocator())
 
 
 def metric_filename(metric: str) -> str:
@@ -76,8 +84,9 @@ def plot_curves(
         raise ValueError(f"unknown --band {band!r}; expected std, minmax or none")
     plt = _plt()
     good, n_bad, where = _select(sweep_dir, runs, where)
-    if all(r.value_of(by) is None for r in good):
-        raise ValueError(f"unknown axis '{by}' for --by")
+    check_axes(good, [by])
+    if not skip_missing:
+        check_metrics(good, [m.name for m in parse_metrics(metrics)])
     order = axis_order(sweep_dir)
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
@@ -139,7 +148,7 @@ def plot_staleness(
     staleness_axis: str,
     by: str,
     out_dir: Optional[str | Path] = None,
-    agg: str = "final",
+    agg: str = DEFAULT_AGG,
     where: Optional[dict[str, str]] = None,
     runs: Optional[list[RunRecord]] = None,
 ) -> list[Path]:
@@ -147,16 +156,15 @@ def plot_staleness(
     plt = _plt()
     good, n_bad, where = _select(sweep_dir, runs, where)
     order = axis_order(sweep_dir)
-    for ax_name in (staleness_axis, by):
-        if all(r.value_of(ax_name) is None for r in good):
-            raise ValueError(f"unknown axis '{ax_name}'")
+    check_axes(good, [staleness_axis, by])
+    check_metrics(good, [m.name for m in parse_metrics(metrics)])
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
     facets = _facets(good, {by, staleness_axis, *where}, order)
     paths = []
     for m in parse_metrics(metrics):
         fig, axs = plt.subplots(1, len(facets), figsize=(5.2 * len(facets), 3.8), squeeze=False, sharey=True)
-        xmax = 1.0
+        xmax, grid = 1.0, set()
         for ax, (title, sub) in zip(axs[0], facets):
             for g in natural_sort([r.value_of(by) or "" for r in sub], order.get(by)):
                 pts: dict[float, list[float]] = {}
@@ -182,8 +190,10 @@ def plot_staleness(
                        for x, mu in zip(xs, mus)]
                 ax.errorbar(xs, mus, yerr=sds, marker="o", capsize=3, lw=1.6, label=f"{by}={g}")
                 xmax = max(xmax, max(xs))
+                grid |= set(xs)
             ax.set_xscale("symlog", linthresh=1.0)
             ax.set_xlim(-0.2, xmax * 1.3)
+            set_grid_ticks(ax, sorted(grid))
             ax.set_xlabel(staleness_axis)
             ax.set_title(title or m.name, fontsize=10)
             ax.grid(alpha=0.3)

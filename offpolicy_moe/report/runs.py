@@ -73,7 +73,7 @@ class RunRecord:
     @property
     def summary(self) -> dict:
         if self._summary is None:
-            self._summary = _read_json(self.path / "summary.json") or {}
+            self._summary = read_json(self.path / "summary.json") or {}
         return self._summary
 
     def series(self, metric: str) -> list[tuple[float, float]]:
@@ -106,7 +106,7 @@ class RunRecord:
             s = self.config.get("seed")
             return None if s is None else str(s)
         v = _lookup(self.config, axis)
-        if v is None:
+        if v is None or isinstance(v, dict):    # a config section ("algo") is not an axis; its leaves are
             return None
         return ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
@@ -119,8 +119,8 @@ def load_runs(sweep_dir: str | Path) -> list[RunRecord]:
     cands = [d] if _is_run(d) else sorted(p for p in d.iterdir() if p.is_dir() and _is_run(p))
     runs = []
     for p in cands:
-        info = _read_json(p / "run.json") or {}
-        summ = _read_json(p / "summary.json") or {}
+        info = read_json(p / "run.json") or {}
+        summ = read_json(p / "summary.json") or {}
         axes = info.get("axes") if isinstance(info.get("axes"), dict) else _axes_from_name(p.name)
         seed = info.get("seed")
         if seed is None and "seed" in axes:
@@ -136,7 +136,7 @@ def load_runs(sweep_dir: str | Path) -> list[RunRecord]:
 
 def axis_order(sweep_dir: str | Path) -> dict[str, list[str]]:
     """Label order of each axis as declared in the sweep's ``sweep.json`` (empty if absent)."""
-    data = _read_json(Path(sweep_dir) / "sweep.json") or {}
+    data = read_json(Path(sweep_dir) / "sweep.json") or {}
     axes = data.get("axes")
     return {str(k): [str(x) for x in v] for k, v in axes.items()} if isinstance(axes, dict) else {}
 
@@ -182,7 +182,8 @@ def _lookup(d: Any, dotted: str) -> Any:
     return cur
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def read_json(path: Path) -> Optional[dict]:
+    """A JSON object file as a dict; None when absent, unreadable or not an object."""
     try:
         data = json.loads(Path(path).read_text())
         return data if isinstance(data, dict) else None

@@ -3,6 +3,8 @@
 ::
 
     report:
+      agg: "mean_last:3"          # optional: the sweep's default aggregation for every table and plot below AND
+                                  # for `table`/`plot` command lines without --agg (else "final")
       tables:
         - {title: Accuracy, rows: algorithm, cols: staleness, metric: eval/accuracy, agg: "mean_last:3"}
         - {rows: algorithm, metric: "eval/accuracy,mismatch/k3_kl:lower", where: {ministep: single}}
@@ -10,7 +12,8 @@
         - {metrics: [reward/mean, eval/accuracy], by: algorithm, band: std}
         - {metrics: [eval/accuracy], by: algorithm, staleness_axis: staleness, agg: final}
 
-``offpolicy-moe table SWEEP`` / ``offpolicy-moe plot SWEEP`` without ``--metric(s)`` render these.
+``offpolicy-moe table SWEEP`` / ``offpolicy-moe plot SWEEP`` without ``--metric(s)`` render these. Tables and
+plots of one sweep aggregate the same way unless an entry or ``--agg`` says otherwise (:func:`default_agg`).
 """
 from __future__ import annotations
 
@@ -18,12 +21,26 @@ from pathlib import Path
 
 import yaml
 
+from offpolicy_moe.report.table import DEFAULT_AGG
+
 TABLE_KEYS = {"title", "rows", "cols", "metric", "agg", "where", "lower_is_better", "digits"}
+REPORT_KEYS = {"tables", "plots", "agg"}
 PLOT_KEYS = {"title", "metrics", "by", "band", "where", "staleness_axis", "agg"}
 
 
+def parse_where(items) -> dict[str, str]:
+    """``["staleness=4", "algorithm=m2po"]`` (``--where``, repeatable) -> ``{axis: label}``."""
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise ValueError(f"--where expects AXIS=VALUE, got {it!r}")
+        k, v = it.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
 def report_spec(sweep_dir: str | Path) -> dict:
-    """``{"tables": [...], "plots": [...]}`` from ``<sweep>/experiment.yaml`` (empty lists when absent)."""
+    """``{"tables": [...], "plots": [...], "agg": str | None}`` from ``<sweep>/experiment.yaml`` (empty when absent)."""
     p = Path(sweep_dir) / "experiment.yaml"
     raw = {}
     if p.is_file():
@@ -31,6 +48,9 @@ def report_spec(sweep_dir: str | Path) -> dict:
             raw = (yaml.safe_load(p.read_text()) or {}).get("report") or {}
         except yaml.YAMLError as exc:   # incl. python/object tags: refused by safe_load, never built
             raise ValueError(f"{p}: cannot parse YAML: {str(exc).splitlines()[0]}") from None
+    bad_top = set(raw) - REPORT_KEYS
+    if bad_top:
+        raise ValueError(f"{p}: report: unknown key(s) {sorted(bad_top)}; allowed {sorted(REPORT_KEYS)}")
     tables, plots = list(raw.get("tables") or []), list(raw.get("plots") or [])
     for kind, items, keys in (("tables", tables, TABLE_KEYS), ("plots", plots, PLOT_KEYS)):
         for i, item in enumerate(items):
@@ -39,4 +59,10 @@ def report_spec(sweep_dir: str | Path) -> dict:
             bad = set(item) - keys
             if bad:
                 raise ValueError(f"{p}: report.{kind}[{i}]: unknown key(s) {sorted(bad)}; allowed {sorted(keys)}")
-    return {"tables": tables, "plots": plots}
+    return {"tables": tables, "plots": plots, "agg": raw.get("agg")}
+
+
+def default_agg(sweep_dir: str | Path) -> str:
+    """The aggregation of a table or plot of this sweep that names none: ``report.agg`` of its experiment file,
+    else :data:`~offpolicy_moe.report.table.DEFAULT_AGG`."""
+    return report_spec(sweep_dir)["agg"] or DEFAULT_AGG

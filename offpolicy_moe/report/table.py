@@ -25,10 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tabulate import DataRow, Line, TableFormat, tabulate
+
+from offpolicy_moe.report.names import check_axes, check_metrics
 from offpolicy_moe.report.runs import RunRecord, axis_order, load_runs, natural_sort
 
 DASH = "–"
 FORMATS = ("md", "csv", "latex", "console")
+#: the per-run aggregation of tables AND plots when neither the command line, the entry nor the sweep's
+#: ``report.agg`` names one (see :func:`offpolicy_moe.report.spec.default_agg`)
+DEFAULT_AGG = "final"
 
 
 @dataclass
@@ -188,7 +194,7 @@ def build_table(
     rows: Sequence[str] | str,
     cols: Sequence[str] | str | None,
     metrics: Sequence[MetricSpec] | str,
-    agg: str = "final",
+    agg: str = DEFAULT_AGG,
     where: Optional[dict[str, str]] = None,
     runs: Optional[list[RunRecord]] = None,
 ) -> Table:
@@ -211,10 +217,8 @@ def build_table(
     sel = [r for r in all_runs if all(r.value_of(k) == v for k, v in where.items())]
     if not sel:
         raise ValueError(f"no run matches --where {where}")
-    for ax in [*rows, *cols]:
-        if all(r.value_of(ax) is None for r in sel):
-            known = sorted({a for r in sel for a in r.axes})
-            raise ValueError(f"unknown axis '{ax}': not a sweep axis ({', '.join(known) or 'none'}) nor a config key")
+    check_axes(sel, [*rows, *cols])
+    check_metrics([r for r in sel if r.completed] or sel, [m.name for m in mspecs])
     used = set(rows) | set(cols) | set(where) | {"seed"}
     for ax in sorted({a for r in sel for a in r.axes} - used):
         labels = sorted({r.axes.get(ax, "") for r in sel})
@@ -312,52 +316,76 @@ def format_cell(cell: Optional[Cell], digits: int = 3) -> str:
     return f"{format_number(cell.mean, digits)} ± {s} ({cell.n}{fail})"
 
 
+def _md_rule(widths: list[int], _aligns) -> str:
+    """``|---|---:|---:|``: the row header left, the cells right-aligned (cells are not padded)."""
+    return "|" + "|".join("---" if i == 0 else "---:" for i in range(len(widths))) + "|"
+
+
+def _latex_top(ncols: int):
+    return lambda _widths, _aligns: "\\begin{tabular}{l" + "r" * (ncols - 1) + "}\n\\toprule"
+
+
+#: GitHub-flavoured markdown without padding: ``| a | b |`` rows, so a cell reads the same in every table
+MD_FORMAT = TableFormat(lineabove=None, linebelowheader=_md_rule, linebetweenrows=None, linebelow=None,
+                        headerrow=DataRow("|", "|", "|"), datarow=DataRow("|", "|", "|"), padding=1,
+                        with_header_hide=None)
+
+
+def _latex_format(ncols: int) -> TableFormat:
+    """booktabs ``tabular`` (``l`` then ``r`` columns); cells are escaped by the caller."""
+    return TableFormat(lineabove=_latex_top(ncols), linebelowheader=Line("\\midrule", "", "", ""),
+                       linebetweenrows=None, linebelow=Line("\\bottomrule\n\\end{tabular}", "", "", ""),
+                       headerrow=DataRow("", "&", "\\\\"), datarow=DataRow("", "&", "\\\\"), padding=1,
+                       with_header_hide=None)
+
+
+def _grid(header: list[str], rows: list[list[str]], fmt, **kw) -> str:
+    return tabulate(rows, header, tablefmt=fmt, disable_numparse=True, **kw)
+
+
 def render_table(table: Table, fmt: str = "md", digits: int = 3, notes: bool = True) -> str:
-    """Render as ``md`` | ``csv`` | ``latex`` | ``console``. Notes (failed runs...) are appended except for csv."""
+    """Render as ``md`` | ``csv`` | ``latex`` | ``console`` (tabulate; csv with the csv module).
+
+    Every format shows the same cells (:func:`format_cell`); the best cell per column is ``**bold**`` in md,
+    ``\\textbf`` in latex and starred (``*``) in console and csv. Notes (failed runs...) are appended except for
+    csv.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"unknown --format {fmt!r}; expected one of {', '.join(FORMATS)}")
     body = [[format_cell(table.cells.get((r, c)), digits) for c in table.col_labels] for r in table.row_labels]
     marked = [[(r, c) in table.best for c in table.col_labels] for r in table.row_labels]
     header = [table.row_header, *table.col_labels]
     extra = table.notes() if notes else []
+
+    def rows(mark, label=lambda s: s):
+        return [[label(r), *[mark(label(c)) if m else label(c) for c, m in zip(cells, mk)]]
+                for r, cells, mk in zip(table.row_labels, body, marked)]
+
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(header)
-        for r, cells, mk in zip(table.row_labels, body, marked):
-            w.writerow([r, *[f"{c}*" if m else c for c, m in zip(cells, mk)]])
+        w.writerows([header, *rows(lambda c: f"{c}*")])
         return buf.getvalue()
     if fmt == "md":
         esc = lambda s: s.replace("|", "\\|")  # noqa: E731
-        lines = [f"*{table.caption}*", "", "| " + " | ".join(esc(h) for h in header) + " |",
-                 "|" + "---|" + "---:|" * len(table.col_labels)]
-        for r, cells, mk in zip(table.row_labels, body, marked):
-            lines.append("| " + " | ".join([esc(r), *[f"**{c}**" if m else c for c, m in zip(cells, mk)]]) + " |")
-        return "\n".join(lines + ([""] + extra if extra else [])) + "\n"
+        text = _grid([esc(h) for h in header], rows(lambda c: f"**{c}**", esc), MD_FORMAT, stralign=None)
+        return "\n".join([f"*{table.caption}*", "", text] + ([""] + extra if extra else [])) + "\n"
     if fmt == "latex":
         tex = lambda s: _latex_escape(s).replace("±", "$\\pm$").replace(DASH, "--")  # noqa: E731
-        lines = [f"% {table.caption}", "\\begin{tabular}{l" + "r" * len(table.col_labels) + "}", "\\toprule",
-                 " & ".join(tex(h) for h in header) + " \\\\", "\\midrule"]
-        for r, cells, mk in zip(table.row_labels, body, marked):
-            lines.append(" & ".join([tex(r), *[f"\\textbf{{{tex(c)}}}" if m else tex(c) for c, m in zip(cells, mk)]])
-                         + " \\\\")
-        lines += ["\\bottomrule", "\\end{tabular}"] + [f"% {n}" for n in extra]
-        return "\n".join(lines) + "\n"
-    # console
-    grid = [header] + [[r, *[f"{c} *" if m else c for c, m in zip(cells, mk)]]
-                       for r, cells, mk in zip(table.row_labels, body, marked)]
-    widths = [max(len(row[i]) for row in grid) for i in range(len(header))]
-    fmt_row = lambda row: "  ".join(  # noqa: E731
-        (c.ljust(w) if i == 0 else c.rjust(w)) for i, (c, w) in enumerate(zip(row, widths)))
-    lines = [table.caption, fmt_row(grid[0]), "  ".join("-" * w for w in widths)] + [fmt_row(r) for r in grid[1:]]
-    return "\n".join(lines + extra) + "\n"
+        text = _grid([tex(h) for h in header], rows(lambda c: f"\\textbf{{{c}}}", tex), _latex_format(len(header)),
+                     stralign=None)
+        return "\n".join([f"% {table.caption}", text] + [f"% {n}" for n in extra]) + "\n"
+    text = _grid(header, rows(lambda c: f"{c} *"), "simple", colalign=("left",) + ("right",) * (len(header) - 1))
+    return "\n".join([table.caption, text] + extra) + "\n"
+
+
+_LATEX_SPECIAL = {"\\": "\\textbackslash{}", "&": "\\&", "%": "\\%", "#": "\\#", "_": "\\_", "$": "\\$",
+                  "{": "\\{", "}": "\\}"}
 
 
 def _latex_escape(s: str) -> str:
-    for a, b in (("\\", "\\textbackslash{}"), ("&", "\\&"), ("%", "\\%"), ("#", "\\#"), ("_", "\\_"),
-                 ("$", "\\$"), ("{", "\\{"), ("}", "\\}")):
-        s = s.replace(a, b)
-    return s
+    """Escape LaTeX's special characters in one pass (a backslash's ``{}`` is not escaped again)."""
+    return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in s)
 
 
 def _split(v: Sequence[str] | str | None) -> list[str]:

@@ -34,6 +34,9 @@ __all__ = [
     "register_router_adapter",
     "get_router_adapter",
     "ROUTER_ADAPTERS",
+    "REFUSED_ROUTERS",
+    "NUM_EXPERTS_ATTRS",
+    "TOP_K_ATTRS",
 ]
 
 
@@ -132,6 +135,20 @@ ROUTER_ADAPTERS: dict[str, RouterAdapter] = {
     "DeepseekV3TopkRouter": DEEPSEEK_V3,
     "GptOssTopKRouter": GPT_OSS,
 }
+
+
+#: Router class name -> why its routes cannot be replayed (a design limit of the routing, not a missing adapter).
+REFUSED_ROUTERS: dict[str, str] = {
+    "DeepseekV4HashRouter": "hash routing: experts are a function of the token id, nothing to replay",
+    "PhimoeTopKRouter": ("sparsemixer: experts are picked by a sequence of masked arg-maxes with a jitter threshold "
+                         "and weighted by a straight-through estimator, not by a top-k over scores, so a forced "
+                         "selection has no weight under the model's own rule"),
+}
+
+#: Attribute names that hold E (routed experts) and K (experts per token) on routers, blocks or configs.
+NUM_EXPERTS_ATTRS = ("num_router_classes", "n_routed_experts", "num_experts", "num_local_experts", "n_experts",
+                     "moe_num_experts", "num_routed_experts", "expert_num")
+TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "top_k_experts", "topk", "moe_top_k", "moe_topk", "moe_k", "k")
 
 
 def register_router_adapter(class_name: str, adapter: RouterAdapter) -> None:

@@ -27,39 +27,27 @@ even after the ``with`` block closed.
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .adapters import RouterAdapter, UnsupportedRouterError, get_router_adapter, ROUTER_ADAPTERS
+from .adapters import RouterAdapter, UnsupportedRouterError
+from .aux import load_balancing_loss
+from .discovery import Slot, discover_slots, hidden_size_of
+from .generic import _OWN, GenericRuleHooks, RouterBypassError
+from .intercept import TopKIntercept
 from .pr2 import FeatureCache, PR2Predictors
 from .trace import RouteTrace, TraceValidationError, sentinel_for, storage_dtype
 
 __all__ = ["RoutingController", "Recorder", "RouterCapture", "RouterBypassError", "UnsupportedGenerationError"]
 
-_OWN = object()  # recompute marker: every router uses its own choice
-_ROUTER_NAME = re.compile(r"(Router|TopK|Topk|Gating|Gate)$|Router|TopkRouter")
-
-
-class RouterBypassError(RuntimeError):
-    """An MoE block ran without calling its router (hub kernel / ``use_kernels``): hooks cannot see the routing."""
 
 
 class UnsupportedGenerationError(ValueError):
     """A generation mode whose routes cannot be recorded faithfully (beam search, assisted decoding, no cache)."""
 
-
-@dataclass
-class _Slot:
-    index: int  # MoE-layer index
-    name: str
-    router: nn.Module
-    block: nn.Module
-    adapter: RouterAdapter
-    layer_id: int
 
 
 @dataclass
@@ -99,7 +87,25 @@ class Recorder:
         self._chunks: dict[int, list[torch.Tensor]] = {}
         self._shapes: dict[int, list[tuple[int, int]]] = {}
         self.final_len: int | None = None  # set by the generate guard: len of sequences
+        self._tokens: list[torch.Tensor] = []
+        self._tokens_ok = True  # False once the calls' token ids cannot be laid out like the routes
         self._scatter: tuple[torch.Tensor, int] | None = None   # (rows, batch): later calls feed only these rows
+
+    def _add_tokens(self, ids: torch.Tensor) -> None:
+        if self._scatter is not None or (self._tokens and self._tokens[0].shape[0] != ids.shape[0]):
+            self._tokens_ok = False
+        if self._tokens_ok:
+            self._tokens.append(ids.detach().to(torch.int32))
+
+    def _trace_tokens(self, t: RouteTrace) -> torch.Tensor | None:
+        """The token ids laid out like the trace ``t`` (-1 beyond the fed tokens), or None when unknown."""
+        if not self._tokens_ok or not self._tokens:
+            return None
+        tok = torch.cat([x.to(t.device) for x in self._tokens], 1)
+        if tok.shape[0] != t.batch_size or tok.shape[1] > t.seq_len:
+            return None
+        pad = torch.full((tok.shape[0], t.seq_len - tok.shape[1]), -1, dtype=tok.dtype, device=tok.device)
+        return torch.cat([tok, pad], 1)
 
     @property
     def num_calls(self) -> int:
@@ -141,6 +147,7 @@ class Recorder:
         if recorded and index.numel() and not (0 <= int(index.min()) and int(index.max()) < min(recorded)):
             raise ValueError(f"select_rows index out of range [0, {min(recorded)}): "
                              f"min {int(index.min())}, max {int(index.max())}")
+        self._tokens = [c.index_select(0, index.to(c.device)) for c in self._tokens]
         for layer, chunks in self._chunks.items():
             self._chunks[layer] = [c.index_select(0, index.to(c.device)) for c in chunks]
             self._shapes[layer] = [(int(index.numel()), s) for _, s in self._shapes[layer]]
@@ -173,7 +180,7 @@ class Recorder:
                 raise ValueError(f"recorded {t.seq_len} positions but generate returned sequences of length "
                                  f"{self.final_len}: the cache was re-fed (use_cache=False / assisted decoding?)")
             t = t.pad_to(self.final_len, "right")
-        return t
+        return t.with_tokens(self._trace_tokens(t))
 
 
 class RouterCapture:
@@ -229,14 +236,7 @@ class RouterCapture:
         return torch.stack([self._ids[l] for l in self._check()], 1)
 
 
-def _parse_layer_id(name: str) -> int:
-    m = re.findall(r"layers\.(\d+)\.", name + ".")
-    if not m:
-        raise UnsupportedRouterError(f"cannot find the decoder-layer index in router module name {name!r}")
-    return int(m[-1])
-
-
-class RoutingController:
+class RoutingController(GenericRuleHooks):
     """Record / replay / offset the routing of a Hugging Face MoE model through router forward hooks.
 
     ``RoutingController(model)`` discovers every router module (the class named by
@@ -256,18 +256,17 @@ class RoutingController:
                 "routes cannot be recorded or replayed; load the model without use_kernels")
         self._slots = self._discover(model)
         a = self._slots[0]
-        self.num_experts = a.adapter.num_experts(a.router)
-        self.top_k = a.adapter.top_k(a.router)
+        self.num_experts, self.top_k = a.num_experts, a.top_k
         for s in self._slots:
-            ek = (s.adapter.num_experts(s.router), s.adapter.top_k(s.router))
+            ek = (s.num_experts, s.top_k)
             if ek != (self.num_experts, self.top_k):
                 raise UnsupportedRouterError(f"router {s.name} has (num_experts, top_k) = {ek} but {a.name} has "
                                              f"{(self.num_experts, self.top_k)}: mixed router shapes are unsupported")
-        w = getattr(a.router, "weight", None)
-        self.hidden_size = int(w.shape[1]) if w is not None else int(getattr(a.router, "hidden_dim"))
+        self.hidden_size = hidden_size_of(model, a.router)
         self.layer_ids: tuple[int, ...] = tuple(s.layer_id for s in self._slots)
         self.router_names: tuple[str, ...] = tuple(s.name for s in self._slots)
-        self.families: tuple[str, ...] = tuple(sorted({s.adapter.family for s in self._slots}))
+        self.families: tuple[str, ...] = tuple(sorted({s.adapter.family if s.adapter is not None else "generic"
+                                                       for s in self._slots}))
         # mutable state, only changed inside context managers
         self._handles: list = []
         self._users = 0
@@ -281,39 +280,15 @@ class RoutingController:
         self._tape_pos = 0
         self._shape: dict[int, tuple[int, int]] = {}
         self._fired: dict[int, bool] = {}
+        self._modes: dict[int, TopKIntercept] = {}
+        self._last_shape: tuple[int, int] | None = None
+        self._aux: list | None = None  # (logits, used ids) of each router call under replay(aux_from_used=True)
         self._gen_guard_users = 0
         self._had_generate_attr = False
         self._orig_generate: Any = None
 
     # ------------------------------------------------------------------------------------------- discovery
-    @staticmethod
-    def _discover(model: nn.Module) -> list[_Slot]:
-        names = dict(model.named_modules())
-        target = None
-        rec = getattr(model, "_can_record_outputs", None) or {}
-        spec = rec.get("router_logits") if isinstance(rec, dict) else None
-        if spec is not None:
-            target = getattr(spec, "target_class", spec if isinstance(spec, type) else None)
-        if target is not None:
-            found = [(n, m) for n, m in names.items() if isinstance(m, target)]
-        else:
-            found = [(n, m) for n, m in names.items()
-                     if type(m) is not nn.Linear and n.rsplit(".", 1)[-1] in ("gate", "router")
-                     and _ROUTER_NAME.search(type(m).__name__)]
-            found += [(n, m) for n, m in names.items() if type(m).__name__ in ROUTER_ADAPTERS
-                      and (n, m) not in found]
-        if not found:
-            raise ValueError(f"no MoE router found in {type(model).__name__}: a dense model has no routing to record "
-                             f"or replay")
-        slots = []
-        for i, (n, m) in enumerate(found):
-            adapter = get_router_adapter(m)
-            parent = names[n.rsplit(".", 1)[0]] if "." in n else model
-            slots.append(_Slot(i, n, m, parent, adapter, _parse_layer_id(n)))
-        slots.sort(key=lambda s: s.layer_id)
-        for i, s in enumerate(slots):
-            s.index = i
-        return slots
+    _discover = staticmethod(discover_slots)
 
     @property
     def num_moe_layers(self) -> int:
@@ -336,10 +311,17 @@ class RoutingController:
     def _acquire(self) -> None:
         if self._users == 0:
             try:
+                self._handles.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
                 for s in self._slots:
                     self._handles.append(s.block.register_forward_pre_hook(self._make_block_pre(s.index), with_kwargs=True))
                     self._handles.append(s.block.register_forward_hook(self._make_block_post(s)))
-                    self._handles.append(s.router.register_forward_hook(self._make_router_hook(s)))
+                    if s.adapter is not None:
+                        self._handles.append(s.router.register_forward_hook(self._make_router_hook(s)))
+                        continue
+                    self._handles.append(s.router.register_forward_pre_hook(self._make_fired(s.index)))
+                    self._handles.append(s.scope.register_forward_pre_hook(self._make_scope_pre(s),
+                                                                           with_kwargs=True))
+                    self._handles.append(s.scope.register_forward_hook(self._make_scope_post(s), always_call=True))
             except Exception:
                 self._remove_hooks()
                 raise
@@ -354,6 +336,10 @@ class RoutingController:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for mode in self._modes.values():
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        self._modes.clear()
         self._shape.clear()
         self._fired.clear()
 
@@ -373,14 +359,16 @@ class RoutingController:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"MoE block of layer {i} was called without a hidden_states tensor")
             if x.dim() == 3:
-                self._shape[i] = (int(x.shape[0]), int(x.shape[1]))
-            else:
-                self._shape[i] = (1, int(x.reshape(-1, x.shape[-1]).shape[0]))
+                self._shape[i] = self._last_shape = (int(x.shape[0]), int(x.shape[1]))
+            else:  # a block fed flattened tokens: the batch layout of the last 3-D block call, when it fits
+                n = int(x.reshape(-1, x.shape[-1]).shape[0])
+                last = self._last_shape
+                self._shape[i] = last if last is not None and last[0] * last[1] == n else (1, n)
             self._fired[i] = False
             return None
         return pre
 
-    def _make_block_post(self, s: _Slot):
+    def _make_block_post(self, s: Slot):
         def post(module, args, output):
             if not self._fired.get(s.index, True):
                 raise RouterBypassError(f"MoE block {s.name.rsplit('.', 1)[0]} ({type(s.block).__name__}) ran without "
@@ -390,7 +378,7 @@ class RoutingController:
         return post
 
     # -------------------------------------------------------------------------------------------- the hook
-    def _make_router_hook(self, s: _Slot):
+    def _make_router_hook(self, s: Slot):
         i, ad, router = s.index, s.adapter, s.router
 
         def hook(module, args, output):
@@ -449,6 +437,8 @@ class RoutingController:
                 weights = ad.weights(router, lw, idx)
             for r in self._recorders:
                 r._add(i, idx if r.which == "used" else own, b, sl)
+            if self._aux is not None:
+                self._aux.append((logits, idx))
             for c in self._captures:
                 c._add(i, logits, own, b, sl)
             if self._tape is not None:
@@ -458,6 +448,41 @@ class RoutingController:
             return (logits, weights, idx) + tuple(output[3:])
 
         return hook
+
+    def _model_pre(self, module, args, kwargs):
+        """Model-level pre-hook: the batch layout of this forward, the token check of a replayed trace, and the
+        token ids recorders tie their routes to."""
+        ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            emb = kwargs.get("inputs_embeds")
+            self._last_shape = tuple(int(d) for d in emb.shape[:2]) if isinstance(emb, torch.Tensor) else None
+            for r in self._recorders:
+                r._tokens_ok = False
+            return None
+        self._last_shape = (int(ids.shape[0]), int(ids.shape[1]))
+        if self._replay is not None and self._replay.trace.tokens is not None and self._tape_replay is None:
+            self._replay.trace.check_tokens(ids)
+        for r in self._recorders:
+            r._add_tokens(ids)
+        return None
+
+    # the generic rule's hooks: GenericRuleHooks (routing/generic.py)
+
+    def load_balancing_loss(self, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Aux loss of the experts actually used in the router calls since the last call (under
+        ``replay(aux_from_used=True)``), pooled over MoE layers: ``E * sum_e f_e P_e`` (``routing/aux.py``).
+
+        ``token_mask``: bool/int ``[B, S]`` of real tokens of the forward (applied to calls laid out ``[B, S]``).
+        Consumes the stored calls."""
+        if not self._aux:
+            raise RuntimeError("no router calls stored: run the forward inside `with ctl.replay(trace):` "
+                               "(aux_from_used=True) before load_balancing_loss()")
+        entries, self._aux[:] = list(self._aux), []
+        masks = None
+        if token_mask is not None:
+            flat = token_mask.reshape(-1).bool()
+            masks = [flat if flat.numel() == lg.shape[0] else None for lg, _ in entries]
+        return load_balancing_loss([e[0] for e in entries], [e[1] for e in entries], self.num_experts, masks)
 
     # ------------------------------------------------------------------------------------------- contexts
     @contextlib.contextmanager
@@ -480,13 +505,18 @@ class RoutingController:
                 self._recorders.remove(rec)
 
     @contextlib.contextmanager
-    def replay(self, trace: RouteTrace, validate: bool = True) -> Iterator[None]:
+    def replay(self, trace: RouteTrace, validate: bool = True, aux_from_used: bool = True) -> Iterator[None]:
         """Force the selection to ``trace`` (R3 / R2) where recorded; the router's own choice on sentinel rows.
 
         The trace must be laid out exactly like the forward's ``input_ids`` ``[B, S]``. Weights come from the
         current router's logits with the model's rule, gathered from the full distribution; router gradients flow.
         ``validate`` checks ids range, duplicates, partial rows and all-zero layers first (not the missing fraction:
-        call ``trace.validate(mask=..., max_missing=...)`` for that).
+        call ``trace.validate(mask=..., max_missing=...)`` for that). A trace tied to its tokens (``trace.tokens``)
+        is checked against each forward's ``input_ids`` first (:meth:`RouteTrace.check_tokens`).
+
+        ``aux_from_used``: keep each router call's logits and the ids actually used, so that
+        :meth:`load_balancing_loss` gives the aux loss of the replayed experts (transformers' own ``aux_loss``
+        re-derives the router's top-k, i.e. balances experts that did not run).
         """
         if not isinstance(trace, RouteTrace):
             raise TypeError(f"replay expects a RouteTrace, got {type(trace).__name__}")
@@ -502,6 +532,7 @@ class RoutingController:
             raise RuntimeError("replay contexts cannot be nested")
         with self._session():
             self._replay = _Replay(trace)
+            self._aux = [] if aux_from_used else None
             try:
                 yield
             finally:

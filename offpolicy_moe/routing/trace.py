@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from . import engines
+
 __all__ = [
     "RouteTrace",
     "TraceValidationError",
@@ -133,12 +135,17 @@ class RouteTrace:
         num_experts: number of routed experts E per MoE layer.
         top_k: K, experts per token.
         layer_ids: decoder-layer index of each MoE layer (models with dense first layers skip some).
+        tokens: optional int32 ``[B, S]``: the token id each route was recorded on (-1: unknown). It ties the trace
+            to its tokens: ``RoutingController.replay`` refuses a trace whose tokens differ from the batch's
+            ``input_ids`` at a recorded position, naming the first bad row. Every layout transform below moves the
+            tokens exactly like the routes; a trace without tokens (``None``) is replayed unchecked.
     """
 
     ids: torch.Tensor
     num_experts: int
     top_k: int
     layer_ids: tuple[int, ...] = field(default_factory=tuple)
+    tokens: torch.Tensor | None = None
 
     def __post_init__(self):
         self.layer_ids = tuple(int(i) for i in self.layer_ids)
@@ -154,6 +161,11 @@ class RouteTrace:
             raise ValueError(f"RouteTrace has {self.ids.shape[2]} MoE layers but layer_ids has {len(self.layer_ids)}")
         if not self.layer_ids:
             self.layer_ids = tuple(range(self.ids.shape[2]))
+        if self.tokens is not None:
+            if self.tokens.is_floating_point() or tuple(self.tokens.shape) != tuple(self.ids.shape[:2]):
+                raise ValueError(f"RouteTrace.tokens must be integer [B, S] = {tuple(self.ids.shape[:2])}, got "
+                                 f"{self.tokens.dtype} {tuple(self.tokens.shape)}")
+            self.tokens = self.tokens.to(device=self.ids.device, dtype=torch.int32)
 
     # ----------------------------------------------------------------------------------------------- construction
     @classmethod
@@ -179,6 +191,35 @@ class RouteTrace:
         dt = storage_dtype(num_experts)
         out = torch.where(missing, torch.full_like(ids, sentinel_for(dt)), ids).to(dt)
         return cls(out, num_experts, k, tuple(layer_ids) if layer_ids is not None else ())
+
+    @classmethod
+    def from_vllm(cls, prompt_token_ids, completion_token_ids, routed_experts, prompt_routed_experts=None, *,
+                  num_experts: int, layer_ids: Sequence[int], num_hidden_layers: int | None = None
+                  ) -> "RouteTrace":
+        """One vLLM completion as a ``[1, P + T]`` trace tied to its tokens (layouts: ``routing/engines.py``).
+
+        ``routed_experts``: the completion's ``[T or T - 1, L, K]`` (with ``prompt_routed_experts [P, L, K]``), or
+        the whole sequence's ``[S or S - 1, L, K]`` (older versions); ``L`` = MoE layers or ``num_hidden_layers``.
+        Negative ids and missing last positions are "not recorded". Concatenate completions with ``cat_traces``.
+        """
+        prompt = engines.as_int_tensor(prompt_token_ids, "prompt_token_ids").reshape(-1)
+        comp = engines.as_int_tensor(completion_token_ids, "completion_token_ids").reshape(-1)
+        routes = engines.vllm_routes(prompt.numel(), comp.numel(), routed_experts, prompt_routed_experts,
+                                     tuple(layer_ids), num_hidden_layers)
+        tokens = torch.cat([prompt, comp])[None]
+        return cls.from_ids(routes[None], num_experts, routes.shape[-1], layer_ids).with_tokens(tokens)
+
+    @classmethod
+    def from_sglang(cls, token_ids, routed_experts, *, num_experts: int, top_k: int, layer_ids: Sequence[int],
+                    num_hidden_layers: int | None = None) -> "RouteTrace":
+        """One SGLang request (prompt + output ``token_ids``, ``S`` tokens) as a ``[1, S]`` trace tied to its tokens.
+
+        ``routed_experts``: ``meta_info["routed_experts"]`` (base64 of int32 ``[S - 1, L, K]``) or the decoded
+        array; position ``S - 1`` (never fed) is "not recorded" (layouts: ``routing/engines.py``).
+        """
+        tokens = engines.as_int_tensor(token_ids, "token_ids").reshape(1, -1)
+        routes = engines.sglang_routes(tokens.shape[1], routed_experts, top_k, tuple(layer_ids), num_hidden_layers)
+        return cls.from_ids(routes[None], num_experts, top_k, layer_ids).with_tokens(tokens)
 
     @classmethod
     def empty(cls, batch: int, seq_len: int, num_layers: int, top_k: int, num_experts: int,
@@ -231,8 +272,30 @@ class RouteTrace:
         x = self.ids.long()
         return torch.where(self.missing(), torch.full_like(x, -1), x)
 
-    def _like(self, ids: torch.Tensor) -> "RouteTrace":
-        return RouteTrace(ids, self.num_experts, self.top_k, self.layer_ids)
+    def _like(self, ids: torch.Tensor, tokens: torch.Tensor | None = None) -> "RouteTrace":
+        return RouteTrace(ids, self.num_experts, self.top_k, self.layer_ids, tokens)
+
+    def with_tokens(self, tokens: torch.Tensor | None) -> "RouteTrace":
+        """The same routes tied to ``tokens[B, S]`` (the ids they were recorded on; -1 where unknown), or untied
+        (``None``)."""
+        return self._like(self.ids, tokens)
+
+    def check_tokens(self, input_ids: torch.Tensor) -> None:
+        """Raise :class:`TraceValidationError` naming the first row whose recorded positions hold other token ids
+        than ``input_ids[B, S]`` (a shifted, permuted or foreign trace). No-op for a trace without tokens."""
+        if self.tokens is None:
+            return
+        if tuple(input_ids.shape) != tuple(self.tokens.shape):
+            raise TraceValidationError(f"trace [B, S] = {tuple(self.tokens.shape)} but input_ids "
+                                       f"{tuple(input_ids.shape)}")
+        tok = self.tokens.to(input_ids.device).long()
+        check = self.recorded_mask().to(input_ids.device) & (tok >= 0)
+        bad = check & (tok != input_ids.long())
+        if bool(bad.any()):
+            b, pos = bad.nonzero()[0].tolist()
+            raise TraceValidationError(f"route trace row {b} was recorded on other tokens than the batch's row {b} "
+                                       f"(first difference at position {pos}: token {int(tok[b, pos])} in the trace, "
+                                       f"{int(input_ids[b, pos])} in input_ids): shifted, permuted or foreign trace")
 
     # --------------------------------------------------------------------------------------------- validation
     def validate(self, seq_shape: Sequence[int] | None = None, mask: torch.Tensor | None = None,
@@ -298,15 +361,18 @@ class RouteTrace:
     # ------------------------------------------------------------------------------------------------ layout
     def to(self, device=None) -> "RouteTrace":
         """Move the ids to ``device``."""
-        return self._like(self.ids.to(device))
+        return self._like(self.ids.to(device), None if self.tokens is None else self.tokens.to(device))
 
     def index_select(self, index: torch.Tensor) -> "RouteTrace":
         """Rows of the batch (e.g. a mini-batch): ``ids[index]``."""
-        return self._like(self.ids.index_select(0, index.to(self.ids.device).long()))
+        index = index.to(self.ids.device).long()
+        tok = None if self.tokens is None else self.tokens.index_select(0, index)
+        return self._like(self.ids.index_select(0, index), tok)
 
     def slice(self, start: int | None = None, end: int | None = None) -> "RouteTrace":
         """Positions ``start:end`` of every sequence (e.g. the response part ``slice(prompt_width)``)."""
-        return self._like(self.ids[:, start:end].contiguous())
+        tok = None if self.tokens is None else self.tokens[:, start:end].contiguous()
+        return self._like(self.ids[:, start:end].contiguous(), tok)
 
     def response(self, prompt_width: int) -> "RouteTrace":
         """Routes of the response tokens of ``generate`` output: positions ``prompt_width:``."""
@@ -318,7 +384,8 @@ class RouteTrace:
         Pad slots become "not recorded". ``attention_mask[B, S]`` marks the real tokens (any padding layout).
         """
         ids, m = repad(self.ids, attention_mask, side, self.sentinel)
-        return self._like(ids), m
+        tok = None if self.tokens is None else repad(self.tokens, attention_mask, side, -1)[0]
+        return self._like(ids, tok), m
 
     def left_to_right(self, attention_mask: torch.Tensor) -> tuple["RouteTrace", torch.Tensor]:
         """Left-padded -> right-padded (see :meth:`repad`)."""
@@ -331,13 +398,15 @@ class RouteTrace:
     def pack(self, attention_mask: torch.Tensor) -> tuple["RouteTrace", torch.Tensor]:
         """Packed layout ``[1, N, L, K]`` of the real tokens (row after row); returns ``(trace, cu_seqlens)``."""
         ids, cu = pack_tokens(self.ids, attention_mask)
-        return self._like(ids), cu
+        tok = None if self.tokens is None else pack_tokens(self.tokens, attention_mask)[0]
+        return self._like(ids, tok), cu
 
     def unpack(self, cu_seqlens: torch.Tensor, side: str = "right", seq_len: int | None = None
                ) -> tuple["RouteTrace", torch.Tensor]:
         """Inverse of :meth:`pack`: ``[B, seq_len, L, K]`` padded on ``side``; returns ``(trace, attention_mask)``."""
         ids, m = unpack_tokens(self.ids, cu_seqlens, self.sentinel, side, seq_len)
-        return self._like(ids), m
+        tok = None if self.tokens is None else unpack_tokens(self.tokens, cu_seqlens, -1, side, seq_len)[0]
+        return self._like(ids, tok), m
 
     def pad_to(self, seq_len: int, side: str = "right") -> "RouteTrace":
         """Pad the sequence dimension with "not recorded" rows up to ``seq_len``."""
@@ -349,13 +418,17 @@ class RouteTrace:
         pad = torch.full((self.batch_size, seq_len - s, self.num_layers, self.top_k), self.sentinel,
                          dtype=self.ids.dtype, device=self.ids.device)
         parts = [self.ids, pad] if side == "right" else [pad, self.ids]
-        return self._like(torch.cat(parts, 1))
+        tok = None
+        if self.tokens is not None:
+            tpad = torch.full((self.batch_size, seq_len - s), -1, dtype=self.tokens.dtype, device=self.tokens.device)
+            tok = torch.cat([self.tokens, tpad] if side == "right" else [tpad, self.tokens], 1)
+        return self._like(torch.cat(parts, 1), tok)
 
     # --------------------------------------------------------------------------------------------- save/load
     def state_dict(self) -> dict:
         """Plain tensors and ints, safe inside ``torch.save`` checkpoints and staleness buffers."""
         return {"ids": self.ids, "num_experts": int(self.num_experts), "top_k": int(self.top_k),
-                "layer_ids": list(self.layer_ids), "format": "offpolicy_moe.RouteTrace/1"}
+                "layer_ids": list(self.layer_ids), "tokens": self.tokens, "format": "offpolicy_moe.RouteTrace/1"}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "RouteTrace":
@@ -363,7 +436,8 @@ class RouteTrace:
         missing = {"ids", "num_experts", "top_k", "layer_ids"} - set(state)
         if missing:
             raise ValueError(f"RouteTrace state_dict lacks keys {sorted(missing)}")
-        return cls(state["ids"], int(state["num_experts"]), int(state["top_k"]), tuple(state["layer_ids"]))
+        return cls(state["ids"], int(state["num_experts"]), int(state["top_k"]), tuple(state["layer_ids"]),
+                   state.get("tokens"))
 
     def equal(self, other: "RouteTrace") -> bool:
         """Same metadata and identical ids."""
@@ -385,4 +459,8 @@ def cat_traces(traces: Sequence[RouteTrace], side: str = "right") -> RouteTrace:
             raise ValueError(f"trace {i} has (num_experts, top_k, layer_ids) = {(t.num_experts, t.top_k, t.layer_ids)}"
                              f" but trace 0 has {(t0.num_experts, t0.top_k, t0.layer_ids)}")
     s = max(t.seq_len for t in traces)
-    return t0._like(torch.cat([t.pad_to(s, side).ids.to(t0.device) for t in traces], 0))
+    padded = [t.pad_to(s, side) for t in traces]
+    tok = None  # tied only when every part is tied
+    if all(t.tokens is not None for t in padded):
+        tok = torch.cat([t.tokens.to(t0.device) for t in padded], 0)
+    return t0._like(torch.cat([t.ids.to(t0.device) for t in padded], 0), tok)

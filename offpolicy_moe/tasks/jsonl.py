@@ -17,24 +17,40 @@ from .base import PromptAnswerTask
 
 
 def read_jsonl_records(path: str) -> list[tuple[str, str]]:
-    """``(prompt, answer)`` of every non-blank line of ``path``; both fields must be strings."""
+    """``(prompt, answer)`` of every non-blank line of ``path``; both fields must be non-empty strings.
+
+    Every problem is a ``ValueError`` naming the file (and the line): missing, a folder, not UTF-8, not JSON, a
+    record without string fields, an empty prompt or answer, no records.
+    """
+    if os.path.isdir(path):
+        raise ValueError(f"task file {path!r} is a folder, not a JSONL file")
     if not os.path.isfile(path):
-        raise ValueError(f"task file {path!r} does not exist (task.name='jsonl:<path>')")
+        raise ValueError(f"task file {path!r} does not exist")
     rows: list[tuple[str, str]] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("answer"), str):
-                raise ValueError(f"{path}:{lineno}: expected an object with string fields 'prompt' and 'answer'")
-            rows.append((rec["prompt"], rec["answer"]))
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text") from None
+            if line.strip():
+                rows.append(_parse_record(path, lineno, line))
     if not rows:
         raise ValueError(f"task file {path!r} has no records")
     return rows
+
+
+def _parse_record(path: str, lineno: int, line: str) -> tuple[str, str]:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("answer"), str):
+        raise ValueError(f"{path}:{lineno}: expected an object with string fields 'prompt' and 'answer'")
+    for key in ("prompt", "answer"):
+        if not rec[key].strip():
+            raise ValueError(f"{path}:{lineno}: empty '{key}'")
+    return rec["prompt"], rec["answer"]
 
 
 class JsonlTask(PromptAnswerTask):
@@ -50,6 +66,9 @@ class JsonlTask(PromptAnswerTask):
         self.path = path
         rows = read_jsonl_records(path)
         prompts = sorted({p for p, _ in rows})
+        if len(prompts) < 2:
+            raise ValueError(f"task file {path!r} has {len(prompts)} distinct prompt; at least 2 are needed "
+                             "(one is held out for evaluation)")
         n_eval = int(fields["eval_size"])
         if n_eval > len(prompts) // 2:
             n_eval = len(prompts) // 2

@@ -2,7 +2,9 @@
 import pytest
 
 from offpolicy_moe.config import ConfigError, load_config, validate
-from offpolicy_moe.config.validate import ENUMS
+from offpolicy_moe.config.validate import vocabularies
+
+ENUMS = vocabularies()
 
 
 @pytest.mark.parametrize("key", sorted(ENUMS))

@@ -33,8 +33,11 @@ def test_defaults_and_all_algorithm_combinations_valid():
         ([], ["r3"], False, ["algo.routing.replay=r3", "model"]),
         ([], ["r2"], False, ["algo.routing.replay=r2"]),
         ([], ["pr2"], False, ["algo.routing.replay=pr2"]),
-        (["algo.loss.m2po_tau=0"], ["m2po"], True, ["algo.loss.m2po_tau"]),
-        (["algo.loss.m2po_tau=-0.1"], [], True, ["algo.loss.m2po_tau"]),
+        (["algo.loss.options.tau=0"], ["m2po"], True, ["algo.loss.options", "tau"]),
+        (["algo.loss.options.tau=-0.1"], ["m2po"], True, ["algo.loss.options", "tau"]),
+        (["algo.loss.options.tua=0.1"], ["m2po"], True, ["algo.loss.options", "'m2po'", "'tua'", "did you mean 'tau'"]),
+        (["algo.loss.options.variant=clip"], ["m2po"], True, ["algo.loss.options", "variant"]),
+        (["algo.loss.options.tau=0.04"], [], True, ["algo.loss.options", "'grpo'", "'tau'"]),
         (["buffer.staleness=-1"], [], True, ["buffer.staleness"]),
         (["algo.loss.name=ppo2"], [], True, ["algo.loss.name", "ppo2"]),
         (["algo.routing.replay=r4"], [], True, ["algo.routing.replay", "r4"]),
@@ -43,10 +46,11 @@ def test_defaults_and_all_algorithm_combinations_valid():
         (["algo.old_logp_source=rollout"], [], True, ["algo.old_logp_source"]),
         (["buffer.mode=sometimes"], [], True, ["buffer.mode"]),
         (["algo.loss.agg=token-sum-mean"], [], True, ["algo.loss.agg"]),
-        (["algo.loss.clip_low=-0.1"], [], True, ["algo.loss.clip_low"]),
-        (["algo.loss.clip_high=-0.2"], [], True, ["algo.loss.clip_high"]),
-        (["algo.loss.clip_low=1.0"], [], True, ["algo.loss.clip_low"]),
-        (["algo.loss.dual_clip=0.5"], [], True, ["algo.loss.dual_clip"]),
+        (["algo.loss.options.clip_low=-0.1"], [], True, ["algo.loss.options", "clip_low"]),
+        (["algo.loss.options.clip_high=-0.2"], [], True, ["algo.loss.options", "clip_high"]),
+        (["algo.loss.options.clip_low=1.0"], [], True, ["algo.loss.options", "clip_low"]),
+        (["algo.loss.options.dual_clip=0.5"], [], True, ["algo.loss.options", "dual_clip"]),
+        (["algo.loss.options.clip_low=1.0"], ["cispo"], True, ["algo.loss.options", "'cispo'", "clip_low"]),
         (["algo.correction.high=0"], [], True, ["algo.correction.high"]),
         (["algo.correction.low=3", "algo.correction.high=2"], [], True, ["algo.correction.low", "algo.correction.high"]),
         (["rollout.group_size=0"], [], True, ["rollout.group_size"]),
@@ -75,8 +79,8 @@ def test_invalid_combination_refused_naming_keys(overrides, presets, moe, keys):
 
 
 def test_all_errors_reported_at_once():
-    msg = _err(["buffer.staleness=-1", "algo.loss.m2po_tau=0"])
-    assert "2 problems" in msg and "buffer.staleness" in msg and "algo.loss.m2po_tau" in msg
+    msg = _err(["buffer.staleness=-1", "algo.loss.options.tau=0"], ["m2po"])
+    assert "2 problems" in msg and "buffer.staleness" in msg and "algo.loss.options" in msg and "tau" in msg
 
 
 def test_config_error_is_value_error():
@@ -89,10 +93,8 @@ def test_config_error_is_value_error():
         (["algo.loss.agg=seq-mean-token-sum"], ["gspo"], ["algo.loss.agg", "gspo"]),
         (["algo.loss.agg=token-mean"], ["gspo"], ["algo.loss.agg", "gspo"]),
         (["rollout.group_size=1"], [], ["rollout.group_size", "adv_norm"]),
-        (["algo.loss.clip_low=0.2"], ["m2po"], ["clip_low", "m2po"]),
         ([], ["r2"], ["r2", "trainer.updates_per_step"]),
         (["trainer.updates_per_step=3"], [], ["trainer.updates_per_step"]),
-        (["buffer.staleness=10", "trainer.steps=10"], [], ["buffer.staleness", "trainer.steps"]),
         (["algo.correction.high=0.5"], ["tis"], ["algo.correction.high"]),
     ],
 )
@@ -124,3 +126,10 @@ def test_infer_model_is_moe(tmp_path):
     cfg = load_config(presets=["r3"], overrides=["model.preset=tiny-dense"])
     with pytest.raises(ConfigError, match="dense"):
         validate(cfg)
+
+
+def test_router_aux_loss_coef_is_refused_not_ignored():
+    """The trainer adds no load-balancing loss: a non-zero coefficient used to be accepted and silently ignored."""
+    with pytest.raises(ConfigError, match="algo.router_aux_loss_coef"):
+        validate(load_config(overrides=["algo.router_aux_loss_coef=0.01"]), model_is_moe=True)
+    validate(load_config(overrides=["algo.router_aux_loss_coef=0"]), model_is_moe=True)

@@ -16,10 +16,10 @@ from offpolicy_moe.engine.checkpoint import CheckpointError, restore_metrics
 from offpolicy_moe.engine.export import export_run
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.presets import tiny_qwen3_moe_config
-from offpolicy_moe.report.experiment import load_experiment
+from offpolicy_moe.sweep.plan import load_experiment
 from offpolicy_moe.report.runs import RunRecord
 from offpolicy_moe.report.spec import report_spec
-from offpolicy_moe.report.sweep import read_status
+from offpolicy_moe.sweep.execute import read_status
 from offpolicy_moe.tasks.tokenizer import build_char_tokenizer
 
 

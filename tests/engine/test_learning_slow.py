@@ -15,7 +15,7 @@ from offpolicy_moe.engine.launch import train
 
 @pytest.mark.slow
 def test_grpo_raises_reward(tmp_path):
-    cfg = load_config(None, ["task.num_terms=2", "optim.lr=1e-3", "trainer.threads=1",
+    cfg = load_config(None, ["task.num_terms=2", "task.eval_size=50", "optim.lr=1e-3", "trainer.threads=1",
                              "trainer.sft_warmup_steps=40", "trainer.steps=40", "rollout.max_new_tokens=3",
                              "rollout.dtype=float32", "algo.routing.metrics=false", "trainer.eval_every=0",
                              "logging.progress=false", "trainer.min_free_mb=1", "buffer.staleness=1"])

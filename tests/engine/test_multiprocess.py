@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 ALGOS = {
     "grpo_tis": ["preset=[grpo,tis,r3]"],
     "gspo": ["preset=[gspo,r3]"],
-    "m2po": ["preset=[m2po,r3]", "algo.loss.m2po_tau=0.0005"],   # small tau: the selection really masks tokens
+    "m2po": ["preset=[m2po,r3]", "algo.loss.options.tau=0.0005"],   # small tau: the selection really masks tokens
     # no replay: the update forward runs each group's prompt once (trainer.share_prompt) under DDP
     "grpo_shared_prompt": ["preset=[grpo]"],
 }

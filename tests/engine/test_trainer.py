@@ -354,7 +354,7 @@ def test_gradient_checkpointing_with_r3_gives_the_same_training(make_cfg):
 @pytest.mark.parametrize("loss", ["m2po", "grpo_seqmean"])
 def test_gradient_accumulation_does_not_change_the_update(make_cfg, loss):
     """Global counts (and M2PO's global selection) make 1 micro-batch == 4 micro-batches of the same mini-batch."""
-    opts = ["algo.loss.name=m2po", "algo.loss.m2po_tau=0.001"] if loss == "m2po" else \
+    opts = ["algo.loss.name=m2po", "algo.loss.options.tau=0.001"] if loss == "m2po" else \
         ["algo.loss.agg=seq-mean-token-mean"]
     base = ("buffer.staleness=2", "trainer.steps=4", "trainer.updates_per_step=2", "algo.routing.metrics=false",
             "rollout.dtype=float32", *opts)

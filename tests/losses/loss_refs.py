@@ -1,4 +1,4 @@
-"""Loop-based reference implementations written from the formulas in algorithms.md.
+"""Loop-based reference implementations written from the formulas in docs/algorithms.md.
 
 They work token by token on Python floats / 0-d tensors (with autograd where a gradient is
 needed), deliberately sharing no code with ``offpolicy_moe.losses``.
@@ -228,6 +228,22 @@ def ref_correction(old, behav, mask, level, mode, high, low):
 
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def ref_cispo(logp, old_logp, A, mask, *, agg="token-mean", weights=None, lo=None, hi=4.0, **kw):
+    """CISPO token by token: l = -w A logp with w = clip(r, 1 - lo, 1 + hi) a plain float (no gradient)."""
+    B, T = logp.shape
+    L = [[None] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            if mask[i, t]:
+                r = math.exp(clampf(val(logp[i, t]) - float(old_logp[i, t]), -BOUND, BOUND))
+                w = min(r, 1 + hi)
+                if lo is not None:
+                    w = max(w, 1 - lo)
+                x = -w * adv_at(A, i, t) * logp[i, t]
+                L[i][t] = x * (float(weights[i, t]) if weights is not None else 1.0)
+    return agg_loop(L, mask, agg, **kw)
 
 
 def make_batch(B=5, T=7, seed=0, scale=0.3, p_valid=0.75, per_token_adv=False, empty_row=True):

@@ -93,7 +93,9 @@ def test_verl_register_and_calling_convention(fake_verl):
     from offpolicy_moe.integrations import verl as opm_verl
 
     names = opm_verl.register()
-    assert names == ["offpolicy_moe/grpo", "offpolicy_moe/gspo", "offpolicy_moe/m2po", "offpolicy_moe/unclipped"]
+    assert names == [f"offpolicy_moe/{n}" for n in list_policy_losses()]
+    assert {"offpolicy_moe/cispo", "offpolicy_moe/grpo", "offpolicy_moe/gspo", "offpolicy_moe/m2po",
+            "offpolicy_moe/unclipped"} <= set(names)
     assert set(names) <= set(fake_verl)
     assert opm_verl.register() == names  # idempotent
 
@@ -119,8 +121,9 @@ def test_verl_register_and_calling_convention(fake_verl):
                                                _Cfg(clip_ratio_low=0.01, clip_ratio_high=0.02), None)
     torch.testing.assert_close(loss3, ref_gspo_token(logp, old, adv, mask, lo=0.01, hi=0.02))
 
-    # M2PO: tau from config.policy_loss, global counts from global_batch_info (scaled by dp_size)
-    cfg4 = _Cfg(policy_loss={"m2po_tau": 0.01},
+    # M2PO: tau under the loss's own key in config.policy_loss, global counts from global_batch_info
+    # (scaled by dp_size)
+    cfg4 = _Cfg(policy_loss={"m2po": {"tau": 0.01, "scope": "local"}},
                 global_batch_info={"dp_size": 2, "batch_num_tokens": 77, "global_batch_size": 12})
     loss4, m4 = fake_verl["offpolicy_moe/m2po"](old, logp, adv_bt, mask, "token-mean", cfg4, None)
     keep = greedy_m2po(logp.detach() - old, adv, mask, 0.01)

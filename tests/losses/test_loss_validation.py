@@ -9,6 +9,8 @@ import torch
 from loss_refs import make_batch
 from offpolicy_moe.losses import (
     AGG_MODES,
+    aggregate,
+    cispo_loss,
     grpo_loss,
     gspo_loss,
     m2po_loss,
@@ -124,3 +126,52 @@ def test_losses_import_torch_only():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"offpolicy_moe.losses imported {out.stdout.strip()}"
+
+
+ALL_LOSSES = LOSSES + [cispo_loss]
+
+
+@pytest.mark.parametrize("fn", ALL_LOSSES)
+def test_bad_counts_and_norm_length_raise_naming_the_argument(fn):
+    """Negative or NaN counts used to be treated as 1 (silently); they are refused before compute."""
+    logp, old, adv, mask, _ = make_batch(B=4, T=6)
+    for bad in (-1, -0.5, math.nan, math.inf, True):
+        with pytest.raises(ValueError, match=r"^num_tokens must be a finite number >= 0"):
+            fn(logp, old, adv, mask, num_tokens=bad)
+        with pytest.raises(ValueError, match=r"^num_seqs must be a finite number >= 0"):
+            fn(logp, old, adv, mask, num_seqs=bad, agg="seq-mean-token-mean")
+    for bad in (torch.tensor(-3), torch.tensor(math.nan)):
+        with pytest.raises(ValueError, match=r"^num_tokens must be a finite number >= 0"):
+            fn(logp, old, adv, mask, num_tokens=bad)
+    with pytest.raises(ValueError, match=r"num_tokens must be a number or a one-element tensor"):
+        fn(logp, old, adv, mask, num_tokens=torch.tensor([3, 4]))
+    for bad in (0, -2, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"^norm_length must be a finite number > 0"):
+            fn(logp, old, adv, mask, norm_length=bad, agg="seq-mean-token-mean")
+    fn(logp, old, adv, mask, num_tokens=torch.tensor(7), num_seqs=3)  # valid counts pass
+
+
+def test_aggregate_refuses_bad_counts():
+    logp, _, _, mask, _ = make_batch(B=3, T=4)
+    with pytest.raises(ValueError, match=r"^num_tokens must be a finite number >= 0, got -1"):
+        aggregate(logp, mask, num_tokens=-1)
+    with pytest.raises(ValueError, match=r"^num_seqs must be a finite number >= 0, got nan"):
+        aggregate(logp, mask, "seq-mean-token-mean", num_seqs=math.nan)
+
+
+@pytest.mark.parametrize("fn", [grpo_loss, gspo_loss, cispo_loss])
+@pytest.mark.parametrize("bad", [1.0, 1.5])
+def test_clip_low_of_one_or_more_is_refused(fn, bad):
+    logp, old, adv, mask, _ = make_batch(B=4, T=6)
+    with pytest.raises(ValueError, match=r"^clip_low must be < 1"):
+        fn(logp, old, adv, mask, clip_low=bad)
+
+
+def test_negative_or_nan_m2po_cap_is_refused():
+    logp, old, adv, mask, _ = make_batch(B=4, T=6)
+    for bad in (-1.0, math.nan, torch.tensor(-0.5, dtype=torch.float64), torch.tensor(math.nan)):
+        with pytest.raises(ValueError, match=r"^m2po_cap must be"):
+            m2po_loss(logp, old, adv, mask, variant="adaptive_clip", m2po_cap=bad)
+    for ok in (0.0, math.inf, torch.tensor(0.3, dtype=torch.float64)):
+        loss, _ = m2po_loss(logp, old, adv, mask, variant="adaptive_clip", m2po_cap=ok)
+        assert torch.isfinite(loss)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from offpolicy_moe.config import ConfigError, validate
-from offpolicy_moe.report.experiment import load_experiment, plan_runs
+from offpolicy_moe.sweep.plan import load_experiment, plan_runs
 from offpolicy_moe.report.spec import PLOT_KEYS, TABLE_KEYS
 
 ROOT = Path(__file__).resolve().parents[2] / "experiments"

@@ -7,8 +7,8 @@ import pytest
 
 from offpolicy_moe.cli import main
 from offpolicy_moe.config import ConfigError
-from offpolicy_moe.report.experiment import load_experiment, parse_experiment, plan_runs
-from offpolicy_moe.report.sweep import run_sweep
+from offpolicy_moe.sweep.plan import load_experiment, parse_experiment, plan_runs
+from offpolicy_moe.sweep.execute import run_sweep
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_train.py"))]
 

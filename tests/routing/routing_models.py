@@ -82,7 +82,8 @@ _TRAINED = {}
 
 def trained_qwen(steps: int = 60, seed: int = 0, num_experts: int = 8, lr: float = 3e-3):
     """Tiny Qwen3-MoE (hidden 64, 3 layers, 8 experts, top-2) briefly trained on a Markov language so that
-    routers and experts matter (routing.md's protocol, scaled down). Cached per process; returns a fresh copy."""
+    routers and experts matter (a scaled-down stand-in for a trained MoE checkpoint). Cached per process; returns a
+    fresh copy."""
     key = (steps, seed, num_experts, lr)
     if key not in _TRAINED:
         model = make_model("qwen3_moe", seed=seed, router_std=None, num_experts=num_experts, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import yaml
+
 from offpolicy_moe.config.load import save_resolved
 from offpolicy_moe.config.validate import ConfigError, validate
-from offpolicy_moe.report.experiment import Experiment, RunSpec, load_experiment, plan_runs
-from offpolicy_moe.report.runs import _read_json
+from offpolicy_moe.sweep.plan import Experiment, RunSpec, load_experiment, plan_runs
+from offpolicy_moe.report.runs import read_json
 
 TRAIN_CMD_ENV = "OFFPOLICY_MOE_TRAIN_CMD"
 OWN_FILES = ("config.yaml", "run.json", "train.log")
@@ -134,8 +136,6 @@ def run_sweep(
     if exp.source is not None:
         shutil.copyfile(exp.source, sweep_dir / "experiment.yaml")
     else:
-        import yaml
-
         (sweep_dir / "experiment.yaml").write_text(yaml.safe_dump(exp.raw, sort_keys=False))
 
     state = _SweepState(sweep_dir, exp, runs)
@@ -145,7 +145,7 @@ def run_sweep(
         rd = sweep_dir / spec.name
         if resume and read_status(rd) == "completed":
             r = RunResult(spec.name, "skipped")
-            prev = _read_json(rd / "run.json")
+            prev = read_json(rd / "run.json")
             state.record(spec, r, prev_status="completed", prev=prev)
             result.results.append(r)
             continue
@@ -224,7 +224,7 @@ def _execute(spec: RunSpec, run_dir: Path, cmd: list[str], env: dict, timeout: O
     if error is not None:
         tail = _tail(run_dir / "train.log")
         full = f"{error}\n{tail}".rstrip()
-        summary = _read_json(run_dir / "summary.json") or {}
+        summary = read_json(run_dir / "summary.json") or {}
         summary.update({"status": "failed", "returncode": rc, "error": full})
         _write_json(run_dir / "summary.json", summary)
         res = RunResult(spec.name, "failed", rc, wall, full)

@@ -1,0 +1,82 @@
+"""The one error path of every ``offpolicy-moe`` command.
+
+Two classes of failure, the same for every command:
+
+* a **user mistake** (a bad option, config key or value, an unknown metric or axis, a run folder that cannot be
+  used, a resume that would change the run): ``offpolicy-moe <command>: error: <one line>`` on stderr, exit code
+  :data:`USER_ERROR` (2), raised before any folder is created or any compute starts;
+* a **run that started and failed** (non-finite loss with ``on_nan=stop``, an unreadable checkpoint, a failed
+  sweep run): ``offpolicy-moe <command>: error: <one line>``, exit code :data:`RUN_FAILED` (1).
+
+An interrupt (Ctrl-C) exits with :data:`INTERRUPTED` (130) and one line. Anything else is a bug and keeps its
+traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+
+USER_ERROR = 2
+RUN_FAILED = 1
+INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+    """A user mistake on the command line (an option, a metric or axis name, a folder): exit code 2."""
+
+
+class RunFailed(RuntimeError):
+    """A run or sweep that started and failed: exit code 1."""
+
+
+#: user mistakes (exit code 2), as (module, class); the engine's are named, not imported, so that the parser and
+#: ``--help`` do not load torch: an exception of a module that was never imported cannot have been raised
+USER_ERRORS = (("offpolicy_moe.commands.errors", "UsageError"), ("offpolicy_moe.config.validate", "ConfigError"),
+               ("offpolicy_moe.engine.faults", "RunDirError"))
+#: a run that started and failed (exit code 1)
+RUN_ERRORS = (("offpolicy_moe.commands.errors", "RunFailed"), ("offpolicy_moe.engine.checkpoint", "CheckpointError"),
+              ("offpolicy_moe.engine.faults", "NonFiniteLossError"))
+
+
+def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type, ...]:
+    return tuple(getattr(sys.modules[m], c) for m, c in names if m in sys.modules and hasattr(sys.modules[m], c))
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line: continuation lines (list items ``- ...``) joined with ``; ``."""
+    text = str(exc).strip() or type(exc).__name__
+    first, *rest = [part.strip() for part in text.splitlines() if part.strip()]
+    items = "; ".join(r[2:] if r.startswith("- ") else r for r in rest)
+    if not items:
+        return first
+    return f"{first} {items}" if first.endswith(":") else f"{first}; {items}"
+
+
+def error_line(command: str, exc: BaseException) -> str:
+    """``offpolicy-moe <command>: error: <message>``."""
+    return f"offpolicy-moe {command}: error: {one_line(exc)}"
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit code of a known failure class, or None for an unexpected exception (a bug)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED
+    if isinstance(exc, _loaded(USER_ERRORS)):
+        return USER_ERROR
+    if isinstance(exc, _loaded(RUN_ERRORS)):
+        return RUN_FAILED
+    return None
+
+
+def warn(message: str) -> None:
+    """``offpolicy-moe: warning: <message>`` on stderr."""
+    print(f"offpolicy-moe: warning: {message}", file=sys.stderr)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``<prog>: error: ...``, exit code 2), without the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -1,0 +1,116 @@
+"""Every check a real start makes before compute, without building the model's weights (``train --dry-run``).
+
+:func:`preflight` runs :func:`~offpolicy_moe.config.validate.validate`, then the checks that read files:
+
+* the task is built: a ``jsonl:`` file is read and parsed (errors name ``task.name``, the file and the line);
+* ``model.path`` is a model folder whose ``config.json`` loads as a transformers config, and the tokenizer folder
+  (``model.tokenizer_path``, else ``model.path``) holds tokenizer files and loads (errors name the key the user set);
+* the model's shape: ``model.path``'s ``vocab_size`` holds the tokenizer; a built-in preset's config object is built
+  (no weights) from the configured sizes (replay on a dense model is refused by ``validate``, which reads the
+  expert count with :func:`~offpolicy_moe.models.moe_shape`);
+* the task's characters can be encoded, and its answers fit in ``rollout.max_new_tokens`` (an error when none does:
+  the exact-match reward would always be 0; a warning when some do not).
+
+The staleness buffer's feasibility depends on the engine layer; see ``offpolicy_moe.engine.buffer``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from offpolicy_moe.config.validate import Findings, validate
+from offpolicy_moe.models import PRESETS, CheckpointNotFoundError, load_model_config, load_tokenizer, tokenizer_source
+from offpolicy_moe.tasks import PromptAnswerTask, build_char_tokenizer, encode_texts, make_task
+
+
+def preflight(cfg: Any) -> list[str]:
+    """Validate ``cfg`` and run the file-reading checks of the module docstring; return the warnings.
+
+    Raises :class:`~offpolicy_moe.config.validate.ConfigError` listing every problem, each one line naming its key.
+    """
+    warnings = validate(cfg)
+    found = Findings()
+    task = check_task_data(cfg, found)
+    model_config = check_model_folder(cfg, found)
+    tok = check_tokenizer(cfg, found)
+    check_model_shape(cfg, found, model_config, tok)
+    if task is not None and tok is not None:
+        check_answers_fit(cfg, found, task, tok)
+    found.raise_if_errors()
+    return warnings + found.warnings
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_task_data(cfg: Any, found: Findings) -> Optional[PromptAnswerTask]:
+    """Build the task as the trainer does; a bad or missing task file becomes one error naming ``task.name``."""
+    try:
+        return make_task(cfg.task)
+    except (ValueError, TypeError, OSError) as exc:
+        found.error(f"task.name={cfg.task.name!r}: {_first_line(exc)}")
+        return None
+
+
+def check_model_folder(cfg: Any, found: Findings):
+    """The transformers config of ``model.path`` (``None`` for a preset, or when it cannot be read: then an error)."""
+    if not cfg.model.path:
+        return None
+    try:
+        return load_model_config(cfg.model.path)
+    except CheckpointNotFoundError as exc:
+        found.error(_first_line(exc))
+        return None
+
+
+def check_tokenizer(cfg: Any, found: Findings):
+    """The tokenizer a real start would use: loaded from its folder, or the built-in character tokenizer."""
+    source = tokenizer_source(cfg.model)
+    if source is None:
+        return build_char_tokenizer()
+    try:
+        return load_tokenizer(*source)
+    except CheckpointNotFoundError as exc:
+        found.error(_first_line(exc))
+        return None
+
+
+def check_model_shape(cfg: Any, found: Findings, model_config: Any, tok: Any) -> None:
+    """``model.path``: the tokenizer fits the embedding (``vocab_size``); a preset: its config object builds."""
+    m = cfg.model
+    if model_config is not None:
+        rows = getattr(model_config, "vocab_size", None) or getattr(getattr(model_config, "text_config", None),
+                                                                      "vocab_size", None)
+        if tok is not None and isinstance(rows, int) and len(tok) > rows:
+            found.error(f"model.path={m.path!r}: the tokenizer has {len(tok)} tokens but the model's vocab_size is "
+                        f"{rows}; the tokenizer does not match the checkpoint")
+        return
+    if m.path or m.preset not in PRESETS or tok is None:
+        return
+    make_config = PRESETS[m.preset][0]
+    special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    try:
+        make_config(len(tok), num_layers=m.num_layers, hidden_size=m.hidden_size, num_experts=m.num_experts,
+                    top_k=m.top_k, special_ids=special, experts_implementation=m.experts_implementation)
+    except (ValueError, TypeError) as exc:
+        found.error(f"model.preset={m.preset!r}: cannot build its config: {_first_line(exc)}")
+
+
+def check_answers_fit(cfg: Any, found: Findings, task: PromptAnswerTask, tok: Any) -> None:
+    """Every character of the task encodes; answers fit in ``rollout.max_new_tokens`` (error if none does)."""
+    answers = sorted({a.strip() for a in task.train_answers + task.eval_answers})
+    try:
+        lengths = [len(ids) for ids in encode_texts(tok, answers)]
+        encode_texts(tok, ["".join(sorted(task.alphabet))])
+    except (ValueError, KeyError) as exc:
+        found.error(f"task.name={cfg.task.name!r}: the tokenizer cannot encode the task: {_first_line(exc)}")
+        return
+    limit = cfg.rollout.max_new_tokens
+    too_long = sum(n > limit for n in lengths)
+    if too_long == len(lengths):
+        found.error(f"rollout.max_new_tokens={limit}: no answer of task.name={cfg.task.name!r} fits (the shortest "
+                    f"takes {min(lengths)} tokens), so every exact-match reward is 0; raise rollout.max_new_tokens")
+    elif too_long:
+        found.warn(f"rollout.max_new_tokens={limit}: {too_long} of {len(lengths)} distinct answers of "
+                   f"task.name={cfg.task.name!r} need more tokens (up to {max(lengths)}) and can never be matched")

@@ -1,0 +1,89 @@
+"""A decode KV cache whose full-attention layers write into buffers allocated once for the whole generation.
+
+transformers' ``DynamicLayer`` appends each new token's keys and values with ``torch.cat``, which copies the whole
+cache at every decode step: ``O(T^2)`` bytes moved over ``T`` new tokens.  On the CPU at 128-256 new tokens that copy
+was about half of the sampling loop's time (``experiments/bench_decode.py``).  :class:`PreallocatedLayer` keeps
+``[B, H, capacity, D]`` buffers, writes each step into the next free slots and hands attention a view of the filled
+part (same values, same shape as the concatenated tensor, so the same attention result).  The capacity is the
+prompt length plus the response budget, known before the prefill; a longer run grows the buffer by doubling.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+__all__ = ["PreallocatedLayer", "preallocated_cache"]
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A ``DynamicLayer`` that stores keys/values in pre-allocated ``[B, H, capacity, D]`` buffers; ``keys`` and
+    ``values`` are views of the filled ``[:, :, :length]`` part (row selection and repetition copy the buffers)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        if capacity < 1:
+            raise ValueError(f"PreallocatedLayer capacity must be >= 1, got {capacity}")
+        self.capacity = int(capacity)
+        self._kbuf = self._vbuf = None
+        self._len = 0
+
+    def _ensure(self, like: torch.Tensor, need: int) -> None:
+        if self._kbuf is not None and need <= self._kbuf.shape[-2]:
+            return
+        cap = max(self.capacity, need) if self._kbuf is None else max(2 * self._kbuf.shape[-2], need)
+        shape = (like.shape[0], like.shape[1], cap, like.shape[-1])
+        kbuf, vbuf = like.new_empty(shape), like.new_empty(shape)
+        if self._kbuf is not None and self._len:
+            kbuf[:, :, :self._len] = self._kbuf[:, :, :self._len]
+            vbuf[:, :, :self._len] = self._vbuf[:, :, :self._len]
+        self._kbuf, self._vbuf = kbuf, vbuf
+
+    def _expose(self) -> None:
+        self.keys = self._kbuf[:, :, :self._len]
+        self.values = self._vbuf[:, :, :self._len]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new positions after the filled ones; return the filled ``[B, H, length, D]`` views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self._ensure(key_states, self._len + n)
+        self._kbuf[:, :, self._len:self._len + n] = key_states
+        self._vbuf[:, :, self._len:self._len + n] = value_states
+        self._len += n
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._len
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times (the prefill shared by a group's samples)."""
+        if self._len:
+            self._kbuf = self._kbuf.repeat_interleave(repeats, dim=0)
+            self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
+            self._expose()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices`` (finished rows leave the decode batch)."""
+        if self._len:
+            self._kbuf = self._kbuf.index_select(0, indices)
+            self._vbuf = self._vbuf.index_select(0, indices)
+            self._expose()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("PreallocatedLayer is a sampling cache: cropping is not supported")
+
+    def reset(self) -> None:
+        self._kbuf = self._vbuf = None
+        self._len = 0
+        super().reset()
+
+
+def preallocated_cache(config, capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`PreallocatedLayer` of
+    ``capacity`` positions (sliding-window and other layer kinds are left as transformers builds them)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
