@@ -421,7 +421,7 @@ class Trainer:
                       t_upd: float) -> dict[str, float]:
         lag = self.step - consumed.version
         return {**consumed.extras,
-                "offpolicy/staleness_steps": float(lag),
+                "offpolicy/staleness_steps": float(lag), "offpolicy/staleness_max": float(lag),
                 "offpolicy/staleness_updates": float(lag * self.cfg.trainer.updates_per_step),
                 "offpolicy/batch_version": float(consumed.version),
                 "offpolicy/generated_at": float(consumed.generated_at),

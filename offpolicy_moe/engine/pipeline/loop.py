@@ -120,7 +120,7 @@ def _step_metrics(step: int, cfg: Any, source: AsyncBatchSource, batch: RolloutB
             "async/worker_wait_s": delta["worker_wait_s"], "async/worker_generate_s": delta["worker_generate_s"],
             "async/worker_cpu_s": delta["worker_cpu_s"],
             "perf/update_tokens_per_s": tokens / max(t_update, 1e-9), "perf/time_update_s": t_update,
-            "perf/trained_tokens": float(batch.num_tokens())}
+            "async/trained_tokens": float(batch.num_tokens())}
 
 
 def _finish_step(trainer: Any, m: dict, t_it: float) -> None:
