@@ -70,8 +70,8 @@ def main() -> None:
     kills = {"trainer": 0, "worker": 0, "forkserver": 0}
     starts = 0
     while True:
-        proc = subprocess.Popen(base + (["--resume"] if starts else []), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        resume = ["--resume"] if run_dir.exists() else []     # a kill can come before the run folder exists
+        proc = subprocess.Popen(base + resume, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         starts += 1
         if sum(kills.values()) < args.kills:
             kind = rng.choice(["trainer", "worker", "forkserver"])
