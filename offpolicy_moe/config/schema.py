@@ -24,7 +24,9 @@ from offpolicy_moe.tasks.rewards import REWARD_KINDS
 # Vocabularies this package's config owns (no other module defines them).
 REPLAY_MODES = ("none", "r2", "r3", "pr2")
 OLD_LOGP_SOURCES = ("trainer", "engine", "proximal")
-BUFFER_MODES = ("fixed", "bounded")
+BUFFER_MODES = ("fixed", "bounded", "async")
+STALE_POLICIES = ("wait", "drop")       # buffer.mode=async (docs/async.md)
+WORKER_DEATH = ("restart", "stop")
 ENGINES = ("hf",)                     # until the rollout engines have a registry of their own
 SAMPLERS = ("native", "hf")
 SCHEDULERS = ("constant", "cosine", "linear")
@@ -81,6 +83,15 @@ class RolloutConfig:
     # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
     sampler: str = ranged("native", choices=SAMPLERS)
     compact_finished: bool = True     # native sampler: finished sequences leave the decode batch
+    # buffer.mode=async (docs/async.md): rollout worker processes per trainer process
+    workers: int = ranged(1, ge=1)
+    worker_threads: int = ranged(1, ge=1)          # torch threads of each worker
+    # a sequence may continue across a weight update (each token keeps the version that sampled it)
+    update_in_flight: bool = False
+    # restart (re-issue its iterations) | stop (checkpoint, then stop)
+    on_worker_death: str = ranged("restart", choices=WORKER_DEATH)
+    # the longest wait for a batch / a policy version before a timeout that names it
+    worker_timeout_s: float = ranged(600.0, gt=0)
 
 
 @dataclass
@@ -88,10 +99,14 @@ class BufferConfig:
     """Staleness buffer (docs/algorithms.md, 'Staleness')."""
 
     staleness: int = ranged(0, ge=0)               # k: a batch generated at step v is consumed at step v + k
-    # fixed (exact delay line) | bounded (drop batches older than k)
+    # fixed (exact delay line) | bounded (drop batches older than k) | async (rollout worker processes)
     mode: str = ranged("fixed", choices=BUFFER_MODES)
     # bounded mode: simulated arrival latency ~ U{0..max_delay} (None = k)
     max_delay: Optional[int] = ranged(None, ge=0, optional=True)
+    # async: a worker that would exceed k waits | drop (generate ahead, drop stale batches, generate them again)
+    on_stale: str = ranged("wait", choices=STALE_POLICIES)
+    # async + drop: iterations handed out beyond k (None = rollout.workers)
+    max_ahead: Optional[int] = ranged(None, ge=0, optional=True)
 
 
 @dataclass

@@ -14,6 +14,8 @@ positions, right-padded after the end-of-sequence token):
                       separate recompute pass (the weights are the same θ_v, so the values are the same)
 * ``version``         the policy version (number of trained steps) of the weights that generated the batch
 * ``generated_at``    the trainer iteration that generated the batch (used to check no batch is lost or reused)
+* ``token_versions``  ``[B, T]`` the policy version that sampled each response token (None: all ``version``);
+                      tokens of one sequence may span versions when weights are updated in flight (docs/async.md)
 
 Rewards and advantages are NOT stored: they are computed when the batch is consumed.
 """
@@ -87,13 +89,14 @@ class RolloutBatch:
     pr2_features: Any = None
     extras: dict = field(default_factory=dict)   # float metrics measured at generation time
     old_logp_fused: bool = False       # on-policy, one update: old_logp = the update forward's detached logp
+    token_versions: Optional[torch.Tensor] = None   # [B, T] version that sampled each token (None: all `version`)
 
     def __post_init__(self) -> None:
         B, S = self.input_ids.shape
         if self.attention_mask.shape != (B, S):
             raise ValueError(f"attention_mask shape {tuple(self.attention_mask.shape)} != input_ids shape {(B, S)}")
         T = S - self.prompt_len
-        for name in ("response_mask", "behav_logp", "old_logp"):
+        for name in ("response_mask", "behav_logp", "old_logp", "token_versions"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B, T):
                 raise ValueError(f"{name} shape {tuple(t.shape)} != (batch, response length) {(B, T)}")

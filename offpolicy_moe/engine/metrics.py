@@ -41,6 +41,15 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "offpolicy/generated_at": "trainer iteration that generated the consumed batch (no batch lost or reused)",
     "offpolicy/dropped": "cumulative batches dropped by the bounded buffer",
     "offpolicy/buffer_size": "batches waiting in the buffer after the step",
+    "offpolicy/staleness_max": "largest lag over the consumed batch's response tokens (<= buffer.staleness)",
+    # asynchronous pipeline (buffer.mode=async, docs/async.md), seconds since the previous step
+    "async/trainer_wait_s": "seconds the trainer waited for the batch (old-log-prob passes excluded)",
+    "async/weight_sync_s": "seconds publishing weights to the workers",
+    "async/worker_wait_s": "seconds workers waited for an iteration they may start (the staleness bound)",
+    "async/worker_generate_s": "seconds workers spent generating",
+    "async/worker_cpu_s": "CPU seconds of the workers (weight loading and generation)",
+    "async/worker_restarts": "cumulative rollout worker restarts",
+    "async/trained_tokens": "response tokens of the consumed batch",
     # performance
     "perf/gen_tokens_per_s": "generated response tokens per second (this iteration's generation)",
     "perf/update_tokens_per_s": "tokens (prompt + response) per second through the update forward/backward",

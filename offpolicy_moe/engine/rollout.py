@@ -147,6 +147,10 @@ class HFRolloutEngine(RolloutEngine):
         self.pr2_feature_sample_rate = pr2_feature_sample_rate
         self.version = 0
         self.last_generate_seconds = 0.0
+        # called with the engine before every decode forward of the native sampler (may sync newer weights: updates
+        # in flight, docs/async.md); the version of each forward is recorded per sampled token
+        self.between_tokens: Optional[Any] = None
+        self._step_versions: list[int] = []
         # the own sampling loop needs a Hugging Face causal LM that takes a DynamicCache
         self.sampler = sampler if (sampler == "hf" or _supports_native_loop(self.model)) else "hf"
         self._keeps_logits = accepts_kwarg(self.model, "logits_to_keep")
@@ -247,6 +251,7 @@ class HFRolloutEngine(RolloutEngine):
         else:
             out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True,
                         **keep)
+        fwd_version, self._step_versions = self.version, []
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
         tokens, scores_all = [], []
@@ -264,6 +269,7 @@ class HFRolloutEngine(RolloutEngine):
             nxt = torch.where(unfinished, nxt, pad)
             tokens.append(nxt)
             scores_all.append(scores)
+            self._step_versions.append(fwd_version)     # the weights whose forward gave these scores
             unfinished &= nxt != tok.eos_token_id
             if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
                 break
@@ -276,6 +282,9 @@ class HFRolloutEngine(RolloutEngine):
                     recorder.scatter_rows(fed, B)
             mask = mask_buf[:, :P + t + 1]
             last_pos = last_pos + 1
+            if self.between_tokens is not None:
+                self.between_tokens(self)
+            fwd_version = self.version
             out = model(input_ids=nxt.index_select(0, fed).unsqueeze(1), attention_mask=mask, position_ids=last_pos,
                         past_key_values=cache, use_cache=True, **keep)
         seq = torch.cat([ids, torch.stack(tokens, 1)], dim=1)
@@ -327,7 +336,8 @@ class HFRolloutEngine(RolloutEngine):
         p_am = p_am.repeat_interleave(group_size, 0).to(self.device)
         P = p_ids.shape[1]
         torch.manual_seed(seed)
-        seqs, logps, traces, feats, sizes = [], [], [], [], []
+        start_version = self.version
+        seqs, logps, traces, feats, sizes, versions = [], [], [], [], [], []
         for start in range(0, p_ids.shape[0], self.batch_size):
             cache = None
             if self.pr2_predictors is not None:
@@ -337,12 +347,18 @@ class HFRolloutEngine(RolloutEngine):
             s, lp, tr = self._generate_chunk(chunk_ids, p_am[start:start + self.batch_size], cache,
                                              group_size if start % group_size == 0 else 1)
             seqs.append(s); logps.append(lp); traces.append(tr); sizes.append(chunk_ids.shape[0])
+            steps = s.shape[1] - P
+            vs = self._step_versions if (self.sampler == "native" and len(self._step_versions) == steps) \
+                else [self.version] * steps
+            versions.append(torch.tensor(vs, dtype=torch.long).expand(s.shape[0], steps))
             if cache is not None:
                 feats.append(cache.collect())
         T = max(s.shape[1] for s in seqs) - P
         pad = self.tokenizer.pad_token_id
         seq = torch.cat([torch.nn.functional.pad(s, (0, P + T - s.shape[1]), value=pad) for s in seqs], 0)
         behav = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for lp in logps], 0)
+        token_versions = torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1]), value=int(v[0, -1]))
+                                    for v in versions], 0)
         resp = seq[:, P:]
         # response mask: tokens up to and including the first EOS (generate pads after it)
         is_eos = resp == self.tokenizer.eos_token_id
@@ -366,8 +382,8 @@ class HFRolloutEngine(RolloutEngine):
         return RolloutBatch(input_ids=seq.cpu(), attention_mask=attention_mask.cpu(),
                             response_mask=response_mask.cpu(), behav_logp=behav.cpu(), group_ids=groups,
                             answers=answers_rep, completions=list(completions), prompt_len=P,
-                            version=self.version, generated_at=iteration, routes=routes,
-                            pr2_features=features)
+                            version=start_version, generated_at=iteration, routes=routes,
+                            pr2_features=features, token_versions=token_versions)
 
 
 ENGINES: dict[str, type[RolloutEngine]] = {}

@@ -50,6 +50,8 @@ from offpolicy_moe.engine.faults import NonFiniteLossError
 from offpolicy_moe.engine.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.engine.old_logp import OldLogpPass
 from offpolicy_moe.engine.optim import adamw, lr_schedule
+from offpolicy_moe.engine.pipeline.loop import run_async
+from offpolicy_moe.engine.pipeline.source import AsyncBatchSource
 from offpolicy_moe.engine.rollout import make_engine
 from offpolicy_moe.engine.run_dir import RunDir
 from offpolicy_moe.engine.sft import sft_warm_start
@@ -143,8 +145,9 @@ class Trainer:
         self.engine = self._build_engine()     # its own copy of the bare model, before FSDP can shard it
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         self.unwrapped = self.accelerator.unwrap_model(self.model)     # the bare model (no DDP wrapper)
-        self.buffer = StalenessBuffer(cfg.buffer.staleness, cfg.buffer.mode, max_delay=cfg.buffer.max_delay,
-                                      seed=cfg.seed)
+        self.buffer = AsyncBatchSource(cfg, rank=self.rank, world=self.world, seed_fn=iteration_seed) \
+            if cfg.buffer.mode == "async" else \
+            StalenessBuffer(cfg.buffer.staleness, cfg.buffer.mode, max_delay=cfg.buffer.max_delay, seed=cfg.seed)
         self.forward = RoutedForward(device=self.accelerator.device, controller=self.controller, replay=rt.replay,
                                      share_prompt=getattr(tc, "share_prompt", True),
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size)
@@ -413,6 +416,8 @@ class Trainer:
     def loop(self) -> None:
         """Iterations until ``trainer.steps`` steps are trained (module docstring, steps 1-5)."""
         cfg, tc = self.cfg, self.cfg.trainer
+        if cfg.buffer.mode == "async":     # rollout worker processes (docs/async.md)
+            return run_async(self, stopped=TrainingStopped)
         max_iterations = iteration_budget(tc.steps, cfg.buffer.staleness, cfg.buffer.mode)
         while self.step < tc.steps:
             self.stop_if_requested()
@@ -487,7 +492,7 @@ class Trainer:
                       t_upd: float) -> dict[str, float]:
         lag = self.step - consumed.version
         return {**consumed.extras,
-                "offpolicy/staleness_steps": float(lag),
+                "offpolicy/staleness_steps": float(lag), "offpolicy/staleness_max": float(lag),
                 "offpolicy/staleness_updates": float(lag * self.cfg.trainer.updates_per_step),
                 "offpolicy/batch_version": float(consumed.version),
                 "offpolicy/generated_at": float(consumed.generated_at),

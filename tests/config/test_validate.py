@@ -44,7 +44,7 @@ def test_defaults_and_all_algorithm_combinations_valid():
         (["algo.correction.mode=clip"], [], True, ["algo.correction.mode"]),
         (["algo.correction.level=batch"], [], True, ["algo.correction.level"]),
         (["algo.old_logp_source=rollout"], [], True, ["algo.old_logp_source"]),
-        (["buffer.mode=async"], [], True, ["buffer.mode"]),
+        (["buffer.mode=sometimes"], [], True, ["buffer.mode"]),
         (["algo.loss.agg=token-sum-mean"], [], True, ["algo.loss.agg"]),
         (["algo.loss.options.clip_low=-0.1"], [], True, ["algo.loss.options", "clip_low"]),
         (["algo.loss.options.clip_high=-0.2"], [], True, ["algo.loss.options", "clip_high"]),

@@ -1,0 +1,156 @@
+"""The rollout worker process: its own engine copy, weights by version, one batch per work order.
+
+A worker is started by :class:`~offpolicy_moe.engine.pipeline.source.AsyncBatchSource` with
+``multiprocessing``'s ``spawn`` method.  It builds the policy and rollout engine from the run's config exactly as
+the trainer builds its own engine, then serves :class:`Order` s: for each, it loads the newest published weights
+(waiting, if needed, for the order's minimum version), samples the iteration's prompts with the iteration's seed,
+and sends the :class:`~offpolicy_moe.engine.batch.RolloutBatch` back (``torch.save`` bytes over its own pipe, so a
+worker killed mid-send corrupts nothing shared).  With ``rollout.update_in_flight`` the engine loads newer weights
+between decode steps, and every token carries the version that sampled it (``RolloutBatch.token_versions``).
+
+A worker exits when it receives ``None``, when its parent (the trainer) is gone, or after reporting an error.
+"""
+from __future__ import annotations
+
+import io
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.pipeline.weights import WeightBoard
+from offpolicy_moe.engine.forward import REPLAY_ENGINE
+from offpolicy_moe.engine.rollout import RolloutEngine, make_engine
+from offpolicy_moe.models import is_moe, load_policy
+from offpolicy_moe.tasks import make_task
+
+__all__ = ["Order", "WorkerSpec", "generate_iteration", "build_engine", "worker_main", "pack", "unpack"]
+
+@dataclass(frozen=True)
+class Order:
+    """Generate iteration ``iteration`` with sampling seed ``seed`` using policy version ``>= min_version``
+    (``attempt`` counts re-issues of a dropped or lost iteration)."""
+
+    iteration: int
+    seed: int
+    min_version: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs besides its pipes and the weight board."""
+
+    cfg: Any                    # the run's TrainConfig
+    index: int                  # worker number on this trainer process
+    rank: int                   # the trainer process whose share of the prompts it generates
+    world: int
+    parent_pid: int             # the trainer process (the worker's OS parent is the fork server)
+    threads: int = 1
+    weight_timeout_s: float = 600.0
+    update_in_flight: bool = False
+
+
+def pack(obj: Any) -> bytes:
+    """``torch.save`` bytes of ``obj`` (what goes through a worker's pipe)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    """Inverse of :func:`pack`."""
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def build_engine(cfg: Any, model: torch.nn.Module, tok: Any) -> RolloutEngine:
+    """The rollout engine named by ``cfg.rollout.engine`` around ``model``, recording routes when the run needs
+    them (R3 / routing metrics on an MoE model) — the engine the trainer builds for itself (no PR2 offsets: PR2 is
+    refused in async mode)."""
+    rt = cfg.algo.routing
+    moe = bool(is_moe(model))
+    record = moe and (rt.replay in REPLAY_ENGINE or bool(rt.metrics))
+    return make_engine(model, tok, cfg.rollout, record_routes=record, device=torch.device("cpu"))
+
+
+def generate_iteration(engine: Any, task: Any, rollout: Any, *, iteration: int, seed: int, rank: int = 0,
+                       world: int = 1) -> RolloutBatch:
+    """Process ``rank``'s share (prompts ``rank, rank + world, ...``) of iteration ``iteration``'s
+    ``rollout.prompts_per_step`` prompts, ``rollout.group_size`` samples each, sampled with ``seed``; group ids
+    ``iteration * prompts_per_step + prompt index`` (globally unique), as the synchronous trainer makes them."""
+    rows = task.sample_prompts(iteration, rollout.prompts_per_step)
+    mine = list(range(rank, rollout.prompts_per_step, world))
+    if not mine:
+        raise ValueError(f"rollout.prompts_per_step={rollout.prompts_per_step} < number of processes {world}")
+    batch = engine.generate([rows[j]["prompt"] for j in mine], [rows[j]["answer"] for j in mine],
+                            group_size=rollout.group_size, seed=seed, iteration=iteration)
+    batch.group_ids = (iteration * rollout.prompts_per_step
+                       + torch.tensor(mine, dtype=torch.long).repeat_interleave(rollout.group_size))
+    return batch
+
+
+def _alive(pid: int) -> bool:
+    """True while process ``pid`` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _next_order(conn: Any, trainer_pid: int) -> Optional[Order]:
+    """The next order (None: stop), polling so that a worker whose trainer died exits within a second (the
+    worker's parent is the fork server, not the trainer: the trainer's pid is checked, and its pipe's end)."""
+    while True:
+        if conn.poll(1.0):
+            try:
+                return conn.recv()
+            except EOFError:      # the trainer closed the pipe
+                return None
+        if not _alive(trainer_pid):
+            return None
+
+
+def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any) -> None:
+    """Entry point of a rollout worker process (see module docstring); messages sent on ``results``:
+    ``("ready", index, pid)``, ``("batch", index, iteration, attempt, batch_state, timings)``,
+    ``("error", index, iteration, traceback_text)``."""
+    iteration = -1
+    try:
+        torch.set_num_threads(max(int(spec.threads), 1))
+        cfg = spec.cfg
+        task = make_task(cfg.task)
+        model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+        engine = build_engine(cfg, model, tok)
+        engine.version = -1                       # nothing loaded yet: the first order loads the board
+        if spec.update_in_flight:
+            engine.between_tokens = board.load_into
+        results.send_bytes(pack(("ready", spec.index, os.getpid())))
+        while True:
+            t0 = time.perf_counter()
+            order = _next_order(orders, spec.parent_pid)
+            if order is None:
+                return
+            iteration = order.iteration
+            board.wait_for(order.min_version, spec.weight_timeout_s,
+                           what=f"iteration {order.iteration} (rollout worker {spec.index})")
+            t1, c1 = time.perf_counter(), time.process_time()
+            board.load_into(engine)
+            t2 = time.perf_counter()
+            batch = generate_iteration(engine, task, cfg.rollout, iteration=order.iteration, seed=order.seed,
+                                       rank=spec.rank, world=spec.world)
+            t3 = time.perf_counter()
+            timings = {"wait_s": t1 - t0, "sync_s": t2 - t1, "generate_s": t3 - t2, "cpu_s": time.process_time() - c1}
+            results.send_bytes(pack(("batch", spec.index, order.iteration, order.attempt, batch.state_dict(),
+                                     timings)))
+    except Exception:  # noqa: BLE001 - reported to the trainer, which names this worker
+        try:
+            results.send_bytes(pack(("error", spec.index, iteration, traceback.format_exc())))
+        finally:
+            raise SystemExit(1)
