@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -66,6 +67,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
+    except BrokenPipeError:     # the reader went away (`offpolicy-moe presets | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error when Python flushes
+        return 0
     except (Exception, KeyboardInterrupt) as exc:
         code = errors.exit_code(exc)
         if code is None:       # not a known failure class: a bug, keep the traceback

@@ -115,3 +115,23 @@ def test_auto_threads_policy():
     assert choose_threads(0, 16, 0.0, env_threads="2").threads == 2
     assert choose_threads(4, 16, 0.0, env_threads="2").threads == 4
     assert choose_threads(0, 16, 0.0, env_threads="x").threads == 16
+
+
+def test_a_closed_pipe_is_not_a_traceback(monkeypatch):
+    """`offpolicy-moe presets | head -1` used to end in a BrokenPipeError traceback: stdout is a pipe whose reader
+    is gone, so every write fails."""
+    import os
+    import sys
+
+    from offpolicy_moe.cli import main as cli_main
+
+    r, w = os.pipe()
+    os.close(r)
+    out = os.fdopen(w, "w", buffering=1)
+    saved = os.dup(1)
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        assert cli_main(["presets"]) == 0
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
