@@ -395,10 +395,7 @@ class RoutingController(GenericRuleHooks):
             if self._tape_replay is _OWN:
                 return None
             if self._tape_replay is not None:
-                if self._tape_pos >= len(self._tape_replay):
-                    raise RuntimeError("gradient-checkpoint recompute called more routers than the forward did")
-                entry = self._tape_replay[self._tape_pos]
-                self._tape_pos += 1
+                entry = self._tape_next()
                 if entry is None:
                     return None
                 idx, dw = entry

@@ -56,15 +56,21 @@ class GenericRuleHooks:
                 return shape
         return 1, n
 
+    def _tape_next(self):
+        """The next forward-time route of a checkpointed layer's recompute (gradient checkpointing replays exactly
+        what the forward used); more router calls than the forward made is an error."""
+        if self._tape_pos >= len(self._tape_replay):
+            raise RuntimeError("gradient-checkpoint recompute called more routers than the forward did")
+        entry = self._tape_replay[self._tape_pos]
+        self._tape_pos += 1
+        return entry
+
     def _plan_call(self, s: Slot, module, args, kwargs, h, n: int, b: int, sl: int) -> TopKIntercept | None:
         i, e, k = s.index, s.num_experts, s.top_k
         if self._tape_replay is _OWN:
             return None
         if self._tape_replay is not None:
-            if self._tape_pos >= len(self._tape_replay):
-                raise RuntimeError("gradient-checkpoint recompute called more routers than the forward did")
-            entry = self._tape_replay[self._tape_pos]
-            self._tape_pos += 1
+            entry = self._tape_next()
             if entry is None:
                 return TopKIntercept(n, e, k)
             idx, dw = entry

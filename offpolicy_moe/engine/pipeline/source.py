@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.pipeline.schedule import STALE_POLICIES, Assignment, Dispatcher
 from offpolicy_moe.engine.pipeline.weights import WeightBoard
-from offpolicy_moe.engine.pipeline.worker import Order, WorkerSpec, pack, unpack, worker_main
+from offpolicy_moe.engine.pipeline.worker import Order, WorkerSpec, pack, pid_alive, unpack, worker_main
 
 __all__ = ["AsyncBatchSource", "WorkerDied", "PipelineTimeout", "DEATH_POLICIES", "check_async_config"]
 
@@ -95,18 +95,6 @@ def _context() -> Any:
     ctx.set_forkserver_preload(["offpolicy_moe.engine.pipeline.worker", "transformers.modeling_utils",
                                 "transformers.generation.utils"])
     return ctx
-
-
-def _pid_alive(pid: Optional[int]) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class AsyncBatchSource:
@@ -291,7 +279,7 @@ class AsyncBatchSource:
 
     def _on_death(self, w: _Worker) -> None:
         reason = w.error or _exit_reason(w.proc.exitcode)
-        if _pid_alive(w.proc.pid):       # its fork server died, so its exit cannot be reported: end it
+        if pid_alive(w.proc.pid):       # its fork server died, so its exit cannot be reported: end it
             reason = "its fork server died (the worker was ended)"
             try:
                 os.kill(w.proc.pid, signal.SIGKILL)

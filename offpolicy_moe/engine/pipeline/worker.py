@@ -93,8 +93,10 @@ def generate_iteration(engine: Any, task: Any, rollout: Any, *, iteration: int, 
     return batch
 
 
-def _alive(pid: int) -> bool:
-    """True while process ``pid`` exists (signal 0 checks without sending anything)."""
+def pid_alive(pid: Optional[int]) -> bool:
+    """True while process ``pid`` exists (signal 0 checks without sending anything); False for None."""
+    if pid is None:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -113,7 +115,7 @@ def _next_order(conn: Any, trainer_pid: int) -> Optional[Order]:
                 return conn.recv()
             except EOFError:      # the trainer closed the pipe
                 return None
-        if not _alive(trainer_pid):
+        if not pid_alive(trainer_pid):
             return None
 
 
