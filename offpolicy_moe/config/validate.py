@@ -97,6 +97,7 @@ def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
     check_correction(cfg, found)
     check_routing(cfg, found, model_is_moe)
     check_rollout(cfg, found, model_is_moe)
+    check_async(cfg, found)
     check_trainer(cfg, found)
     check_optim(cfg, found)
     check_model(cfg, found, model_is_moe)
@@ -153,6 +154,28 @@ def check_routing(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
     if replay == "r2" and cfg.trainer.updates_per_step == 1:
         found.warn("algo.routing.replay=r2 with trainer.updates_per_step=1: R2 only fixes routing drift across "
                    "mini-steps")
+
+
+def async_problems(cfg: Any) -> list[str]:
+    """What ``buffer.mode=async`` cannot run: PR2 (the rollout workers do not receive the predictors), and R2 with
+    sequences continuing across weight updates (one recorded route for tokens of several versions)."""
+    if cfg.buffer.mode != "async":
+        return []
+    rt, ro = cfg.algo.routing, cfg.rollout
+    out = []
+    if rt.replay == "pr2":
+        out.append("buffer.mode=async does not support algo.routing.replay=pr2: the rollout workers do not "
+                   "receive the PR2 predictors")
+    if rt.replay == "r2" and ro.update_in_flight:
+        out.append("algo.routing.replay=r2 with rollout.update_in_flight=true: the trainer would record one "
+                   "version's routes for tokens sampled by several; use r3 or turn update_in_flight off")
+    return out
+
+
+def check_async(cfg: Any, found: Findings) -> None:
+    """``buffer.mode=async``: the combinations it cannot run (:func:`async_problems`)."""
+    for msg in async_problems(cfg):
+        found.error(msg)
 
 
 def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:

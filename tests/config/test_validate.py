@@ -140,3 +140,13 @@ def test_float16_training_weights_are_refused_before_compute():
     with pytest.raises(ConfigError, match="model.dtype=float16"):
         validate(load_config(overrides=["model.dtype=float16"]), model_is_moe=True)
     validate(load_config(overrides=["rollout.dtype=float16"]), model_is_moe=True)     # the engine may run fp16
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["buffer.mode=async", "preset=[pr2]"], "replay=pr2"),
+    (["buffer.mode=async", "preset=[r2]", "rollout.update_in_flight=true"], "update_in_flight"),
+])
+def test_async_combinations_it_cannot_run_are_refused_before_compute(overrides, key):
+    """These passed --dry-run and failed only once the trainer had built the model and the pipeline."""
+    with pytest.raises(ConfigError, match=key):
+        validate(load_config(overrides=overrides), model_is_moe=True)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.pipeline.schedule import STALE_POLICIES, Assignment, Dispatcher
 from offpolicy_moe.engine.pipeline.weights import WeightBoard
+from offpolicy_moe.config.validate import async_problems
 from offpolicy_moe.engine.pipeline.worker import Order, WorkerSpec, pack, pid_alive, unpack, worker_main
 
 __all__ = ["AsyncBatchSource", "WorkerDied", "PipelineTimeout", "DEATH_POLICIES", "check_async_config"]
@@ -71,7 +72,7 @@ def _exit_reason(code: Optional[int]) -> str:
 
 def check_async_config(cfg: Any) -> None:
     """One-line ``ValueError`` for a config ``buffer.mode=async`` cannot run (before any process starts)."""
-    ro, b, rt = cfg.rollout, cfg.buffer, cfg.algo.routing
+    ro, b = cfg.rollout, cfg.buffer
     if int(ro.workers) < 1 or int(ro.worker_threads) < 1:
         raise ValueError(f"rollout.workers ({ro.workers}) and rollout.worker_threads ({ro.worker_threads}) must be "
                          ">= 1 with buffer.mode=async")
@@ -79,12 +80,9 @@ def check_async_config(cfg: Any) -> None:
         raise ValueError(f"rollout.worker_timeout_s must be > 0, got {ro.worker_timeout_s}")
     if b.max_ahead is not None and int(b.max_ahead) < 0:
         raise ValueError(f"buffer.max_ahead must be >= 0 or null, got {b.max_ahead}")
-    if rt.replay == "pr2":
-        raise ValueError("buffer.mode=async does not support algo.routing.replay=pr2: the rollout workers do not "
-                         "receive the PR2 predictors")
-    if rt.replay == "r2" and ro.update_in_flight:
-        raise ValueError("algo.routing.replay=r2 with rollout.update_in_flight=true: the trainer would record one "
-                         "version's routes for tokens sampled by several; use r3 or turn update_in_flight off")
+    problems = async_problems(cfg)      # the cross-field rules live with the config validation
+    if problems:
+        raise ValueError(problems[0])
 
 
 def _context() -> Any:
