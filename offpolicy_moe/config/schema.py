@@ -74,6 +74,9 @@ class RolloutConfig:
     engine: str = ranged("hf", choices=ENGINES)
     dtype: str = ranged("bfloat16", choices=DTYPE_NAMES)          # bfloat16 (realistic mismatch) | float16 | float32
     router_noise: float = ranged(0.0, ge=0)        # std of Gaussian noise added to the engine's router logits
+    # a FIXED perturbation of the engine's router weights (a systematic engine/trainer mismatch, as a different
+    # kernel would give): logit offset h dW^T with dW ~ N(0, router_perturb^2 / H), seeded by `seed`
+    router_perturb: float = ranged(0.0, ge=0)
     prompts_per_step: int = ranged(16, ge=1)
     group_size: int = ranged(8, ge=1)
     max_new_tokens: int = ranged(4, ge=1)          # answers of the default task are <= 2 characters, + eos
@@ -142,6 +145,8 @@ class RoutingConfig:
     pr2_bias_in_weights: bool = True
     pr2_feature_sample_rate: float = ranged(0.125, gt=0, le=1)
     metrics: bool = True              # routing mismatch metrics even without replay
+    # drift/*: the engine's recorded route vs the current router's own top-k at every off-policy mini-step
+    drift_metrics: bool = False
 
 
 @dataclass
