@@ -78,9 +78,10 @@ class RoutedForward:
             return batch.trainer_routes
         return None
 
-    def logp(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any = None, record: bool = False):
+    def logp(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any = None, record: bool | str = False):
         """Response log-probs of ``batch`` under ``model``, replaying ``routes`` when given; with ``record`` also
-        the routes the forward used (``(logp, RouteTrace [B, S])``).
+        the routes the forward used (``record=True`` or ``"used"``) or the router's own top-k under the replay
+        (``record="own"``): ``(logp, RouteTrace [B, S])``.
 
         With ``share_prompt`` each group's prompt is run once (:mod:`offpolicy_moe.engine.packing`, or a shared KV
         cache).  Replayed traces are re-laid out like the packed batch and recorded ones back like the plain batch;
@@ -107,7 +108,7 @@ class RoutedForward:
                     routes = packed_routes
         self.last_plan = plan
         replay_ctx = ctl.replay(routes) if (routes is not None and ctl is not None) else contextlib.nullcontext()
-        rec_ctx = ctl.record() if record else contextlib.nullcontext()
+        rec_ctx = ctl.record("used" if record is True else record) if record else contextlib.nullcontext()
         with replay_ctx, rec_ctx as rec:
             logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.temperature,
                                      response_mask=batch.response_mask.to(dev),

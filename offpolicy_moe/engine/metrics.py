@@ -32,8 +32,8 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "mismatch/extreme_frac_r3": "extreme-token fraction with R3 replay",
     "mismatch/extreme_frac_no_r3": "extreme-token fraction without replay",
     # routing (engine routes vs the trainer's own top-k on the same tokens; MoE models)
-    "routing/decision_mismatch": "fraction of (token, layer) whose expert set differs engine vs trainer",
-    "routing/token_mismatch": "fraction of tokens with >= 1 differing layer",
+    "routing/decision_mismatch": "fraction of (token, layer) whose expert set differs: engine route vs the trainer's own top-k at the rollout policy, before any update",
+    "routing/token_mismatch": "fraction of tokens with >= 1 differing layer (same comparison, same point)",
     # off-policyness
     "offpolicy/staleness_steps": "policy version lag (trainer version - batch version) of the consumed batch",
     "offpolicy/staleness_updates": "staleness in optimizer updates = staleness_steps x updates_per_step",
@@ -75,8 +75,9 @@ DOCUMENTED_PREFIXES: tuple[str, ...] = (
     "mismatch/",   # correction-specific: is_mean, is_max, is_min, ess, clipped_frac, masked_frac, ...
     "gspo/",       # seq_clipfrac, seq_ratio_mean (sequence-level GSPO statistics)
     "m2po/",       # m2_before, m2_after, masked_frac, trust_region_frac, log_ratio_bound
-    "pr2/",        # pred_kl, topk_agreement, coverage_gap, zero_dev_frac, bias_ratio, loss
-    "routing/",
+    "pr2/",        # pred_kl, base_kl, skill_ratio, zero_dev_layer/_token(_r3), bias_route_change, ...
+    "routing/",    # engine route vs the trainer's own top-k at the rollout policy (old-log-prob pass)
+    "drift/",      # engine route vs the current router's own top-k at off-policy mini-steps (drift_metrics)
 )
 
 

@@ -27,7 +27,7 @@ from offpolicy_moe.engine.old_logp import FusedOldLogp, OldLogpPass, float_metri
 from offpolicy_moe.engine.step_guard import StepGuard
 from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_loss_spec, global_counts,
                                   group_advantages, kl_penalty, metrics_to_floats, resolve_loss_options)
-from offpolicy_moe.routing import pr2_predictor_loss
+from offpolicy_moe.routing import compare_traces, pr2_predictor_loss
 
 __all__ = ["PolicyUpdate", "LossSetup", "loss_setup", "mean_metrics"]
 
@@ -89,6 +89,7 @@ class _MiniBatch:
     num_tokens: torch.Tensor
     num_seqs: torch.Tensor
     pr2_on: bool
+    off_policy: bool = False
     global_sel: list = field(default_factory=list)
 
 
@@ -181,7 +182,9 @@ class PolicyUpdate:
         on_policy = batch.version == step
         for mb_num, rows in enumerate(torch.arange(batch.size).tensor_split(self.cfg.trainer.updates_per_step)):
             # PR2: skip the predictor loss on the first mini-step of on-policy data (target = "no change")
-            mb = self._cut(batch, rows, routes, pr2_on=not (on_policy and mb_num == 0))
+            off_policy = not (on_policy and mb_num == 0)
+            mb = self._cut(batch, rows, routes, pr2_on=off_policy)
+            mb.off_policy = off_policy
             mb.global_sel = self.global_selection(mb, adv)
             gn = self.minibatch_step(mb, adv, weights, ref_lp, fused, mini_metrics)
             if gn is not None:
@@ -285,10 +288,15 @@ class PolicyUpdate:
         mask = p.response_mask.to(dev)
         feats = p.pr2_features if (self.predictors is not None and mb.pr2_on) else None
         pr2 = feats is not None and feats.num_tokens > 0
-        cap = None
+        # drift/*: the engine's recorded route vs the current router's own top-k, off-policy mini-steps only
+        drift = cfg.algo.routing.drift_metrics and mb.off_policy and p.routes is not None
+        cap, own = None, None
         if pr2:
             with self.forward.controller.capture_router_logits(feats) as cap:
-                logp = self.forward.logp(self.model, p, routes)
+                out = self.forward.logp(self.model, p, routes, record="own" if drift else False)
+            logp, own = out if drift else (out, None)
+        elif drift:
+            logp, own = self.forward.logp(self.model, p, routes, record="own")
         elif fused is not None and fused.record_routes:      # the trainer's own routes, for routing/*
             logp, own_routes = self.forward.logp(self.model, p, routes, record=True)
             fused.routes = own_routes
@@ -309,6 +317,8 @@ class PolicyUpdate:
             lm = dict(lm, **{"actor/kl_ref": kl.detach()})
         if not self.check_finite(loss.detach(), "loss"):
             return None, {}
+        if own is not None:
+            lm = dict(lm, **compare_traces(p.routes, own, p.attention_mask).zero_deviation_metrics("drift/"))
         if pr2:
             ploss, pm = pr2_predictor_loss(self.predictors, feats, cap.logits(), current_ids=cap.own_ids(),
                                            replayed_ids=feats.gather_trace(routes))

@@ -11,7 +11,7 @@ from .adapters import (ROUTER_ADAPTERS, RouterAdapter, UnsupportedRouterError, g
                        register_router_adapter)
 from .controller import (Recorder, RouterBypassError, RouterCapture, RoutingController,
                          UnsupportedGenerationError)
-from .metrics import RouteComparison, compare_traces, routing_metrics
+from .metrics import RouteComparison, compare_traces, routing_metrics, zero_deviation
 from .pr2 import FeatureCache, PR2Features, PR2Predictors, cat_features, pr2_param_group, pr2_predictor_loss
 from .trace import (INT16_SENTINEL, UINT8_SENTINEL, RouteTrace, TraceValidationError, cat_traces, pack_tokens,
                     repad, sentinel_for, storage_dtype, unpack_tokens)
@@ -22,5 +22,5 @@ __all__ = [
     "RoutingController", "Recorder", "RouterCapture", "RouterBypassError", "UnsupportedGenerationError",
     "UnsupportedRouterError", "RouterAdapter", "ROUTER_ADAPTERS", "register_router_adapter", "get_router_adapter",
     "PR2Predictors", "FeatureCache", "PR2Features", "cat_features", "pr2_predictor_loss", "pr2_param_group",
-    "RouteComparison", "compare_traces", "routing_metrics",
+    "RouteComparison", "compare_traces", "routing_metrics", "zero_deviation",
 ]

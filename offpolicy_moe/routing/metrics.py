@@ -4,7 +4,9 @@ Definitions (R3 paper, arXiv:2510.11370, section 2; PR2, arXiv:2606.00395, secti
   * decision mismatch: fraction of (token, MoE layer) pairs whose expert SET differs;
   * token mismatch: fraction of tokens with at least one differing layer (the R3 paper's "94%");
   * top-k agreement: mean ``|A ∩ B| / K``;
-  * coverage gap (needs router probabilities ``p`` of the B side): mean ``1 − Σ_{j∈A} p_j``.
+  * coverage gap (needs router probabilities ``p`` of the B side): mean ``1 − Σ_{j∈A} p_j``;
+  * zero deviation (PR2, arXiv:2606.00395, Fig. 1): the share of (token, layer) pairs whose sets are equal
+    (``1 − decision mismatch``), and the share of tokens equal in every layer (``1 − token mismatch``).
 Only (token, layer) pairs recorded in both traces (and inside ``mask``) count.
 """
 from __future__ import annotations
@@ -15,7 +17,20 @@ import torch
 
 from .trace import RouteTrace
 
-__all__ = ["RouteComparison", "compare_traces", "routing_metrics"]
+__all__ = ["RouteComparison", "compare_traces", "routing_metrics", "zero_deviation"]
+
+
+def zero_deviation(same: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
+    """``(per-pair, per-token)`` zero-deviation shares from ``same[M, L]`` (route sets equal) and ``valid[M, L]``
+    (the pair was recorded): ``Σ same·valid / Σ valid`` over (token, layer) pairs, and the share of tokens with at
+    least one valid pair whose valid pairs are all equal. No valid pair -> ``(1.0, 1.0)``."""
+    vf = valid.float()
+    n = float(vf.sum())
+    per_pair = float((same.float() * vf).sum()) / n if n else 1.0
+    has = valid.any(-1)
+    tok_ok = ((same | ~valid).all(-1) & has).float().sum()
+    per_token = float(tok_ok) / float(has.sum()) if bool(has.any()) else 1.0
+    return per_pair, per_token
 
 
 @dataclass
@@ -38,6 +53,15 @@ class RouteComparison:
     def differs(self) -> torch.Tensor:
         """``[B, S, L]`` bool: the expert sets differ (only meaningful where ``valid``)."""
         return self.overlap < self.top_k
+
+    def zero_deviation_metrics(self, prefix: str = "drift/") -> dict[str, float]:
+        """``prefix + "zero_dev_layer"`` (share of compared (token, layer) pairs whose expert sets are equal),
+        ``prefix + "zero_dev_token"`` (share of compared tokens equal in every MoE layer) and
+        ``prefix + "n_tokens"``; see :func:`zero_deviation`."""
+        valid = self.valid[..., None].expand_as(self.overlap)
+        per_pair, per_token = zero_deviation(self.overlap == self.top_k, valid)
+        return {f"{prefix}zero_dev_layer": per_pair, f"{prefix}zero_dev_token": per_token,
+                f"{prefix}n_tokens": float(int(self.valid.sum()))}
 
     def metrics(self, per_layer: bool = False, prefix: str = "routing/") -> dict[str, float]:
         """Scalar metrics; ``prefix + "decision_mismatch"`` etc. Zero tokens -> zeros (``n_tokens`` = 0)."""

@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .metrics import zero_deviation
 from .trace import RouteTrace
+
+#: the no-predictor KL (nats) below which ``pr2/skill_ratio`` is not reported: no drift to predict
+SKILL_MIN_BASE_KL = 1e-6
 
 __all__ = ["PR2Predictors", "FeatureCache", "PR2Features", "pr2_predictor_loss", "pr2_param_group",
            "cat_features"]
@@ -279,9 +283,22 @@ def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current
         replayed_ids: ``[M, L, K]`` the replayed route Î (``features.gather_trace(trace)``); default: top-k of q̂.
         top_k: K when neither ids tensor is given.
 
-    Metrics: ``pr2/loss``, ``pr2/pred_kl`` (mean KL per layer), ``pr2/topk_agreement`` (|Î ∩ I_cur| / K),
-    ``pr2/coverage_gap`` (1 − Σ_{j∈Î} ρ_cur,j), ``pr2/zero_dev_frac`` (tokens whose Î equals I_cur in every layer),
-    ``pr2/bias_ratio`` (mean |b| / mean |logits_old|), ``pr2/num_tokens``.
+    Metrics, all on the M feature tokens at this mini-step (definitions in docs/metrics.md):
+
+    * ``pr2/loss``, ``pr2/pred_kl``: mean over (token, layer) of ``KL(ρ_cur ‖ q̂)``; ``pr2/base_kl``: the same with
+      no predictor, ``KL(ρ_cur ‖ softmax(logits_old))``; ``pr2/skill_ratio = pred_kl / base_kl`` (< 1: the
+      predictor anticipates the drift; >= 1: it does not; left out while ``base_kl <= SKILL_MIN_BASE_KL``). The trainer calls this before the predictor's gradient
+      step on tokens of a mini-batch that no earlier update used, so the ratio is measured on tokens the predictor
+      was never trained on.
+    * ``pr2/zero_dev_layer``: share of (token, layer) pairs whose replayed route Î equals the current router's top-k
+      ``I_cur`` (the paper's per-pair "zero deviation"); ``pr2/zero_dev_token``: share of tokens with Î = I_cur in
+      every layer (depends on depth).
+    * ``pr2/zero_dev_layer_r3``, ``pr2/zero_dev_token_r3``: the same-token counterfactual, with the unbiased route
+      ``TopK(logits_old)`` (what R3 would have replayed) in place of Î.
+    * ``pr2/bias_route_change``: share of (token, layer) pairs where the predictor's bias changed the engine's
+      choice (Î ≠ ``TopK(logits_old)``): the routing mismatch PR2 itself adds between engine and trainer.
+    * ``pr2/topk_agreement`` (|Î ∩ I_cur| / K), ``pr2/coverage_gap`` (1 − Σ_{j∈Î} ρ_cur,j), ``pr2/bias_ratio``
+      (mean |b| / mean |logits_old|), ``pr2/num_tokens``.
     """
     m, nl, e = features.logits.shape
     if tuple(current_logits.shape) != (m, nl, e):
@@ -293,8 +310,7 @@ def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current
     w = predictors.layers[0].weight
     if m == 0:
         zero = sum(p.sum() for p in predictors.parameters()) * 0.0
-        return zero, {"pr2/loss": 0.0, "pr2/pred_kl": 0.0, "pr2/topk_agreement": 1.0, "pr2/coverage_gap": 0.0,
-                      "pr2/zero_dev_frac": 1.0, "pr2/bias_ratio": 0.0, "pr2/num_tokens": 0.0}
+        return zero, {"pr2/num_tokens": 0.0}
     dev = w.device
     h_old = features.h.to(dev)
     logits_old = features.logits.to(device=dev, dtype=torch.float32).detach()
@@ -305,7 +321,8 @@ def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current
         rho = cur / cur.sum(-1, keepdim=True).clamp_min(1e-30)
     else:
         rho = F.softmax(cur, dim=-1)
-    kl = (torch.xlogy(rho, rho) - rho * logq).sum(-1)  # [M, L]
+    neg_ent = torch.xlogy(rho, rho)
+    kl = (neg_ent - rho * logq).sum(-1)  # [M, L]
     per_layer = kl.mean(0)
     loss = per_layer.sum()
     with torch.no_grad():
@@ -318,6 +335,8 @@ def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current
         if i_cur.shape != (m, nl, k) or i_rep.shape != (m, nl, k):
             raise ValueError(f"current_ids {tuple(i_cur.shape)} and replayed_ids {tuple(i_rep.shape)} must both be "
                              f"{(m, nl, k)}")
+        i_unb = torch.topk(logits_old, k, -1)[1]      # the unbiased route: what R3 would have replayed
+        base_kl = float((neg_ent - rho * F.log_softmax(logits_old, dim=-1)).sum(-1).mean())
         valid = (i_rep >= 0).all(-1)  # [M, L]: recorded
         overlap = _set_overlap(i_rep, i_cur).float()
         vf = valid.float()
@@ -325,12 +344,18 @@ def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current
         agree = float((overlap / k * vf).sum() / nvalid)
         cover = rho.gather(-1, i_rep.clamp_min(0)).sum(-1)
         gap = float(((1.0 - cover) * vf).sum() / nvalid)
-        tok_ok = ((overlap == k) | ~valid).all(-1)
-        zero_dev = float(tok_ok.float().mean())
+        zd = zero_deviation(overlap == k, valid)
+        zd_r3 = zero_deviation(_set_overlap(i_unb, i_cur) == k, valid)
+        changed = float(((_set_overlap(i_rep, i_unb) < k).float() * vf).sum() / nvalid)
         ratio = float(bias.abs().mean() / logits_old.abs().mean().clamp_min(1e-12))
-    metrics = {"pr2/loss": float(loss.detach()), "pr2/pred_kl": float(per_layer.mean().detach()),
-               "pr2/topk_agreement": agree, "pr2/coverage_gap": gap, "pr2/zero_dev_frac": zero_dev,
-               "pr2/bias_ratio": ratio, "pr2/num_tokens": float(m)}
+    pred_kl = float(per_layer.mean().detach())
+    metrics = {"pr2/loss": float(loss.detach()), "pr2/pred_kl": pred_kl, "pr2/base_kl": base_kl,
+               "pr2/topk_agreement": agree, "pr2/coverage_gap": gap,
+               "pr2/zero_dev_layer": zd[0], "pr2/zero_dev_token": zd[1],
+               "pr2/zero_dev_layer_r3": zd_r3[0], "pr2/zero_dev_token_r3": zd_r3[1],
+               "pr2/bias_route_change": changed, "pr2/bias_ratio": ratio, "pr2/num_tokens": float(m)}
+    if base_kl > SKILL_MIN_BASE_KL:     # below it the ratio is float rounding over float rounding
+        metrics["pr2/skill_ratio"] = pred_kl / base_kl
     if not math.isfinite(metrics["pr2/loss"]):
         raise ValueError("PR2 predictor loss is not finite (non-finite features or logits?)")
     return loss, metrics

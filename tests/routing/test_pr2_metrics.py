@@ -51,7 +51,7 @@ def test_predictor_metrics_known_values():
                                 replayed_ids=torch.tensor([[[2, 0]]]))
     assert met["pr2/topk_agreement"] == pytest.approx(0.5)
     assert met["pr2/coverage_gap"] == pytest.approx(1 - 0.6)
-    assert met["pr2/zero_dev_frac"] == 0.0
+    assert met["pr2/zero_dev_token"] == 0.0 and met["pr2/zero_dev_layer"] == 0.0
     assert met["pr2/bias_ratio"] == 0.0  # zero predictor
     with pytest.raises(ValueError, match=r"current_logits shape \(1, 1, 3\) does not match"):
         pr2_predictor_loss(preds, feats, cur[..., :3], top_k=2)
