@@ -179,12 +179,15 @@ def check_async(cfg: Any, found: Findings) -> None:
 
 
 def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
-    """``rollout``: group-normalised advantages need groups; router noise needs a router."""
+    """``rollout``: group-normalised advantages need groups; router noise and the router perturbation need a
+    router."""
     ro = cfg.rollout
     if 1 <= ro.group_size < 2 and cfg.algo.loss.adv_norm == "std":
         found.warn(f"rollout.group_size={ro.group_size} with algo.loss.adv_norm=std: every group advantage is 0")
     if ro.router_noise > 0 and model_is_moe is False:
         found.warn("rollout.router_noise > 0 on a dense model has no effect")
+    if ro.router_perturb > 0 and model_is_moe is False:
+        found.warn("rollout.router_perturb > 0 on a dense model has no effect")
 
 
 def check_trainer(cfg: Any, found: Findings) -> None:

@@ -2,10 +2,12 @@
 
 :class:`RolloutEngine` is the interface a vLLM / SGLang engine would implement; :class:`HFRolloutEngine` is the
 built-in one.  It holds its OWN copy of the policy in its own precision (bf16 by default, the realistic source of
-train/inference mismatch; optional Gaussian router-logit noise), at an integer version, and samples ``G``
-responses per prompt with its own KV-cache sampling loop (``sampler="native"``: one prefill forward, one forward
-per token, none of ``generate``'s per-step machinery) or with ``model.generate`` (``sampler="hf"``); temperature,
-top-p, top-k disabled; both draw the same ``torch.multinomial`` samples from the same scores.
+train/inference mismatch; optional Gaussian router-logit noise and a fixed, seeded router-weight perturbation
+``dW``: the engine routes on ``logits + h dW^T`` as if its router weights were ``W + dW``), at an integer version,
+and samples ``G`` responses per prompt with its own KV-cache sampling loop (``sampler="native"``: one prefill
+forward, one forward per token, none of ``generate``'s per-step machinery) or with ``model.generate``
+(``sampler="hf"``); temperature, top-p, top-k disabled; both draw the same ``torch.multinomial`` samples from the
+same scores.
 
 Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
 masking to -inf (``generate(output_scores=True)`` returns the same tensor) are the very tensor that ``softmax`` +
@@ -14,7 +16,7 @@ They are computed in float32 from the engine's (bf16) logits.
 
 When routing is recorded (R3 / PR2 / routing metrics) the engine's expert choices for every processed token come
 back as a route trace aligned with the sequences; with PR2 the predictors' logit offsets shape the engine's routing
-and the sampled features come back too.
+and the sampled features come back too (with the router perturbation on, their logits are the perturbed router's).
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogit
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.kv_cache import preallocated_cache
 from offpolicy_moe.engine.layout import accepts_kwarg
-from offpolicy_moe.routing import FeatureCache, RoutingController, cat_features, cat_traces
+from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, cat_features, cat_traces,
+                                   router_perturbation)
+from offpolicy_moe.models import is_moe
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.tasks import decode_completions, encode_prompts
 
@@ -42,7 +46,7 @@ __all__ = ["RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", 
 @dataclass(frozen=True)
 class EngineCapabilities:
     """What a rollout engine can do beyond sampling: return its route trace (R3 / PR2 / routing metrics) and apply
-    router-logit offsets (PR2 predictors, router noise)."""
+    router-logit offsets (PR2 predictors, router noise, router perturbation)."""
 
     records_routes: bool = False
     router_offsets: bool = False
@@ -58,9 +62,11 @@ class RolloutEngine(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def from_config(cls, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
-                    router_offsets: Optional[dict] = None, device: Optional[torch.device] = None) -> "RolloutEngine":
+                    router_offsets: Optional[dict] = None, device: Optional[torch.device] = None,
+                    seed: int = 0) -> "RolloutEngine":
         """The engine for config section ``rollout`` (``RolloutConfig``); ``router_offsets``: the PR2 keywords
-        (``pr2_predictors``, ``pr2_in_weights``, ``pr2_feature_sample_rate``) or None."""
+        (``pr2_predictors``, ``pr2_in_weights``, ``pr2_feature_sample_rate``) or None; ``seed``: the run's seed,
+        from which ``rollout.router_perturb``'s fixed perturbation is drawn."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
@@ -107,18 +113,25 @@ class HFRolloutEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
-                    router_offsets: Optional[dict] = None, device: Optional[torch.device] = None) -> "HFRolloutEngine":
+                    router_offsets: Optional[dict] = None, device: Optional[torch.device] = None,
+                    seed: int = 0) -> "HFRolloutEngine":
         """The engine of config section ``rollout`` (see :class:`RolloutEngine`)."""
         return cls(policy, tokenizer, dtype=rollout.dtype, max_new_tokens=rollout.max_new_tokens,
                    temperature=rollout.temperature, top_p=rollout.top_p, batch_size=rollout.batch_size,
-                   record_routes=record_routes, router_noise=rollout.router_noise, device=device,
+                   record_routes=record_routes, router_noise=rollout.router_noise,
+                   router_perturb=getattr(rollout, "router_perturb", 0.0), perturb_seed=seed, device=device,
                    sampler=rollout.sampler, compact_finished=rollout.compact_finished, **(router_offsets or {}))
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, *, dtype: str = "bfloat16",
                  max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128,
                  record_routes: bool = False, router_noise: float = 0.0, pr2_predictors: Any = None,
                  pr2_in_weights: bool = True, pr2_feature_sample_rate: float = 0.125,
-                 device: Optional[torch.device] = None, sampler: str = "native", compact_finished: bool = True):
+                 device: Optional[torch.device] = None, sampler: str = "native", compact_finished: bool = True,
+                 router_perturb: float = 0.0, perturb_seed: int = 0):
+        """``router_perturb`` (sigma) > 0: the engine routes on ``logits + h dW_l^T`` with the fixed
+        ``dW_l ~ N(0, sigma^2 / H)`` of :func:`~offpolicy_moe.routing.router_perturbation` ``(..., sigma,
+        perturb_seed)`` in every MoE layer, prefill and decode, selection and gating weights (composed with the PR2
+        predictors' offsets when both are on).  Router noise and the perturbation do nothing on a dense model."""
         if temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -156,11 +169,21 @@ class HFRolloutEngine(RolloutEngine):
         self._keeps_logits = accepts_kwarg(self.model, "logits_to_keep")
         self.compact_finished = bool(compact_finished)
         self._sync_targets = self.model.state_dict(keep_vars=True)     # name -> the engine's own tensor
+        self.router_perturb = float(router_perturb)
+        self.perturb_seed = int(perturb_seed)
+        # router noise and the perturbation act on routers: on a dense model (validation warns) they do nothing
+        shifts_routers = (self.router_noise > 0 or self.router_perturb > 0) and is_moe(self.model)
         self.controller = None
-        if self.record_routes or self.router_noise > 0 or self.pr2_predictors is not None:
+        if self.record_routes or shifts_routers or self.pr2_predictors is not None:
             self.controller = RoutingController(self.model)
         if self.pr2_predictors is not None:
             self.pr2_predictors.to(dtype=torch.float32)
+        # the fixed router-weight perturbation dW (frozen, float32; never synced: a function of the seed alone)
+        self.router_perturbation: Optional[PR2Predictors] = None
+        if self.router_perturb > 0 and self.controller is not None:
+            ctl = self.controller
+            self.router_perturbation = router_perturbation(ctl.hidden_size, ctl.num_experts, ctl.num_moe_layers,
+                                                           self.router_perturb, self.perturb_seed, device=self.device)
 
     @property
     def device(self) -> torch.device:
@@ -217,7 +240,8 @@ class HFRolloutEngine(RolloutEngine):
 
     def _shared_prefill_groups(self, ids: torch.Tensor, am: torch.Tensor, group_size: int) -> int:
         """``group_size`` when the rows come in blocks of ``group_size`` identical prompts and the router hooks (if
-        any) only record: the prompt is then prefilled ONCE per block, its KV cache and recorded routes repeated.
+        any) only record or apply the fixed router perturbation (a function of each token's router input, so equal
+        rows stay equal): the prompt is then prefilled ONCE per block, its KV cache and recorded routes repeated.
         Router-logit noise and PR2 offsets/features are per sample, so with them every row is prefilled; 1 then."""
         B = ids.shape[0]
         if group_size <= 1 or B % group_size or self.router_noise > 0 or self.pr2_predictors is not None:
@@ -299,9 +323,12 @@ class HFRolloutEngine(RolloutEngine):
             if self.controller is not None:
                 if self.router_noise > 0:
                     stack.enter_context(self.controller.logit_noise(self.router_noise))
-                if self.pr2_predictors is not None:
+                if self.pr2_predictors is not None:     # PR2 offsets on top of the (perturbed) engine router
                     stack.enter_context(self.controller.offsets(self.pr2_predictors, in_weights=self.pr2_in_weights,
-                                                                feature_cache=feature_cache))
+                                                                feature_cache=feature_cache,
+                                                                fixed=self.router_perturbation))
+                elif self.router_perturbation is not None:   # logits + h dW^T, selection and weights
+                    stack.enter_context(self.controller.offsets(self.router_perturbation, in_weights=True))
                 if self.record_routes or self.pr2_predictors is not None:
                     rec = stack.enter_context(self.controller.record())
             if self.sampler == "native" and self.controller is None:
@@ -398,18 +425,22 @@ register_engine("hf", HFRolloutEngine)
 
 
 def make_engine(policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
-                router_offsets: Optional[dict] = None, device: Optional[torch.device] = None) -> RolloutEngine:
-    """The engine named by ``rollout.engine``, built from the ``rollout`` section; one-line error for an unknown
-    name or an engine that lacks a capability the run needs (route recording, router offsets)."""
+                router_offsets: Optional[dict] = None, device: Optional[torch.device] = None,
+                seed: int = 0) -> RolloutEngine:
+    """The engine named by ``rollout.engine``, built from the ``rollout`` section (``seed``: the run's seed, which
+    fixes ``rollout.router_perturb``'s perturbation: the trainer and every rollout worker pass the same one, so they
+    draw the same ``dW``); one-line error for an unknown name or an engine that lacks a capability the run needs
+    (route recording, router offsets)."""
     name = getattr(rollout, "engine", "hf")
     if name not in ENGINES:
         raise ValueError(f"rollout.engine={name!r} is not a known engine; choose one of {sorted(ENGINES)}")
     cls = ENGINES[name]
-    needs_offsets = router_offsets is not None or float(rollout.router_noise) > 0
+    needs_offsets = (router_offsets is not None or float(rollout.router_noise) > 0
+                     or float(getattr(rollout, "router_perturb", 0.0)) > 0)
     for needed, have, what in ((record_routes, cls.capabilities.records_routes, "route recording (R3/PR2/routing "
                                 "metrics)"), (needs_offsets, cls.capabilities.router_offsets,
-                                              "router-logit offsets (PR2/router_noise)")):
+                                              "router-logit offsets (PR2/router_noise/router_perturb)")):
         if needed and not have:
             raise ValueError(f"rollout.engine={name!r} does not support {what}")
     return cls.from_config(policy, tokenizer, rollout, record_routes=record_routes, router_offsets=router_offsets,
-                           device=device)
+                           device=device, seed=seed)

@@ -205,7 +205,7 @@ class Trainer:
                        "pr2_feature_sample_rate": rt.pr2_feature_sample_rate}
         record = self.is_moe and (rt.replay in REPLAY_ENGINE or self.measure_routing)
         return make_engine(self.unwrapped, self.tok, self.cfg.rollout, record_routes=record, router_offsets=offsets,
-                           device=self.accelerator.device)
+                           device=self.accelerator.device, seed=self.cfg.seed)
 
     def make_ref_model(self, state: Optional[dict] = None) -> None:
         """The frozen reference policy for the KL penalty (a copy of the current weights, or ``state``); the

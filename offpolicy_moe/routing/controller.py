@@ -13,8 +13,9 @@ Contexts (they nest freely; state is plain attributes, so autograd threads see i
   * ``replay(trace)``: R3 (arXiv:2510.11370) / R2 (arXiv:2507.18071): selection forced to the trace where
     recorded; weights recomputed from the training router's logits with the model's own rule, gathered from the
     full distribution; router gradients flow.
-  * ``offsets(predictors, in_weights=True, feature_cache=None)``: PR2 rollout (arXiv:2606.00395):
-    selection on ``logits + h W_p`` (and weights too when ``in_weights``).
+  * ``offsets(predictors, in_weights=True, feature_cache=None, fixed=None)``: PR2 rollout (arXiv:2606.00395):
+    selection on ``logits + h W_p`` (and weights too when ``in_weights``); ``fixed``: a fixed router-weight
+    perturbation ``h dW^T`` (``routing/perturb.py``) added to selection, weights and the cached logits.
   * ``logit_noise(sigma)``: Gaussian noise on the router logits (selection and weights): a controllable
     engine/trainer mismatch.
   * ``capture_router_logits(positions)``: detached router logits and the router's own top-k at given tokens
@@ -70,6 +71,17 @@ class _Offsets:
     predictors: PR2Predictors
     in_weights: bool
     feature_cache: FeatureCache | None
+    fixed: PR2Predictors | None = None
+
+    def shifts(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(d_sel, d_w, f)`` for router inputs ``h[N, H]`` of MoE layer ``layer``, float32 ``[N, E]``:
+        ``d_sel = p + f`` (selection), ``d_w = p + f`` when ``in_weights`` else ``f`` (gating weights), with
+        ``p = predictors(layer, h)`` and ``f = fixed(layer, h)`` (None without ``fixed``)."""
+        with torch.no_grad():
+            d = self.predictors(layer, h).float()
+            f = None if self.fixed is None else self.fixed(layer, h).float()
+        d_sel = d if f is None else d + f
+        return d_sel, (d_sel if self.in_weights else f), f
 
 
 @dataclass
@@ -405,12 +417,10 @@ class RoutingController(GenericRuleHooks):
             h = args[0] if args else None
             d_sel = d_w = None
             if self._offsets is not None:
-                with torch.no_grad():
-                    d = self._offsets.predictors(i, h.reshape(n, -1)).float()
-                d_sel = d
-                d_w = d if self._offsets.in_weights else None
-                if self._offsets.feature_cache is not None:
-                    self._offsets.feature_cache.add(i, h.reshape(n, -1), logits, b, sl)
+                d_sel, d_w, f = self._offsets.shifts(i, h.reshape(n, -1))
+                if self._offsets.feature_cache is not None:      # the engine's logits: with the fixed shift
+                    lf = logits if f is None else (logits.detach().float() + f).to(logits.dtype)
+                    self._offsets.feature_cache.add(i, h.reshape(n, -1), lf, b, sl)
             if self._noise is not None:
                 z = torch.randn(logits.shape, generator=self._noise.generator, dtype=torch.float32,
                                 device=logits.device if self._noise.generator is None else self._noise.generator.device)
@@ -537,25 +547,33 @@ class RoutingController(GenericRuleHooks):
 
     @contextlib.contextmanager
     def offsets(self, predictors: PR2Predictors, in_weights: bool = True,
-                feature_cache: FeatureCache | None = None) -> Iterator[None]:
+                feature_cache: FeatureCache | None = None, fixed: PR2Predictors | None = None) -> Iterator[None]:
         """PR2 rollout: select on ``logits + predictors(layer, h)``; weights too when ``in_weights`` (paper default).
 
         With ``feature_cache`` the router inputs and (unshifted) logits of a sample of sequences are stored; then
         ``model.generate`` refuses beam search / assisted decoding as in :meth:`record`.
+
+        ``fixed``: a second offset module that stands for a change of the router itself (the engine's fixed
+        router-weight perturbation, ``routing/perturb.py``): ``f = fixed(layer, h)`` enters the selection AND the
+        weights whatever ``in_weights`` says, and the feature cache stores ``logits + f`` (the perturbed router's
+        logits).  So the selection runs on ``logits + f + predictors(layer, h)``.
         """
-        if not isinstance(predictors, PR2Predictors):
-            raise TypeError(f"offsets expects PR2Predictors, got {type(predictors).__name__}")
-        if (predictors.num_layers, predictors.num_experts, predictors.hidden_size) != (
-                self.num_moe_layers, self.num_experts, self.hidden_size):
-            raise ValueError(f"predictors have (L, E, H) = {(predictors.num_layers, predictors.num_experts, predictors.hidden_size)}"
-                             f" but the model has {(self.num_moe_layers, self.num_experts, self.hidden_size)}")
+        for name, mod in (("predictors", predictors), ("fixed", fixed)):
+            if mod is None and name == "fixed":
+                continue
+            if not isinstance(mod, PR2Predictors):
+                raise TypeError(f"offsets expects PR2Predictors, got {type(mod).__name__} ({name})")
+            if (mod.num_layers, mod.num_experts, mod.hidden_size) != (
+                    self.num_moe_layers, self.num_experts, self.hidden_size):
+                raise ValueError(f"{name} have (L, E, H) = {(mod.num_layers, mod.num_experts, mod.hidden_size)}"
+                                 f" but the model has {(self.num_moe_layers, self.num_experts, self.hidden_size)}")
         if self._offsets is not None:
             raise RuntimeError("offsets contexts cannot be nested")
         if feature_cache is not None and feature_cache.has_data:
             raise ValueError("feature_cache already holds features: call cache.reset() or use a new FeatureCache")
         guard = self._generate_guard() if feature_cache is not None else contextlib.nullcontext()
         with self._session(), guard:
-            self._offsets = _Offsets(predictors, in_weights, feature_cache)
+            self._offsets = _Offsets(predictors, in_weights, feature_cache, fixed)
             try:
                 yield
             finally:

@@ -77,9 +77,7 @@ class GenericRuleHooks:
             return TopKIntercept(n, e, k, forced=idx, shift=dw)
         d_sel = d_w = None
         if self._offsets is not None:
-            with torch.no_grad():
-                d = self._offsets.predictors(i, h.reshape(n, -1)).float()
-            d_sel, d_w = d, (d if self._offsets.in_weights else None)
+            d_sel, d_w, _ = self._offsets.shifts(i, h.reshape(n, -1))
         if self._noise is not None:
             z = torch.randn((n, e), generator=self._noise.generator, dtype=torch.float32,
                             device=h.device if self._noise.generator is None else self._noise.generator.device)

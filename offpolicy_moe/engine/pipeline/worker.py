@@ -70,11 +70,12 @@ def unpack(data: bytes) -> Any:
 def build_engine(cfg: Any, model: torch.nn.Module, tok: Any) -> RolloutEngine:
     """The rollout engine named by ``cfg.rollout.engine`` around ``model``, recording routes when the run needs
     them (R3 / routing metrics on an MoE model) — the engine the trainer builds for itself (no PR2 offsets: PR2 is
-    refused in async mode)."""
+    refused in async mode); its router perturbation (``rollout.router_perturb``) is drawn from the run's seed, so
+    it is the trainer's own ``dW``."""
     rt = cfg.algo.routing
     moe = bool(is_moe(model))
     record = moe and (rt.replay in REPLAY_ENGINE or bool(rt.metrics))
-    return make_engine(model, tok, cfg.rollout, record_routes=record, device=torch.device("cpu"))
+    return make_engine(model, tok, cfg.rollout, record_routes=record, device=torch.device("cpu"), seed=cfg.seed)
 
 
 def generate_iteration(engine: Any, task: Any, rollout: Any, *, iteration: int, seed: int, rank: int = 0,
