@@ -8,9 +8,13 @@
       tables:
         - {title: Accuracy, rows: algorithm, cols: staleness, metric: eval/accuracy, agg: "mean_last:3"}
         - {rows: algorithm, metric: "eval/accuracy,mismatch/k3_kl:lower", where: {ministep: single}}
+        - {rows: algorithm, cols: staleness, metric: eval/accuracy, baseline: grpo}   # + paired Δ vs the grpo row
       plots:
         - {metrics: [reward/mean, eval/accuracy], by: algorithm, band: std}
         - {metrics: [eval/accuracy], by: algorithm, staleness_axis: staleness, agg: final}
+      claims:                     # checked with a paired t interval; see offpolicy_moe.report.claims
+        - {claim: "R3 lowers the k3 KL", paper: "~1e-3 -> ~1e-5", metric: mismatch/k3_kl, expect: lower,
+           treatment: {algorithm: grpo+r3}, baseline: {algorithm: grpo}, where: {ministep: single}, scale: log}
 
 ``offpolicy-moe table SWEEP`` / ``offpolicy-moe plot SWEEP`` without ``--metric(s)`` render these. Tables and
 plots of one sweep aggregate the same way unless an entry or ``--agg`` says otherwise (:func:`default_agg`).
@@ -21,10 +25,11 @@ from pathlib import Path
 
 import yaml
 
+from offpolicy_moe.report.claims import parse_claims
 from offpolicy_moe.report.table import DEFAULT_AGG
 
-TABLE_KEYS = {"title", "rows", "cols", "metric", "agg", "where", "lower_is_better", "digits"}
-REPORT_KEYS = {"tables", "plots", "agg"}
+TABLE_KEYS = {"title", "rows", "cols", "metric", "agg", "where", "lower_is_better", "digits", "baseline"}
+REPORT_KEYS = {"tables", "plots", "agg", "claims"}
 PLOT_KEYS = {"title", "metrics", "by", "band", "where", "staleness_axis", "agg"}
 
 
@@ -40,7 +45,9 @@ def parse_where(items) -> dict[str, str]:
 
 
 def report_spec(sweep_dir: str | Path) -> dict:
-    """``{"tables": [...], "plots": [...], "agg": str | None}`` from ``<sweep>/experiment.yaml`` (empty when absent)."""
+    """``{"tables": [...], "plots": [...], "claims": [Claim, ...], "agg": str | None}`` from
+    ``<sweep>/experiment.yaml`` (empty when absent). Claims are validated here
+    (:func:`~offpolicy_moe.report.claims.parse_claims`); every problem is one line naming the file and the entry."""
     p = Path(sweep_dir) / "experiment.yaml"
     raw = {}
     if p.is_file():
@@ -59,7 +66,8 @@ def report_spec(sweep_dir: str | Path) -> dict:
             bad = set(item) - keys
             if bad:
                 raise ValueError(f"{p}: report.{kind}[{i}]: unknown key(s) {sorted(bad)}; allowed {sorted(keys)}")
-    return {"tables": tables, "plots": plots, "agg": raw.get("agg")}
+    claims = parse_claims(raw.get("claims"), where=f"{p}: report")
+    return {"tables": tables, "plots": plots, "claims": claims, "agg": raw.get("agg")}
 
 
 def default_agg(sweep_dir: str | Path) -> str:

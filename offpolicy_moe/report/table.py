@@ -14,6 +14,10 @@ A cell aggregates its runs (usually the seeds): mean, SAMPLE standard deviation 
 n = 1) and n. The best mean per column (max, or min for lower-is-better metrics; ties all marked) is bold in
 md/latex and starred in console/csv. Missing cells are ``–``. Failed runs are excluded from cells, counted in
 their cell's annotation and listed below the table.
+
+With a ``baseline`` row, every other row's cell also shows its paired difference from the baseline row's cell in
+the same column (:mod:`offpolicy_moe.report.stats`): ``Δ +0.031 [-0.012, +0.074]† (n=3)``, the mean of the per-seed
+differences, its 95% Student-t interval, ``†`` when that interval excludes 0, and the number of seed pairs.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from tabulate import DataRow, Line, TableFormat, tabulate
 
 from offpolicy_moe.report.names import check_axes, check_metrics
 from offpolicy_moe.report.runs import RunRecord, axis_order, load_runs, natural_sort
+from offpolicy_moe.report.stats import CONFIDENCE, MARKER, Comparison, compare, format_comparison
 
 DASH = "–"
 FORMATS = ("md", "csv", "latex", "console")
@@ -50,6 +55,21 @@ class Cell:
     values: list[float] = field(default_factory=list)
     failed: int = 0
     stable: int = 0   # collapse aggregation: runs that never collapsed
+    seeds: list[Optional[str]] = field(default_factory=list)   # the seed of each value (same order)
+
+    def by_seed(self) -> dict[str, float]:
+        """``{seed: value}`` of the cell's runs, for pairing; :class:`ValueError` if a seed is unknown or repeated
+        (the cell then mixes runs that differ by something other than the seed)."""
+        if len(self.seeds) != len(self.values):
+            raise ValueError("cell values carry no seeds; cannot pair by seed")
+        out: dict[str, float] = {}
+        for seed, v in zip(self.seeds, self.values):
+            if seed is None:
+                raise ValueError("a run of this cell has no seed; cannot pair by seed")
+            if seed in out:
+                raise ValueError(f"seed {seed} appears twice in one cell; cannot pair by seed")
+            out[seed] = v
+        return out
 
     @property
     def n(self) -> int:
@@ -81,9 +101,13 @@ class Table:
     failed: list[tuple[str, str]] = field(default_factory=list)  # (run name, first error line)
     incomplete: list[tuple[str, str]] = field(default_factory=list)  # (run name, status)
     missing_metric: list[tuple[str, str]] = field(default_factory=list)  # (run name, metric)
+    baseline: Optional[str] = None   # the row label every other row is compared with
+    paired: dict[tuple[str, str], Comparison] = field(default_factory=dict)   # (row, col) -> vs the baseline row
 
     def notes(self) -> list[str]:
         out = []
+        if self.baseline is not None:
+            out.append(paired_note(self.baseline))
         if self.failed:
             out.append(f"Failed runs ({len(self.failed)}): " + "; ".join(f"{n} ({e})" for n, e in self.failed))
         if self.incomplete:
@@ -197,12 +221,14 @@ def build_table(
     agg: str = DEFAULT_AGG,
     where: Optional[dict[str, str]] = None,
     runs: Optional[list[RunRecord]] = None,
+    baseline: Optional[str] = None,
 ) -> Table:
     """Aggregate the run folders of ``sweep_dir`` into a :class:`Table`.
 
     ``rows``/``cols``: axis names (comma-separated or lists; ``cols`` may be empty: one column per metric).
     ``where``: ``{axis: label}`` filters. Every other axis that varies among the selected runs is an error
-    (it would silently be averaged over), as is an unknown axis.
+    (it would silently be averaged over), as is an unknown axis. ``baseline``: a row label; every other row's cells
+    are then compared with that row's cell of the same column, paired by seed (:func:`paired_cells`).
     """
     rows = _split(rows)
     cols = _split(cols)
@@ -217,8 +243,46 @@ def build_table(
     col_labels, col_metrics, col_key = _column_layout(_combos(sel, cols, order) if cols else [""], cols, mspecs)
     cells, failed, incomplete, missing = _fill_cells(sel, rows, cols, mspecs, agg, col_key)
     best = _best_cells(cells, row_labels, col_labels, col_metrics if not agg.startswith("collapse") else [])
+    paired = {}
+    if baseline is not None:
+        check_baseline(baseline, row_labels, agg)
+        paired = paired_cells(cells, baseline, row_labels, col_labels)
     return Table(", ".join(rows) + (f" \\ {', '.join(cols)}" if cols else ""), row_labels, col_labels,
-                 col_metrics, cells, best, _caption(mspecs, agg, where), failed, incomplete, missing)
+                 col_metrics, cells, best, _caption(mspecs, agg, where), failed, incomplete, missing, baseline, paired)
+
+
+def check_baseline(baseline: str, row_labels: Sequence[str], agg: str) -> None:
+    """:class:`ValueError` (one line) for a baseline that is not a row label, or a collapse aggregation (a run that
+    never collapses has no value to pair)."""
+    if baseline not in row_labels:
+        raise ValueError(f"unknown baseline '{baseline}': not a row of this table (rows: {', '.join(row_labels)})")
+    if agg.startswith("collapse"):
+        raise ValueError(f"baseline '{baseline}': no paired differences with agg {agg} (runs that never collapse "
+                         f"have no value to pair)")
+
+
+def paired_cells(cells: dict[tuple[str, str], Cell], baseline: str, row_labels: Sequence[str],
+                 col_labels: Sequence[str]) -> dict[tuple[str, str], Comparison]:
+    """For every row but ``baseline`` and every column where both cells have values: the paired comparison
+    (:func:`offpolicy_moe.report.stats.compare`) of the row's cell with the baseline row's cell, by seed."""
+    out = {}
+    for c in col_labels:
+        base = cells.get((baseline, c))
+        if base is None or not base.n:
+            continue
+        for r in row_labels:
+            cell = cells.get((r, c))
+            if r != baseline and cell is not None and cell.n:
+                out[(r, c)] = compare(cell.by_seed(), base.by_seed())
+    return out
+
+
+def paired_note(baseline: str) -> str:
+    """The note under a table with a baseline row: what Δ, the interval, the marker and n are."""
+    return (f"Δ: paired difference (row − baseline row '{baseline}', same column) of the per-seed values, over the "
+            f"seeds both cells have; [lo, hi]: {CONFIDENCE:.0%} Student-t interval of the mean difference, "
+            f"mean ± t(0.975, n−1)·sd/√n; {MARKER} = the interval excludes 0; n = number of seed pairs (no interval "
+            f"when n < 2).")
 
 
 def _select_runs(sweep_dir: str | Path, runs: Optional[list[RunRecord]], rows: list[str], cols: list[str],
@@ -294,6 +358,7 @@ def _fill_cells(sel: list[RunRecord], rows: list[str], cols: list[str], mspecs: 
                 cell.stable += 1
             else:
                 cell.values.append(v)
+                cell.seeds.append(r.value_of("seed"))
     return cells, failed, incomplete, missing
 
 
@@ -337,24 +402,31 @@ def format_cell(cell: Optional[Cell], digits: int = 3) -> str:
     return f"{format_number(cell.mean, digits)} ± {s} ({cell.n}{fail})"
 
 
-def _md_rule(widths: list[int], _aligns) -> str:
-    """``|---|---:|---:|``: the row header left, the cells right-aligned (cells are not padded)."""
-    return "|" + "|".join("---" if i == 0 else "---:" for i in range(len(widths))) + "|"
+def _md_rule(widths: list[int], _aligns, cell_rule: str = "---:") -> str:
+    """``|---|---:|---:|``: the row header left, the cells right-aligned (or as ``cell_rule`` says; cells are not
+    padded)."""
+    return "|" + "|".join("---" if i == 0 else cell_rule for i in range(len(widths))) + "|"
 
 
-def _latex_top(ncols: int):
-    return lambda _widths, _aligns: "\\begin{tabular}{l" + "r" * (ncols - 1) + "}\n\\toprule"
+def _latex_top(ncols: int, col: str = "r"):
+    return lambda _widths, _aligns: "\\begin{tabular}{l" + col * (ncols - 1) + "}\n\\toprule"
 
 
-#: GitHub-flavoured markdown without padding: ``| a | b |`` rows, so a cell reads the same in every table
-MD_FORMAT = TableFormat(lineabove=None, linebelowheader=_md_rule, linebetweenrows=None, linebelow=None,
-                        headerrow=DataRow("|", "|", "|"), datarow=DataRow("|", "|", "|"), padding=1,
-                        with_header_hide=None)
+def _md_format(align: str = "right") -> TableFormat:
+    """GitHub-flavoured markdown without padding: ``| a | b |`` rows, so a cell reads the same in every table;
+    cells right-aligned (``---:``) or, with ``align="left"``, left-aligned."""
+    rule = "---:" if align == "right" else "---"
+    return TableFormat(lineabove=None, linebelowheader=lambda w, a: _md_rule(w, a, rule), linebetweenrows=None,
+                       linebelow=None, headerrow=DataRow("|", "|", "|"), datarow=DataRow("|", "|", "|"), padding=1,
+                       with_header_hide=None)
 
 
-def _latex_format(ncols: int) -> TableFormat:
-    """booktabs ``tabular`` (``l`` then ``r`` columns); cells are escaped by the caller."""
-    return TableFormat(lineabove=_latex_top(ncols), linebelowheader=Line("\\midrule", "", "", ""),
+
+def _latex_format(ncols: int, align: str = "right") -> TableFormat:
+    """booktabs ``tabular`` (``l`` then ``r`` columns, or all ``l`` with ``align="left"``); cells are escaped by the
+    caller."""
+    return TableFormat(lineabove=_latex_top(ncols, "r" if align == "right" else "l"),
+                       linebelowheader=Line("\\midrule", "", "", ""),
                        linebetweenrows=None, linebelow=Line("\\bottomrule\n\\end{tabular}", "", "", ""),
                        headerrow=DataRow("", "&", "\\\\"), datarow=DataRow("", "&", "\\\\"), padding=1,
                        with_header_hide=None)
@@ -364,44 +436,80 @@ def _grid(header: list[str], rows: list[list[str]], fmt, **kw) -> str:
     return tabulate(rows, header, tablefmt=fmt, disable_numparse=True, **kw)
 
 
+def format_paired(c: Comparison, digits: int = 3) -> str:
+    """``Δ +0.031 [-0.012, +0.074]† (n=3)``: the paired difference from the baseline row (``†``: the interval
+    excludes 0); ``Δ – (n=0)`` when the two cells share no seed."""
+    return f"Δ {format_comparison(c, digits)} (n={c.n})"
+
+
 def render_table(table: Table, fmt: str = "md", digits: int = 3, notes: bool = True) -> str:
     """Render as ``md`` | ``csv`` | ``latex`` | ``console`` (tabulate; csv with the csv module).
 
-    Every format shows the same cells (:func:`format_cell`); the best cell per column is ``**bold**`` in md,
-    ``\\textbf`` in latex and starred (``*``) in console and csv. Notes (failed runs...) are appended except for
-    csv.
+    Every format shows the same cells (:func:`format_cell`, then ``; `` and :func:`format_paired` in a table with a
+    baseline row); the best cell per column is ``**bold**`` in md, ``\\textbf`` in latex and starred (``*``) in
+    console and csv. Notes (failed runs...) are appended except for csv.
+    """
+    def text(r: str, c: str) -> str:
+        cell = format_cell(table.cells.get((r, c)), digits)
+        pair = table.paired.get((r, c))
+        return cell if pair is None else f"{cell}; {format_paired(pair, digits)}"
+
+    body = [[r, *[text(r, c) for c in table.col_labels]] for r in table.row_labels]
+    marked = [[(r, c) in table.best for c in table.col_labels] for r in table.row_labels]
+    return render_grid([table.row_header, *table.col_labels], body, fmt, table.caption,
+                       table.notes() if notes else [], marked)
+
+
+def render_grid(header: list[str], rows: list[list[str]], fmt: str, caption: str = "",
+                notes: Sequence[str] = (), marked: Optional[list[list[bool]]] = None,
+                align: str = "right") -> str:
+    """Render ``rows`` (label, then cells) under ``header`` as ``md`` | ``csv`` | ``latex`` | ``console``.
+
+    ``marked[i][j]``: cell j of row i is bold (md/latex) or starred (console/csv). ``caption`` and ``notes`` are
+    written around the grid except in csv. ``align``: ``right`` | ``left``, the md, latex and console alignment of
+    the cells (the label column is left-aligned).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown --format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    body = [[format_cell(table.cells.get((r, c)), digits) for c in table.col_labels] for r in table.row_labels]
-    marked = [[(r, c) in table.best for c in table.col_labels] for r in table.row_labels]
-    header = [table.row_header, *table.col_labels]
-    extra = table.notes() if notes else []
+    marked = marked or [[False] * (len(r) - 1) for r in rows]
+    extra = list(notes)
 
-    def rows(mark, label=lambda s: s):
-        return [[label(r), *[mark(label(c)) if m else label(c) for c, m in zip(cells, mk)]]
-                for r, cells, mk in zip(table.row_labels, body, marked)]
+    def body(mark, label=lambda s: s):
+        return [[label(r[0]), *[mark(label(c)) if m else label(c) for c, m in zip(r[1:], mk)]]
+                for r, mk in zip(rows, marked)]
 
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerows([header, *rows(lambda c: f"{c}*")])
+        w.writerows([header, *body(lambda c: f"{c}*")])
         return buf.getvalue()
     if fmt == "md":
-        esc = lambda s: s.replace("|", "\\|")  # noqa: E731
-        text = _grid([esc(h) for h in header], rows(lambda c: f"**{c}**", esc), MD_FORMAT, stralign=None)
-        return "\n".join([f"*{table.caption}*", "", text] + ([""] + extra if extra else [])) + "\n"
+        esc = lambda s: s.replace("|", "\\|").replace("*", "\\*").replace("~", "\\~")  # noqa: E731
+        text = _grid([esc(h) for h in header], body(lambda c: f"**{c}**", esc), _md_format(align), stralign=None)
+        return "\n".join([f"*{caption}*", "", text] + ([""] + extra if extra else [])) + "\n"
     if fmt == "latex":
-        tex = lambda s: _latex_escape(s).replace("±", "$\\pm$").replace(DASH, "--")  # noqa: E731
-        text = _grid([tex(h) for h in header], rows(lambda c: f"\\textbf{{{c}}}", tex), _latex_format(len(header)),
-                     stralign=None)
-        return "\n".join([f"% {table.caption}", text] + [f"% {n}" for n in extra]) + "\n"
-    text = _grid(header, rows(lambda c: f"{c} *"), "simple", colalign=("left",) + ("right",) * (len(header) - 1))
-    return "\n".join([table.caption, text] + extra) + "\n"
+        text = _grid([latex_text(h) for h in header], body(lambda c: f"\\textbf{{{c}}}", latex_text),
+                     _latex_format(len(header), align), stralign=None)
+        return "\n".join([f"% {caption}", text] + [f"% {n}" for n in extra]) + "\n"
+    text = _grid(header, body(lambda c: f"{c} *"), "simple", colalign=("left",) + (align,) * (len(header) - 1))
+    return "\n".join([caption, text] + extra) + "\n"
+
+
+_LATEX_MATH = {"±": "$\\pm$", "Δ": "$\\Delta$", "×": "$\\times$", "−": "$-$", "√": "$\\surd$", "→": "$\\to$",
+               "—": "---", MARKER: "$^\\dagger$", DASH: "--"}
+
+
+def latex_text(s: str) -> str:
+    """A cell for LaTeX: special characters escaped, then ``±``, ``Δ``, ``×``, ``−``, ``√``, ``→``, ``—``, ``†`` and
+    ``–`` as LaTeX."""
+    out = _latex_escape(s)
+    for ch, tex in _LATEX_MATH.items():
+        out = out.replace(ch, tex)
+    return out
 
 
 _LATEX_SPECIAL = {"\\": "\\textbackslash{}", "&": "\\&", "%": "\\%", "#": "\\#", "_": "\\_", "$": "\\$",
-                  "{": "\\{", "}": "\\}"}
+                  "{": "\\{", "}": "\\}", "~": "\\textasciitilde{}", "^": "\\textasciicircum{}"}
 
 
 def _latex_escape(s: str) -> str:

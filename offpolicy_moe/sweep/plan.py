@@ -133,7 +133,7 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<experiment>") -> Ex
                 raise ConfigError(f"{source}: exclude: axis '{k}' has no value '{v}' (values: {ax.labels})")
     report = raw.get("report") or {}
     if not isinstance(report, Mapping):
-        raise ConfigError(f"{source}: 'report' must be a mapping with 'tables' and/or 'plots'")
+        raise ConfigError(f"{source}: 'report' must be a mapping with 'tables', 'plots' and/or 'claims'")
     return Experiment(
         name=str(raw.get("name") or "sweep"),
         description=str(raw.get("description") or ""),

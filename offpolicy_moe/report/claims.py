@@ -1,0 +1,275 @@
+"""Claims: a paper's finding restated as "treatment vs baseline on one metric, in one direction", checked against a
+sweep's runs with a paired t interval (:mod:`offpolicy_moe.report.stats`).
+
+::
+
+    report:
+      claims:
+        - claim: "R3 lowers the train/inference k3 KL"           # required: what is claimed, in words
+          paper: "R3 (arXiv 2510.11370): ~1e-3 -> ~1e-5"          # required: the paper's figure
+          metric: mismatch/k3_kl                                  # required: one metric (":lower" only steers agg best)
+          treatment: {algorithm: grpo+r3}                         # required: axis labels of the treatment runs
+          baseline: {algorithm: grpo}                             # required: axis labels of the baseline runs
+          expect: lower                                           # required: higher | lower (treatment vs baseline)
+          where: {ministep: single}                               # optional: fixes other axes for both sides
+          agg: "mean_last:5"                                      # optional: default the report's agg
+          scale: log                                              # optional: linear (default) | log
+          explain: "..."                                          # optional: shown unless the verdict is reproduced
+
+Each side's completed runs are reduced to one value per seed by ``agg``; the two sides are paired by seed and
+compared (:func:`~offpolicy_moe.report.stats.compare`); the verdict is
+:func:`~offpolicy_moe.report.stats.verdict`. A side without usable runs gives the verdict ``no runs`` and says why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from offpolicy_moe.report.names import check_axes, did_you_mean, known_metrics
+from offpolicy_moe.report.runs import RunRecord, load_runs
+from offpolicy_moe.report.stats import (
+    CONFIDENCE,
+    EXPECTS,
+    MARKER,
+    NO_RUNS,
+    REPRODUCED,
+    SCALES,
+    Comparison,
+    compare,
+    format_comparison,
+    verdict,
+)
+from offpolicy_moe.report.table import DASH, aggregate_series, format_number, parse_metrics, render_grid
+
+CLAIM_KEYS = ("claim", "paper", "metric", "agg", "treatment", "baseline", "where", "expect", "scale", "explain")
+REQUIRED_KEYS = ("claim", "paper", "metric", "treatment", "baseline", "expect")
+HEADER = ["claim", "paper", "treatment", "baseline", f"Δ or ratio [{CONFIDENCE:.0%} CI]", "n", "verdict"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One validated entry of ``report.claims`` (``index``: its position in the list)."""
+
+    index: int
+    claim: str
+    paper: str
+    metric: str
+    treatment: dict[str, str]
+    baseline: dict[str, str]
+    expect: str
+    where: dict[str, str] = field(default_factory=dict)
+    agg: Optional[str] = None
+    scale: str = "linear"
+    explain: str = ""
+    higher_is_better: bool = True   # only for agg "best": from a ":lower" suffix of the metric
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a claim: its per-seed values, or why it has none (``reason``), and its failed runs."""
+
+    values: dict[str, float]
+    reason: str = ""
+    failed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """A claim checked against a sweep: the aggregation used, the comparison (None with no runs) and verdict."""
+
+    claim: Claim
+    agg: str
+    comparison: Optional[Comparison]
+    verdict: str
+    reason: str = ""
+    failed: tuple[str, ...] = ()
+
+
+def parse_claims(items: Any, where: str = "report") -> list[Claim]:
+    """Validate ``report.claims`` (a list of mappings) into :class:`Claim` records.
+
+    Every problem is a one-line :class:`ValueError` naming ``<where>.claims[i]`` and the key.
+    """
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise ValueError(f"{where}.claims must be a list of mappings, got {type(items).__name__}")
+    return [parse_claim(item, i, where) for i, item in enumerate(items)]
+
+
+def parse_claim(item: Any, index: int, where: str = "report") -> Claim:
+    """One claim entry, checked strictly: known keys only, required keys present, values of the right kind."""
+    at = f"{where}.claims[{index}]"
+    if not isinstance(item, Mapping):
+        raise ValueError(f"{at} must be a mapping with keys {', '.join(REQUIRED_KEYS)}")
+    unknown = sorted(set(map(str, item)) - set(CLAIM_KEYS))
+    if unknown:
+        raise ValueError(f"{at}: unknown key(s) {unknown}; allowed {list(CLAIM_KEYS)}")
+    missing = [k for k in REQUIRED_KEYS if item.get(k) in (None, "", {})]
+    if missing:
+        raise ValueError(f"{at}: missing key(s) {missing}")
+    for key in ("claim", "paper", "metric", "explain", "agg"):
+        if key in item and item[key] is not None and not isinstance(item[key], str):
+            raise ValueError(f"{at}.{key} must be a string, got {item[key]!r}")
+    expect, scale = item["expect"], item.get("scale") or "linear"
+    if expect not in EXPECTS:
+        raise ValueError(f"{at}.expect must be one of {', '.join(EXPECTS)}, got {expect!r}")
+    if scale not in SCALES:
+        raise ValueError(f"{at}.scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    metric = _one_metric(item["metric"], at)
+    agg = item.get("agg") or None
+    if agg is not None:
+        _check_agg(agg, f"{at}.agg")
+    treatment = _labels(item["treatment"], f"{at}.treatment")
+    baseline = _labels(item["baseline"], f"{at}.baseline")
+    fixed = _labels(item.get("where") or {}, f"{at}.where")
+    if "seed" in treatment or "seed" in baseline:
+        raise ValueError(f"{at}: runs are paired by seed, so seed cannot pick a side (use where: to fix seeds)")
+    if treatment == baseline:
+        raise ValueError(f"{at}: treatment and baseline select the same runs ({_fmt_labels(treatment)})")
+    for side, labels in (("treatment", treatment), ("baseline", baseline)):
+        both = sorted(set(labels) & set(fixed))
+        if both:
+            raise ValueError(f"{at}: axis '{both[0]}' is in both where and {side}; name it in one place")
+    return Claim(index=index, claim=item["claim"], paper=item["paper"], metric=metric.name, treatment=treatment,
+                 baseline=baseline, expect=expect, where=fixed, agg=agg, scale=scale,
+                 explain=item.get("explain") or "", higher_is_better=metric.higher)
+
+
+def evaluate_claims(sweep_dir: str | Path, claims: Sequence[Claim], default_agg: str,
+                    runs: Optional[list[RunRecord]] = None) -> list[ClaimResult]:
+    """Check every claim against the run folders of ``sweep_dir`` (or ``runs``)."""
+    all_runs = runs if runs is not None else load_runs(sweep_dir)
+    return [evaluate_claim(c, all_runs, default_agg) for c in claims]
+
+
+def evaluate_claim(claim: Claim, runs: Sequence[RunRecord], default_agg: str) -> ClaimResult:
+    """One claim: each side's per-seed values, their paired comparison and the verdict.
+
+    An axis no run knows is an error (a typo in the spec), as is an axis other than the seed that varies among one
+    side's runs (``where:`` must fix it); a side with no usable runs is the verdict ``no runs``, with the reason.
+    """
+    at = f"report.claims[{claim.index}]"
+    agg = claim.agg or default_agg
+    _check_agg(agg, f"{at}.agg")
+    if runs:
+        try:
+            check_axes(runs, [*claim.where, *claim.treatment, *claim.baseline])
+        except ValueError as exc:
+            raise ValueError(f"{at}: {exc}") from None
+    sides = {name: side_values(runs, {**labels, **claim.where}, claim, agg, name)
+             for name, labels in (("treatment", claim.treatment), ("baseline", claim.baseline))}
+    failed = tuple(n for s in sides.values() for n in s.failed)
+    reasons = [s.reason for s in sides.values() if s.reason]
+    if reasons:
+        return ClaimResult(claim, agg, None, NO_RUNS, "; ".join(reasons), failed)
+    try:
+        comparison = compare(sides["treatment"].values, sides["baseline"].values, claim.scale)
+    except ValueError as exc:
+        raise ValueError(f"{at}: {exc}") from None
+    reason = "" if comparison.n else "no seed has runs on both sides"
+    return ClaimResult(claim, agg, comparison, verdict(comparison, claim.expect), reason, failed)
+
+
+def side_values(runs: Sequence[RunRecord], labels: Mapping[str, str], claim: Claim, agg: str, name: str) -> Side:
+    """``{seed: value}`` of the completed runs matching every ``labels`` (``name``: treatment | baseline)."""
+    at = f"report.claims[{claim.index}]"
+    desc = f"{name} ({_fmt_labels(labels)})"
+    matching = [r for r in runs if all(r.value_of(k) == v for k, v in labels.items())]
+    failed = tuple(r.name for r in matching if r.failed)
+    done = [r for r in matching if r.completed]
+    if not matching:
+        return Side({}, f"no {desc} run", failed)
+    if not done:
+        return Side({}, f"no completed {desc} run ({len(failed)} failed, "
+                        f"{len(matching) - len(failed)} unfinished)", failed)
+    for ax in sorted({a for r in done for a in r.axes} - set(labels)):
+        values = sorted({r.axes.get(ax, DASH) for r in done})
+        if len(values) > 1:
+            raise ValueError(f"{at}: axis '{ax}' varies among the {desc} runs ({', '.join(values)}); fix it with "
+                             f"where: {{{ax}: {values[0]}}}")
+    out: dict[str, float] = {}
+    for r in done:
+        pts = r.series(claim.metric)
+        v = aggregate_series([y for _, y in pts], agg, claim.higher_is_better, steps=[x for x, _ in pts])
+        if v is None:
+            continue
+        seed = r.value_of("seed")
+        if seed is None or seed in out:
+            raise ValueError(f"{at}: the {desc} runs cannot be paired by seed (run {r.name}: seed "
+                             f"{'unknown' if seed is None else seed + ' repeated'})")
+        out[seed] = v
+    if not out:
+        hint = did_you_mean(claim.metric, known_metrics(done))
+        return Side({}, f"no {desc} run logged {claim.metric}.{hint}".rstrip("."), failed)
+    return Side(out, "", failed)
+
+
+def verdict_text(result: ClaimResult) -> str:
+    """The verdict, then why there are no runs, then the claim's ``explain`` unless it reproduced."""
+    parts = [result.verdict + (f": {result.reason}" if result.reason else "")]
+    if result.verdict != REPRODUCED and result.claim.explain:
+        parts.append(result.claim.explain)
+    return " — ".join(parts)
+
+
+def claim_row(result: ClaimResult, digits: int = 3) -> list[str]:
+    """The cells of one claim: claim, paper, treatment mean, baseline mean, Δ or ratio [CI], n, verdict."""
+    c = result.comparison
+    if c is None or c.n == 0:
+        return [result.claim.claim, result.claim.paper, DASH, DASH, DASH, "0", verdict_text(result)]
+    n = str(c.n) + (f" ({c.pairing.unpaired} unpaired)" if c.pairing.unpaired else "")
+    return [result.claim.claim, result.claim.paper, format_number(c.treatment_mean, digits),
+            format_number(c.baseline_mean, digits), format_comparison(c, digits), n, verdict_text(result)]
+
+
+def claims_notes(results: Sequence[ClaimResult]) -> list[str]:
+    """What the columns are, then each claim's metric, aggregation and the runs of its two sides."""
+    out = [f"Paired by seed: Δ = mean over seeds of (treatment − baseline); on a log scale, ratio = "
+           f"10^mean(log10 treatment − log10 baseline). [lo, hi]: {CONFIDENCE:.0%} Student-t interval, "
+           f"mean ± t(0.975, n−1)·sd/√n (as ratios on a log scale); {MARKER} = it excludes no effect (0, or a ratio "
+           f"of 1); "
+           f"treatment, baseline = means over the paired seeds; n = seed pairs. Verdict: reproduced when the interval "
+           f"excludes no effect in the paper's direction, opposite when it excludes it the other way, not resolved "
+           f"when it contains it, n too small with fewer than 2 pairs."]
+    for r in results:
+        c = r.claim
+        fixed = f"; where {_fmt_labels(c.where)}" if c.where else ""
+        out.append(f"Claim {c.index + 1}: {c.metric}, agg {r.agg}, {c.scale} scale, expect {c.expect}; treatment "
+                   f"{_fmt_labels(c.treatment)} vs baseline {_fmt_labels(c.baseline)}{fixed}"
+                   + (f"; failed runs: {', '.join(r.failed)}" if r.failed else ""))
+    return out
+
+
+def render_claims(results: Sequence[ClaimResult], fmt: str = "md", digits: int = 3, notes: bool = True) -> str:
+    """The claims table in ``md`` | ``csv`` | ``latex`` | ``console`` (notes appended except for csv)."""
+    rows = [claim_row(r, digits) for r in results]
+    caption = "claims vs this sweep: paired by seed, 95% t interval (notes below)"
+    return render_grid(list(HEADER), rows, fmt, caption, claims_notes(results) if notes else [], align="left")
+
+
+def _one_metric(spec: str, at: str):
+    metrics = parse_metrics(spec)
+    if len(metrics) != 1:
+        raise ValueError(f"{at}.metric must name one metric, got {spec!r}")
+    return metrics[0]
+
+
+def _check_agg(agg: str, at: str) -> None:
+    try:
+        aggregate_series([], agg)
+    except ValueError as exc:
+        raise ValueError(f"{at}: {exc}") from None
+    if agg.startswith("collapse"):
+        raise ValueError(f"{at}: agg {agg!r} cannot be paired (runs that never collapse have no value)")
+
+
+def _labels(value: Any, at: str) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(isinstance(v, (str, int, float, bool)) for v in value.values()):
+        raise ValueError(f"{at} must be a mapping of axis -> label, got {value!r}")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def _fmt_labels(labels: Mapping[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in labels.items()) or "all runs"

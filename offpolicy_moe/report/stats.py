@@ -1,0 +1,250 @@
+"""Paired comparisons of two cells of a sweep over seeds: differences, a Student-t interval, a verdict.
+
+A *treatment* and a *baseline* cell hold one number per seed (a run's series reduced by the table's ``agg``), with
+every other axis fixed. Runs of one seed share their data order and initialisation, so the comparison is paired:
+
+* pairing: ``d_i = treatment_i − baseline_i`` for every seed ``i`` present in both cells (a seed present in one
+  cell only is dropped and counted);
+* interval: with ``n`` pairs, ``mean = Σ d_i / n``, ``sd = sqrt(Σ (d_i − mean)² / (n − 1))`` and the 95% interval of
+  the mean difference is ``mean ± t_{0.975, n−1} · sd / √n`` (Student t with n − 1 degrees of freedom). No interval
+  for n < 2;
+* log scale (ratio claims, "cuts the KL 100×"): ``d_i = log10 treatment_i − log10 baseline_i`` and the estimate and
+  interval are reported back as ratios ``10**mean`` and ``(10**lo, 10**hi)`` (the ratio of geometric means, paired).
+  Every value must be > 0;
+* verdict against an expected direction (``higher`` / ``lower``, treatment vs baseline): ``reproduced`` when the
+  interval excludes 0 on the expected side (``lo > 0`` for higher, ``hi < 0`` for lower), ``opposite`` when it
+  excludes 0 on the other side, ``not resolved`` when it contains 0, ``n too small`` with fewer than two pairs.
+
+Pure functions of plain numbers; no file access.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Optional, Sequence
+
+from scipy import stats as _scipy_stats
+
+CONFIDENCE = 0.95
+SCALES = ("linear", "log")
+EXPECTS = ("higher", "lower")
+
+REPRODUCED = "reproduced"
+OPPOSITE = "opposite"
+NOT_RESOLVED = "not resolved"
+N_TOO_SMALL = "n too small"
+NO_RUNS = "no runs"
+#: follows an interval that excludes no effect (not ``*``, which marks a column's best cell in console/csv tables)
+MARKER = "†"
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """The seeds both cells have, their values (in seed order) and the seeds only one cell has."""
+
+    seeds: list[Hashable]
+    treatment: list[float]
+    baseline: list[float]
+    only_treatment: list[Hashable] = field(default_factory=list)
+    only_baseline: list[Hashable] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def unpaired(self) -> int:
+        """How many runs were dropped for want of a partner seed."""
+        return len(self.only_treatment) + len(self.only_baseline)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The mean of ``n`` differences with its Student-t interval (``lo``/``hi`` None when n < 2)."""
+
+    mean: float
+    n: int
+    sd: Optional[float] = None
+    t: Optional[float] = None
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    confidence: float = CONFIDENCE
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.lo is not None and (self.lo > 0 or self.hi < 0)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A paired comparison: the pairing, the interval on the difference scale and the scale.
+
+    On the log scale ``interval`` is over ``log10`` differences; :attr:`estimate`, :attr:`lo` and :attr:`hi` give
+    it back as ratios (``10**x``); on the linear scale they are the differences themselves.
+    """
+
+    pairing: Pairing
+    interval: Optional[Interval]
+    scale: str = "linear"
+
+    @property
+    def n(self) -> int:
+        return self.pairing.n
+
+    @property
+    def estimate(self) -> Optional[float]:
+        return None if self.interval is None else self._back(self.interval.mean)
+
+    @property
+    def lo(self) -> Optional[float]:
+        return None if self.interval is None or self.interval.lo is None else self._back(self.interval.lo)
+
+    @property
+    def hi(self) -> Optional[float]:
+        return None if self.interval is None or self.interval.hi is None else self._back(self.interval.hi)
+
+    @property
+    def excludes_zero(self) -> bool:
+        """The interval excludes "no effect" (a difference of 0, a ratio of 1)."""
+        return self.interval is not None and self.interval.excludes_zero
+
+    @property
+    def treatment_mean(self) -> Optional[float]:
+        """Arithmetic mean of the treatment's paired values."""
+        return _mean(self.pairing.treatment) if self.pairing.n else None
+
+    @property
+    def baseline_mean(self) -> Optional[float]:
+        """Arithmetic mean of the baseline's paired values."""
+        return _mean(self.pairing.baseline) if self.pairing.n else None
+
+    def _back(self, x: float) -> float:
+        return 10.0 ** x if self.scale == "log" else x
+
+
+def pair_by_seed(treatment: Mapping[Hashable, float], baseline: Mapping[Hashable, float]) -> Pairing:
+    """Match the per-seed values of two cells: the seeds present in both (sorted), their values, and the rest.
+
+    >>> pair_by_seed({0: 1.0, 1: 2.0, 2: 3.0}, {1: 0.5, 2: 1.0, 3: 9.0}).seeds
+    [1, 2]
+    """
+    common = _sorted_seeds(set(treatment) & set(baseline))
+    return Pairing(
+        seeds=common,
+        treatment=[float(treatment[s]) for s in common],
+        baseline=[float(baseline[s]) for s in common],
+        only_treatment=_sorted_seeds(set(treatment) - set(baseline)),
+        only_baseline=_sorted_seeds(set(baseline) - set(treatment)),
+    )
+
+
+def differences(pairing: Pairing, scale: str = "linear") -> list[float]:
+    """``d_i = t_i − b_i`` (linear) or ``log10 t_i − log10 b_i`` (log) over the paired seeds.
+
+    :class:`ValueError` on an unknown scale, or on the log scale when a value is not > 0 (naming the seed).
+    """
+    _check_scale(scale)
+    if scale == "linear":
+        return [t - b for t, b in zip(pairing.treatment, pairing.baseline)]
+    for side, values in (("treatment", pairing.treatment), ("baseline", pairing.baseline)):
+        for seed, v in zip(pairing.seeds, values):
+            if not v > 0:
+                raise ValueError(f"scale log needs values > 0, but the {side} of seed {seed} is {v:g}")
+    return [math.log10(t) - math.log10(b) for t, b in zip(pairing.treatment, pairing.baseline)]
+
+
+def t_quantile(n: int, confidence: float = CONFIDENCE) -> float:
+    """``t_{(1 + confidence)/2, n−1}``: the two-sided Student-t critical value with ``n − 1`` degrees of freedom."""
+    if n < 2:
+        raise ValueError(f"a t interval needs n >= 2, got n = {n}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    return float(_scipy_stats.t.ppf(0.5 + confidence / 2, n - 1))
+
+
+def t_interval(diffs: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Interval]:
+    """The mean of ``diffs`` and its interval ``mean ± t_{(1+c)/2, n−1} · sd / √n`` (sample sd, ddof 1).
+
+    ``None`` for no differences; ``lo``/``hi``/``sd`` are None for a single one. With ``sd = 0`` the interval is
+    the single point ``mean``.
+
+    >>> iv = t_interval([1.0, 2.0, 3.0])
+    >>> round(iv.lo, 4), round(iv.hi, 4)
+    (-0.4841, 4.4841)
+    """
+    xs = [float(x) for x in diffs]
+    n = len(xs)
+    if n == 0:
+        return None
+    m = _mean(xs)
+    if n < 2:
+        return Interval(mean=m, n=n, confidence=confidence)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    t = t_quantile(n, confidence)
+    half = t * sd / math.sqrt(n)
+    return Interval(mean=m, n=n, sd=sd, t=t, lo=m - half, hi=m + half, confidence=confidence)
+
+
+def compare(treatment: Mapping[Hashable, float], baseline: Mapping[Hashable, float], scale: str = "linear",
+            confidence: float = CONFIDENCE) -> Comparison:
+    """Pair two cells by seed and take the t interval of their differences on ``scale`` (``linear`` | ``log``)."""
+    pairing = pair_by_seed(treatment, baseline)
+    return Comparison(pairing, t_interval(differences(pairing, scale), confidence), scale)
+
+
+def verdict(comparison: Optional[Comparison], expect: str) -> str:
+    """``reproduced`` | ``opposite`` | ``not resolved`` | ``n too small`` | ``no runs`` (see the module docstring).
+
+    ``expect`` is the direction of treatment vs baseline that the claim makes: ``higher`` or ``lower``.
+    """
+    if expect not in EXPECTS:
+        raise ValueError(f"expect must be one of {', '.join(EXPECTS)}, got {expect!r}")
+    if comparison is None or comparison.n == 0:
+        return NO_RUNS
+    iv = comparison.interval
+    if iv is None or iv.lo is None:
+        return N_TOO_SMALL
+    if not iv.excludes_zero:
+        return NOT_RESOLVED
+    went_higher = iv.lo > 0
+    return REPRODUCED if went_higher == (expect == "higher") else OPPOSITE
+
+
+def format_signed(x: float, digits: int = 3) -> str:
+    """``+0.031`` / ``-0.012``: ``digits`` significant digits with an explicit sign."""
+    return f"{x:+.{digits}g}"
+
+
+def format_comparison(c: Comparison, digits: int = 3, marker: str = MARKER) -> str:
+    """``+0.031 [-0.012, +0.074]`` (linear) or ``×0.0123 [×0.00708, ×0.0214]`` (log, ratios), followed by
+    ``marker`` (``†``) when the interval excludes no effect (0, or a ratio of 1); the estimate alone when there is
+    no interval; ``–`` with no pairs."""
+    if c.interval is None:
+        return "–"
+    if c.scale == "log":
+        num = lambda x: f"×{x:.{digits}g}"  # noqa: E731
+    else:
+        num = lambda x: format_signed(x, digits)  # noqa: E731
+    if c.lo is None:
+        return num(c.estimate)
+    return f"{num(c.estimate)} [{num(c.lo)}, {num(c.hi)}]" + (marker if c.excludes_zero else "")
+
+
+def _check_scale(scale: str) -> None:
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _sorted_seeds(seeds: set) -> list:
+    """Seeds in numeric order when they all read as numbers, else by their text."""
+    def key(s):
+        try:
+            return (0, float(s), str(s))
+        except (TypeError, ValueError):
+            return (1, 0.0, str(s))
+
+    return sorted(seeds, key=key)
