@@ -39,7 +39,7 @@ LOGGERS = ("console", "jsonl", "wandb")
 class TaskConfig:
     """The procedural arithmetic task (or a local dataset on disk)."""
 
-    name: str = "arithmetic"          # arithmetic | jsonl:<path> (prompt/answer records)
+    name: str = "arithmetic"          # arithmetic | reverse (digit strings, long answers) | jsonl:<path>
     min_digits: int = ranged(1, ge=1)
     max_digits: int = ranged(1, ge=1)
     # operands per problem (1-digit, 3 terms: 1,000 problems, SFT generalises)

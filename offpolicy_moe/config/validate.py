@@ -21,7 +21,7 @@ cross-field rules (E = error, W = warning):
 | trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached) |
 | optim | ``betas`` two values in [0, 1) (E) |
 | model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder (E) |
-| task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; else ``jsonl:<path>`` (E) |
+| task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; reverse: the same digit bounds; else ``jsonl:<path>`` (E) |
 | logging | ``loggers`` ⊆ console, jsonl, wandb (E) |
 
 Checks that read files (task files, ``model.path``, tokenizer, answer lengths, buffer feasibility) live in
@@ -249,8 +249,12 @@ def check_task(cfg: Any, found: Findings) -> None:
         if t.min_digits > t.max_digits:
             found.error(f"task.min_digits/task.max_digits: need min_digits <= max_digits, got {t.min_digits}, "
                         f"{t.max_digits}")
+    elif t.name == "reverse":
+        if t.min_digits > t.max_digits:
+            found.error(f"task.min_digits/task.max_digits: need min_digits <= max_digits, got {t.min_digits}, "
+                        f"{t.max_digits}")
     elif not t.name.startswith("jsonl:") or t.name == "jsonl:":
-        found.error(f"task.name: unknown task {t.name!r}; expected arithmetic or jsonl:<path>")
+        found.error(f"task.name: unknown task {t.name!r}; expected arithmetic, reverse or jsonl:<path>")
 
 
 def check_logging(cfg: Any, found: Findings) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -96,15 +96,22 @@ def _draw(rng: np.random.Generator, spec: ArithmeticSpec) -> tuple[str, str]:
 def generate_splits(spec: ArithmeticSpec, train_size: int, eval_size: int, seed: int
                     ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """Disjoint ``(train, eval)`` lists of ``(prompt, answer)``; deterministic for ``seed``."""
+    return disjoint_splits(lambda rng: _draw(rng, spec), spec.space_size, train_size, eval_size, seed)
+
+
+def disjoint_splits(draw: Callable[[np.random.Generator], tuple[str, str]], space: int, train_size: int,
+                    eval_size: int, seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Disjoint ``(train, eval)`` splits of a procedural task (module docstring, "Splits"): ``eval_size``
+    distinct problems from ``draw`` first (capped at half of the ``space`` distinct problems, with a warning), then
+    ``train_size`` problems with every held-out prompt rejected; a pure function of ``seed``."""
     if train_size < 1:
         raise ValueError(f"task.train_size must be >= 1, got {train_size}")
     if eval_size < 0:
         raise ValueError(f"task.eval_size must be >= 0, got {eval_size}")
-    space = spec.space_size
     n_eval = eval_size
     if eval_size > space // 2:
         n_eval = space // 2
-        warnings.warn(f"the arithmetic problem space has only {space} problems; eval split capped at "
+        warnings.warn(f"the problem space has only {space} problems; eval split capped at "
                       f"{n_eval} (asked {eval_size}) so that training keeps at least half of it", stacklevel=3)
     eval_ss, train_ss = np.random.SeedSequence([int(seed), 0xA817]).spawn(2)
     rng = np.random.default_rng(eval_ss)
@@ -115,7 +122,7 @@ def generate_splits(spec: ArithmeticSpec, train_size: int, eval_size: int, seed:
         budget -= 1
         if budget < 0:
             raise RuntimeError(f"could not draw {n_eval} distinct eval problems from a space of {space}")
-        row = _draw(rng, spec)
+        row = draw(rng)
         if row[0] not in held_out:
             held_out.add(row[0])
             eval_rows.append(row)
@@ -126,7 +133,7 @@ def generate_splits(spec: ArithmeticSpec, train_size: int, eval_size: int, seed:
         budget -= 1
         if budget < 0:
             raise RuntimeError("the eval split holds nearly all the probability mass; lower task.eval_size")
-        row = _draw(rng, spec)
+        row = draw(rng)
         if row[0] not in held_out:
             train_rows.append(row)
     return train_rows, eval_rows
