@@ -9,27 +9,37 @@ sweep's runs with a paired t interval (:mod:`offpolicy_moe.report.stats`).
           paper: "R3 (arXiv 2510.11370): ~1e-3 -> ~1e-5"          # required: the paper's figure
           metric: mismatch/k3_kl                                  # required: one metric (":lower" only steers agg best)
           treatment: {algorithm: grpo+r3}                         # required: axis labels of the treatment runs
-          baseline: {algorithm: grpo}                             # required: axis labels of the baseline runs
-          expect: lower                                           # required: higher | lower (treatment vs baseline)
+          baseline: {algorithm: grpo}                             # baseline runs' axis labels, or instead:
+          # baseline_value: 1.0                                   #   a constant (one-sample claim); exactly one
+          expect: lower                                           # required: higher | lower | same
+          # margin: 0.02                                          # expect same only, required: the band ±margin
+          #                                                       #   (a ratio factor > 1 on scale log: ×/÷margin)
           where: {ministep: single}                               # optional: fixes other axes for both sides
           agg: "mean_last:5"                                      # optional: default the report's agg
           scale: log                                              # optional: linear (default) | log
           explain: "..."                                          # optional: shown unless the verdict is reproduced
 
 Each side's completed runs are reduced to one value per seed by ``agg``; the two sides are paired by seed and
-compared (:func:`~offpolicy_moe.report.stats.compare`); the verdict is
-:func:`~offpolicy_moe.report.stats.verdict`. A side without usable runs gives the verdict ``no runs`` and says why.
+compared (:func:`~offpolicy_moe.report.stats.compare`), or, with ``baseline_value``, the treatment's seeds are
+compared with the constant (:func:`~offpolicy_moe.report.stats.compare_to_value`, a one-sample t interval); the
+verdict is :func:`~offpolicy_moe.report.stats.verdict`. A side without usable runs gives the verdict ``no runs``
+and says why.
+
+:func:`parse_claims` checks an entry on its own (keys, values); :func:`check_claim_axes` checks its axis names
+against a grid before any run exists (``offpolicy-moe sweep`` calls both at plan time).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from offpolicy_moe.report.names import check_axes, did_you_mean, known_metrics
+from offpolicy_moe.report.names import check_axes, did_you_mean, known_metrics, leaf_keys
 from offpolicy_moe.report.runs import RunRecord, load_runs
 from offpolicy_moe.report.stats import (
     CONFIDENCE,
+    DIRECTIONS,
     EXPECTS,
     MARKER,
     NO_RUNS,
@@ -37,13 +47,17 @@ from offpolicy_moe.report.stats import (
     SCALES,
     Comparison,
     compare,
+    compare_to_value,
     format_comparison,
+    margin_band,
     verdict,
 )
 from offpolicy_moe.report.table import DASH, aggregate_series, format_number, parse_metrics, render_grid
 
-CLAIM_KEYS = ("claim", "paper", "metric", "agg", "treatment", "baseline", "where", "expect", "scale", "explain")
-REQUIRED_KEYS = ("claim", "paper", "metric", "treatment", "baseline", "expect")
+CLAIM_KEYS = ("claim", "paper", "metric", "agg", "treatment", "baseline", "baseline_value", "where", "expect",
+              "margin", "scale", "explain")
+#: required in every entry; besides these, exactly one of ``baseline`` / ``baseline_value``
+REQUIRED_KEYS = ("claim", "paper", "metric", "treatment", "expect")
 HEADER = ["claim", "paper", "treatment", "baseline", f"Δ or ratio [{CONFIDENCE:.0%} CI]", "n", "verdict"]
 
 
@@ -56,13 +70,19 @@ class Claim:
     paper: str
     metric: str
     treatment: dict[str, str]
-    baseline: dict[str, str]
+    baseline: dict[str, str]       # empty for a one-sample claim (``baseline_value``)
     expect: str
     where: dict[str, str] = field(default_factory=dict)
     agg: Optional[str] = None
     scale: str = "linear"
     explain: str = ""
     higher_is_better: bool = True   # only for agg "best": from a ":lower" suffix of the metric
+    baseline_value: Optional[float] = None   # a one-sample claim: the treatment vs this constant
+    margin: Optional[float] = None           # expect same: the band ±margin (log: ratios within ×/÷margin)
+
+    @property
+    def one_sample(self) -> bool:
+        return self.baseline_value is not None
 
 
 @dataclass(frozen=True)
@@ -102,31 +122,56 @@ def parse_claim(item: Any, index: int, where: str = "report") -> Claim:
     """One claim entry, checked strictly: known keys only, required keys present, values of the right kind."""
     at = f"{where}.claims[{index}]"
     if not isinstance(item, Mapping):
-        raise ValueError(f"{at} must be a mapping with keys {', '.join(REQUIRED_KEYS)}")
+        raise ValueError(f"{at} must be a mapping with keys {', '.join(REQUIRED_KEYS)} and baseline or "
+                         f"baseline_value")
     unknown = sorted(set(map(str, item)) - set(CLAIM_KEYS))
     if unknown:
         raise ValueError(f"{at}: unknown key(s) {unknown}; allowed {list(CLAIM_KEYS)}")
     missing = [k for k in REQUIRED_KEYS if item.get(k) in (None, "", {})]
     if missing:
         raise ValueError(f"{at}: missing key(s) {missing}")
+    has_baseline, has_value = item.get("baseline") not in (None, "", {}), item.get("baseline_value") is not None
+    if has_baseline == has_value:
+        raise ValueError(f"{at}: give exactly one of baseline (axis labels of runs) or baseline_value (a number), "
+                         f"got {'both' if has_value else 'neither'}")
     for key in ("claim", "paper", "metric", "explain", "agg"):
         if key in item and item[key] is not None and not isinstance(item[key], str):
             raise ValueError(f"{at}.{key} must be a string, got {item[key]!r}")
     expect, scale = item["expect"], item.get("scale") or "linear"
     if expect not in EXPECTS:
-        raise ValueError(f"{at}.expect must be one of {', '.join(EXPECTS)}, got {expect!r}")
+        raise ValueError(f"{at}.expect must be one of {', '.join(DIRECTIONS)}, got {expect!r} (or same, with a "
+                         f"margin, for an equivalence claim)")
     if scale not in SCALES:
         raise ValueError(f"{at}.scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    margin = item.get("margin")
+    if expect == "same" and margin is None:
+        raise ValueError(f"{at}: expect same needs margin: the largest difference that still counts as the same "
+                         f"(a ratio factor > 1 on scale log)")
+    if expect in DIRECTIONS and margin is not None:
+        raise ValueError(f"{at}.margin is only for expect same, not expect {expect}")
+    if margin is not None:
+        try:
+            margin_band(margin, scale)
+        except ValueError as exc:
+            raise ValueError(f"{at}.{exc}") from None
+        margin = float(margin)
+    value = item.get("baseline_value")
+    if has_value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{at}.baseline_value must be a finite number, got {value!r}")
+        if scale == "log" and not value > 0:
+            raise ValueError(f"{at}.baseline_value must be > 0 on scale log, got {value!r}")
+        value = float(value)
     metric = _one_metric(item["metric"], at)
     agg = item.get("agg") or None
     if agg is not None:
         _check_agg(agg, f"{at}.agg")
     treatment = _labels(item["treatment"], f"{at}.treatment")
-    baseline = _labels(item["baseline"], f"{at}.baseline")
+    baseline = _labels(item["baseline"], f"{at}.baseline") if has_baseline else {}
     fixed = _labels(item.get("where") or {}, f"{at}.where")
     if "seed" in treatment or "seed" in baseline:
         raise ValueError(f"{at}: runs are paired by seed, so seed cannot pick a side (use where: to fix seeds)")
-    if treatment == baseline:
+    if has_baseline and treatment == baseline:
         raise ValueError(f"{at}: treatment and baseline select the same runs ({_fmt_labels(treatment)})")
     for side, labels in (("treatment", treatment), ("baseline", baseline)):
         both = sorted(set(labels) & set(fixed))
@@ -134,7 +179,41 @@ def parse_claim(item: Any, index: int, where: str = "report") -> Claim:
             raise ValueError(f"{at}: axis '{both[0]}' is in both where and {side}; name it in one place")
     return Claim(index=index, claim=item["claim"], paper=item["paper"], metric=metric.name, treatment=treatment,
                  baseline=baseline, expect=expect, where=fixed, agg=agg, scale=scale,
-                 explain=item.get("explain") or "", higher_is_better=metric.higher)
+                 explain=item.get("explain") or "", higher_is_better=metric.higher, baseline_value=value,
+                 margin=margin)
+
+
+def check_claim_axes(claims: Sequence[Claim], axes: Mapping[str, Sequence[str]],
+                     configs: Iterable[Mapping] = (), where: str = "report") -> list[str]:
+    """Check parsed claims against a grid before any run exists: every axis a claim names (in ``treatment``,
+    ``baseline`` or ``where``) must be a grid axis (``axes``: name -> labels), ``seed``, or a leaf key of one of
+    ``configs`` (the planned runs' resolved configs, as nested dicts; read only if some name is not a grid axis).
+
+    An unknown name is a one-line :class:`ValueError` with a did-you-mean. A label that the grid axis does not have
+    is only a warning (returned): such a claim reads ``no runs``, which may be meant (a method left out of this
+    sweep).
+    """
+    config_keys: Optional[set[str]] = None
+    warnings: list[str] = []
+    for c in claims:
+        at = f"{where}.claims[{c.index}]"
+        for side, labels in (("treatment", c.treatment), ("baseline", c.baseline), ("where", c.where)):
+            for name, label in labels.items():
+                if name in axes:
+                    known = [str(x) for x in axes[name]]
+                    if label not in known:
+                        warnings.append(f"{at}.{side}: grid axis '{name}' has no label '{label}' (labels: "
+                                        f"{', '.join(known)}); the claim will read 'no runs'")
+                    continue
+                if name == "seed":
+                    continue
+                if config_keys is None:
+                    config_keys = set().union(*(leaf_keys(dict(cfg)) for cfg in configs))
+                if name not in config_keys:
+                    raise ValueError(f"{at}.{side}: unknown axis '{name}': not a grid axis "
+                                     f"({', '.join([*axes, 'seed'])}) nor a config key."
+                                     f"{did_you_mean(name, [*axes, 'seed', *config_keys])}")
+    return warnings
 
 
 def evaluate_claims(sweep_dir: str | Path, claims: Sequence[Claim], default_agg: str,
@@ -158,18 +237,21 @@ def evaluate_claim(claim: Claim, runs: Sequence[RunRecord], default_agg: str) ->
             check_axes(runs, [*claim.where, *claim.treatment, *claim.baseline])
         except ValueError as exc:
             raise ValueError(f"{at}: {exc}") from None
-    sides = {name: side_values(runs, {**labels, **claim.where}, claim, agg, name)
-             for name, labels in (("treatment", claim.treatment), ("baseline", claim.baseline))}
+    named = [("treatment", claim.treatment)] + ([] if claim.one_sample else [("baseline", claim.baseline)])
+    sides = {name: side_values(runs, {**labels, **claim.where}, claim, agg, name) for name, labels in named}
     failed = tuple(n for s in sides.values() for n in s.failed)
     reasons = [s.reason for s in sides.values() if s.reason]
     if reasons:
         return ClaimResult(claim, agg, None, NO_RUNS, "; ".join(reasons), failed)
     try:
-        comparison = compare(sides["treatment"].values, sides["baseline"].values, claim.scale)
+        if claim.one_sample:
+            comparison = compare_to_value(sides["treatment"].values, claim.baseline_value, claim.scale)
+        else:
+            comparison = compare(sides["treatment"].values, sides["baseline"].values, claim.scale)
     except ValueError as exc:
         raise ValueError(f"{at}: {exc}") from None
     reason = "" if comparison.n else "no seed has runs on both sides"
-    return ClaimResult(claim, agg, comparison, verdict(comparison, claim.expect), reason, failed)
+    return ClaimResult(claim, agg, comparison, verdict(comparison, claim.expect, claim.margin), reason, failed)
 
 
 def side_values(runs: Sequence[RunRecord], labels: Mapping[str, str], claim: Claim, agg: str, name: str) -> Side:
@@ -216,12 +298,13 @@ def verdict_text(result: ClaimResult) -> str:
 
 def claim_row(result: ClaimResult, digits: int = 3) -> list[str]:
     """The cells of one claim: claim, paper, treatment mean, baseline mean, Δ or ratio [CI], n, verdict."""
-    c = result.comparison
+    c, claim = result.comparison, result.claim
+    fixed = f"{format_number(claim.baseline_value, digits)} (fixed)" if claim.one_sample else None
     if c is None or c.n == 0:
-        return [result.claim.claim, result.claim.paper, DASH, DASH, DASH, "0", verdict_text(result)]
+        return [claim.claim, claim.paper, DASH, fixed or DASH, DASH, "0", verdict_text(result)]
     n = str(c.n) + (f" ({c.pairing.unpaired} unpaired)" if c.pairing.unpaired else "")
-    return [result.claim.claim, result.claim.paper, format_number(c.treatment_mean, digits),
-            format_number(c.baseline_mean, digits), format_comparison(c, digits), n, verdict_text(result)]
+    return [claim.claim, claim.paper, format_number(c.treatment_mean, digits),
+            fixed or format_number(c.baseline_mean, digits), format_comparison(c, digits), n, verdict_text(result)]
 
 
 def claims_notes(results: Sequence[ClaimResult]) -> list[str]:
@@ -233,11 +316,22 @@ def claims_notes(results: Sequence[ClaimResult]) -> list[str]:
            f"treatment, baseline = means over the paired seeds; n = seed pairs. Verdict: reproduced when the interval "
            f"excludes no effect in the paper's direction, opposite when it excludes it the other way, not resolved "
            f"when it contains it, n too small with fewer than 2 pairs."]
+    if any(r.claim.one_sample for r in results):
+        out.append("Baseline \"(fixed)\": a one-sample claim, the treatment's seeds against a constant: Δ = mean of "
+                   "(treatment − constant) (on a log scale the ratio to it), n = treatment seeds, same t interval.")
+    if any(r.claim.expect == "same" for r in results):
+        out.append("Expect same within a margin m (on a log scale a ratio factor: ratios within [1/m, m]): "
+                   "reproduced when the whole interval lies inside [−m, +m], opposite when it lies wholly outside "
+                   "that band, not resolved otherwise.")
     for r in results:
         c = r.claim
         fixed = f"; where {_fmt_labels(c.where)}" if c.where else ""
-        out.append(f"Claim {c.index + 1}: {c.metric}, agg {r.agg}, {c.scale} scale, expect {c.expect}; treatment "
-                   f"{_fmt_labels(c.treatment)} vs baseline {_fmt_labels(c.baseline)}{fixed}"
+        expect = c.expect
+        if c.margin is not None:
+            expect += f" within ×/÷{c.margin:g}" if c.scale == "log" else f" within ±{c.margin:g}"
+        versus = (f"baseline value {c.baseline_value:g}" if c.one_sample else f"baseline {_fmt_labels(c.baseline)}")
+        out.append(f"Claim {c.index + 1}: {c.metric}, agg {r.agg}, {c.scale} scale, expect {expect}; treatment "
+                   f"{_fmt_labels(c.treatment)} vs {versus}{fixed}"
                    + (f"; failed runs: {', '.join(r.failed)}" if r.failed else ""))
     return out
 

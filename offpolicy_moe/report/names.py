@@ -12,12 +12,13 @@ from typing import Iterable, Sequence
 from offpolicy_moe.report.runs import RunRecord
 
 
-def _leaf_keys(d: dict, prefix: str = "") -> set[str]:
+def leaf_keys(d: dict, prefix: str = "") -> set[str]:
+    """Dotted names of every non-mapping value of a nested dict (``{"a": {"b": 1}}`` -> ``{"a.b"}``)."""
     out: set[str] = set()
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out |= _leaf_keys(v, key + ".")
+            out |= leaf_keys(v, key + ".")
         else:
             out.add(key)
     return out
@@ -27,7 +28,7 @@ def known_axes(runs: Iterable[RunRecord]) -> tuple[list[str], set[str]]:
     """``(sweep axes + seed, config leaf keys)`` of ``runs``."""
     runs = list(runs)
     axes = sorted({a for r in runs for a in r.axes}) + ["seed"]
-    config_keys = set().union(*(_leaf_keys(r.config) for r in runs)) if runs else set()
+    config_keys = set().union(*(leaf_keys(r.config) for r in runs)) if runs else set()
     return axes, config_keys
 
 

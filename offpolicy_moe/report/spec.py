@@ -15,6 +15,10 @@
       claims:                     # checked with a paired t interval; see offpolicy_moe.report.claims
         - {claim: "R3 lowers the k3 KL", paper: "~1e-3 -> ~1e-5", metric: mismatch/k3_kl, expect: lower,
            treatment: {algorithm: grpo+r3}, baseline: {algorithm: grpo}, where: {ministep: single}, scale: log}
+        - {claim: "M2PO matches GRPO", paper: "fig. 1", metric: eval/accuracy, expect: same, margin: 0.02,
+           treatment: {algorithm: m2po}, baseline: {algorithm: grpo}}            # equivalence within ±margin
+        - {claim: "PR2 skill ratio < 1", paper: "-", metric: pr2/skill_ratio, expect: lower,
+           treatment: {algorithm: grpo+pr2}, baseline_value: 1.0}                # one sample, vs a constant
 
 ``offpolicy-moe table SWEEP`` / ``offpolicy-moe plot SWEEP`` without ``--metric(s)`` render these. Tables and
 plots of one sweep aggregate the same way unless an entry or ``--agg`` says otherwise (:func:`default_agg`).

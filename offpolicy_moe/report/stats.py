@@ -11,9 +11,17 @@ every other axis fixed. Runs of one seed share their data order and initialisati
 * log scale (ratio claims, "cuts the KL 100×"): ``d_i = log10 treatment_i − log10 baseline_i`` and the estimate and
   interval are reported back as ratios ``10**mean`` and ``(10**lo, 10**hi)`` (the ratio of geometric means, paired).
   Every value must be > 0;
+* one sample (a fixed baseline value ``c`` instead of a baseline cell, :func:`compare_to_value`): ``d_i = t_i − c``
+  (``log10 t_i − log10 c`` on the log scale) for every treatment seed ``i``, and the same interval with ``n`` the
+  number of treatment seeds: the one-sample t interval of ``mean(t) − c``;
 * verdict against an expected direction (``higher`` / ``lower``, treatment vs baseline): ``reproduced`` when the
   interval excludes 0 on the expected side (``lo > 0`` for higher, ``hi < 0`` for lower), ``opposite`` when it
-  excludes 0 on the other side, ``not resolved`` when it contains 0, ``n too small`` with fewer than two pairs.
+  excludes 0 on the other side, ``not resolved`` when it contains 0, ``n too small`` with fewer than two pairs;
+* equivalence (``same`` within a ``margin`` m > 0; on the log scale m is a ratio factor > 1 and the band is
+  ``[−log10 m, +log10 m]`` in log10 units, i.e. ratios in ``[1/m, m]``): ``reproduced`` when the whole interval lies
+  inside ``[−m, +m]`` (``−m ≤ lo`` and ``hi ≤ m``), ``opposite`` when it lies wholly outside the band (``lo > m`` or
+  ``hi < −m``), ``not resolved`` otherwise. A 95% interval inside the band is two one-sided tests at the 2.5% level
+  each (stricter than the common TOST at 5%, which uses a 90% interval).
 
 Pure functions of plain numbers; no file access.
 """
@@ -27,7 +35,9 @@ from scipy import stats as _scipy_stats
 
 CONFIDENCE = 0.95
 SCALES = ("linear", "log")
-EXPECTS = ("higher", "lower")
+EXPECTS = ("higher", "lower", "same")
+#: the directional expectations; ``same`` (equivalence) needs a margin instead
+DIRECTIONS = ("higher", "lower")
 
 REPRODUCED = "reproduced"
 OPPOSITE = "opposite"
@@ -86,6 +96,8 @@ class Comparison:
     pairing: Pairing
     interval: Optional[Interval]
     scale: str = "linear"
+    #: a one-sample comparison against this constant (:func:`compare_to_value`); None for two cells
+    baseline_value: Optional[float] = None
 
     @property
     def n(self) -> int:
@@ -192,18 +204,65 @@ def compare(treatment: Mapping[Hashable, float], baseline: Mapping[Hashable, flo
     return Comparison(pairing, t_interval(differences(pairing, scale), confidence), scale)
 
 
-def verdict(comparison: Optional[Comparison], expect: str) -> str:
+def compare_to_value(treatment: Mapping[Hashable, float], value: float, scale: str = "linear",
+                     confidence: float = CONFIDENCE) -> Comparison:
+    """One sample: the t interval of ``mean over seeds of (treatment − value)`` (``log10 treatment − log10 value``
+    on the log scale, reported back as a ratio to ``value``), ``n`` = the number of treatment seeds.
+
+    Every seed is "paired" with the constant, so nothing is unpaired and :attr:`Comparison.baseline_mean` is
+    ``value``. :class:`ValueError` for a non-finite value, or one that is not > 0 on the log scale.
+
+    >>> c = compare_to_value({0: 0.8, 1: 0.9, 2: 0.7}, 1.0)
+    >>> c.n, round(c.estimate, 4), round(c.hi, 4)
+    (3, -0.2, 0.0484)
+    """
+    _check_scale(scale)
+    v = float(value)
+    if not math.isfinite(v) or (scale == "log" and not v > 0):
+        raise ValueError(f"baseline_value must be a finite number{' > 0 on scale log' if scale == 'log' else ''}, "
+                         f"got {value!r}")
+    seeds = _sorted_seeds(set(treatment))
+    pairing = Pairing(seeds=seeds, treatment=[float(treatment[s]) for s in seeds], baseline=[v] * len(seeds))
+    return Comparison(pairing, t_interval(differences(pairing, scale), confidence), scale, baseline_value=v)
+
+
+def margin_band(margin: float, scale: str = "linear") -> float:
+    """The half width of the equivalence band on the interval's scale: ``margin`` (linear, > 0) or ``log10 margin``
+    (log: ``margin`` is a ratio factor > 1, the band is ratios in ``[1/margin, margin]``)."""
+    _check_scale(scale)
+    m = float(margin) if isinstance(margin, (int, float)) and not isinstance(margin, bool) else float("nan")
+    if scale == "log":
+        if not (math.isfinite(m) and m > 1):
+            raise ValueError(f"margin on scale log is a ratio factor and must be > 1 (1.1 = within ×/÷1.1), "
+                             f"got {margin!r}")
+        return math.log10(m)
+    if not (math.isfinite(m) and m > 0):
+        raise ValueError(f"margin must be a number > 0, got {margin!r}")
+    return m
+
+
+def verdict(comparison: Optional[Comparison], expect: str, margin: Optional[float] = None) -> str:
     """``reproduced`` | ``opposite`` | ``not resolved`` | ``n too small`` | ``no runs`` (see the module docstring).
 
-    ``expect`` is the direction of treatment vs baseline that the claim makes: ``higher`` or ``lower``.
+    ``expect`` is what the claim says of treatment vs baseline: ``higher``, ``lower``, or ``same`` within
+    ``margin`` (required for ``same`` and refused otherwise; a ratio factor > 1 on the log scale).
     """
     if expect not in EXPECTS:
         raise ValueError(f"expect must be one of {', '.join(EXPECTS)}, got {expect!r}")
+    if expect == "same" and margin is None:
+        raise ValueError("expect same needs a margin")
+    if expect != "same" and margin is not None:
+        raise ValueError(f"a margin is only for expect same, not {expect}")
+    band = None if margin is None else margin_band(margin, comparison.scale if comparison is not None else "linear")
     if comparison is None or comparison.n == 0:
         return NO_RUNS
     iv = comparison.interval
     if iv is None or iv.lo is None:
         return N_TOO_SMALL
+    if band is not None:
+        if -band <= iv.lo and iv.hi <= band:
+            return REPRODUCED
+        return OPPOSITE if (iv.lo > band or iv.hi < -band) else NOT_RESOLVED
     if not iv.excludes_zero:
         return NOT_RESOLVED
     went_higher = iv.lo > 0

@@ -35,7 +35,7 @@ import yaml
 
 from offpolicy_moe.config.load import save_resolved
 from offpolicy_moe.config.validate import ConfigError, validate
-from offpolicy_moe.sweep.plan import Experiment, RunSpec, load_experiment, plan_runs
+from offpolicy_moe.sweep.plan import Experiment, RunSpec, check_claims, load_experiment, plan_runs
 from offpolicy_moe.report.runs import read_json
 
 TRAIN_CMD_ENV = "OFFPOLICY_MOE_TRAIN_CMD"
@@ -104,12 +104,15 @@ def run_sweep(
     small models of the CPU-scale experiments gain nothing from more, and several multi-threaded runs on a few
     cores oversubscribe them badly, so use ``jobs`` (about the number of cores) for parallelism.
 
-    Raises :class:`ConfigError` if any run's config is invalid, or if the sweep folder already holds runs and
-    neither ``resume`` nor ``overwrite`` is set.
+    Raises :class:`ConfigError` if any run's config is invalid, if an entry of ``report.claims`` is malformed or
+    names an axis the grid does not have, or if the sweep folder already holds runs and neither ``resume`` nor
+    ``overwrite`` is set.
     """
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
     runs = plan_runs(exp, seeds=seeds, overrides=overrides)
     _validate_runs(exp, runs, log)
+    for w in check_claims(exp, runs):      # report.claims' axis names, before any run (keys: load_experiment)
+        log(f"warning: {w}")
     if threads < 1:
         raise ConfigError(f"threads must be >= 1, got {threads}")
     sweep_dir = Path(out) if out is not None else Path("runs") / exp.name

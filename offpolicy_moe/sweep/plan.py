@@ -21,6 +21,9 @@ Format (YAML)::
     report:                       # optional: tables and plots that `offpolicy-moe table/plot SWEEP` render
       tables: [{rows: algorithm, cols: staleness, metric: eval/accuracy, agg: "mean_last:3"}]
       plots:  [{metrics: [reward/mean], by: algorithm}]
+      claims: [...]               # checked at plan time (see offpolicy_moe.report.claims): the entries' keys and
+                                  # values when the file is parsed, their axis names against the grid and the
+                                  # planned configs by check_claims, before any run starts
 
 Merging for one run: ``base`` < each axis's fragment (in grid order) < ``seed=<s>`` < command-line overrides.
 ``preset`` lists CONCATENATE (base's first, then the axes'), every other key is replaced by the later layer.
@@ -36,9 +39,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
-from offpolicy_moe.config.load import deep_merge, load_config_dict, nest_dotted
+from offpolicy_moe.config.load import deep_merge, load_config_dict, nest_dotted, to_dict
 from offpolicy_moe.config.schema import TrainConfig
 from offpolicy_moe.config.validate import ConfigError
+from offpolicy_moe.report.claims import Claim, check_claim_axes, parse_claims
 
 _LABEL_RE = re.compile(r"[^A-Za-z0-9._+\-]+")
 
@@ -63,6 +67,8 @@ class Experiment:
     report: dict = field(default_factory=dict)
     source: Optional[Path] = None
     raw: dict = field(default_factory=dict)
+    claims: list[Claim] = field(default_factory=list)   # report.claims, parsed (keys and values checked)
+    source_name: str = "<experiment>"                   # how errors name the file
 
 
 @dataclass
@@ -134,6 +140,10 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<experiment>") -> Ex
     report = raw.get("report") or {}
     if not isinstance(report, Mapping):
         raise ConfigError(f"{source}: 'report' must be a mapping with 'tables', 'plots' and/or 'claims'")
+    try:
+        claims = parse_claims(report.get("claims"), where=f"{source}: report")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return Experiment(
         name=str(raw.get("name") or "sweep"),
         description=str(raw.get("description") or ""),
@@ -143,6 +153,8 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<experiment>") -> Ex
         exclude=[{k: sanitize_label(v) for k, v in e.items()} for e in exclude],
         report=dict(report),
         raw=dict(raw),
+        claims=claims,
+        source_name=source,
     )
 
 
@@ -228,3 +240,21 @@ def plan_runs(
     if not runs:
         raise ConfigError(f"experiment '{exp.name}': the grid is empty (everything excluded?)")
     return runs
+
+
+def check_claims(exp: Experiment, runs: Sequence[RunSpec]) -> list[str]:
+    """The axis names of ``report.claims`` against the grid (and the planned runs' config keys), before any run
+    starts: an unknown axis is a one-line :class:`ConfigError`; a label the grid lacks (the claim will read
+    ``no runs``) and fewer than two seeds (every claim will read ``n too small``) are returned as warnings."""
+    if not exp.claims:
+        return []
+    try:
+        warnings = check_claim_axes(exp.claims, {a.name: a.labels for a in exp.axes},
+                                    (to_dict(r.config) for r in runs), where=f"{exp.source_name}: report")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    seeds = sorted({r.seed for r in runs})
+    if len(seeds) < 2:
+        warnings.append(f"{exp.source_name}: report.claims: {len(seeds)} seed ({', '.join(map(str, seeds))}); "
+                        f"every claim will read 'n too small' (a t interval needs 2 seeds)")
+    return warnings

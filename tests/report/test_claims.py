@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from offpolicy_moe.cli import main
-from offpolicy_moe.report.claims import evaluate_claims, parse_claims, render_claims
+from offpolicy_moe.report.claims import check_claim_axes, evaluate_claims, parse_claims, render_claims
 from offpolicy_moe.report.spec import report_spec
 from offpolicy_moe.report.stats import MARKER, NO_RUNS, NOT_RESOLVED, OPPOSITE, REPRODUCED
 from offpolicy_moe.report.table import build_table, render_table
@@ -359,3 +359,160 @@ def test_sweep_then_claims_end_to_end(tmp_path, capsys):
     assert same[4] == "+0 [+0, +0]" and same[5] == "2 (1 unpaired)"
     assert same[6] == "not resolved — the fake trainer ignores the loss"
     assert by_claim["ppo beats grpo"][6].startswith("no runs: no treatment (algorithm=ppo, staleness=0) run")
+
+
+# ------------------------------------------------------------------- equivalence (expect same) and one-sample claims
+SAME_AND_ONE_SAMPLE = """
+report:
+  claims:
+    - {claim: tis matches grpo, paper: p, metric: eval/accuracy, treatment: {algorithm: tis},
+       baseline: {algorithm: grpo}, where: {ministep: multi}, expect: same, margin: 0.2}
+    - {claim: tis matches grpo closely, paper: p, metric: eval/accuracy, treatment: {algorithm: tis},
+       baseline: {algorithm: grpo}, where: {ministep: multi}, expect: same, margin: 0.1}
+    - {claim: r3 matches grpo exactly, paper: p, metric: eval/accuracy, treatment: {algorithm: r3},
+       baseline: {algorithm: grpo}, where: {ministep: multi}, expect: same, margin: 0.001}
+    - {claim: r3 keeps the KL within 1.5x, paper: p, metric: mismatch/k3_kl, treatment: {algorithm: r3},
+       baseline: {algorithm: grpo}, where: {ministep: multi}, expect: same, margin: 1.5, scale: log}
+    - {claim: r3 beats 0.5, paper: p, metric: eval/accuracy, treatment: {algorithm: r3}, baseline_value: 0.5,
+       where: {ministep: single}, expect: higher}
+    - {claim: r3 KL below 1e-3, paper: p, metric: mismatch/k3_kl, treatment: {algorithm: r3},
+       baseline_value: 1.0e-3, where: {ministep: single}, expect: lower, scale: log}
+    - {claim: tis sits at 0.3, paper: p, metric: eval/accuracy, treatment: {algorithm: tis}, baseline_value: 0.3,
+       where: {ministep: multi}, expect: same, margin: 0.01}
+    - {claim: pr2 skill below 1, paper: p, metric: eval/accuracy, treatment: {algorithm: pr2}, baseline_value: 1,
+       where: {ministep: multi}, expect: lower}
+"""
+
+
+def test_same_and_one_sample_claims_by_hand(tmp_path):
+    sw = _sweep(tmp_path, SAME_AND_ONE_SAMPLE)
+    res = evaluate_claims(sw, report_spec(sw)["claims"], "final")
+    loose, close, exact, kl_same, above, kl_low, flat, pr2 = res
+    # tis - grpo, multi: 0, -0.05, -0.1 -> mean -0.05, sd 0.05, half 4.302653 * 0.05 / sqrt(3) = 0.124207
+    assert loose.comparison.lo == pytest.approx(-0.174207, abs=1e-6)
+    assert loose.comparison.hi == pytest.approx(0.074207, abs=1e-6)
+    assert loose.verdict == REPRODUCED and close.verdict == NOT_RESOLVED       # inside ±0.2; pokes out of ±0.1
+    # r3 - grpo, multi: [+0.002324, +0.031009], wholly above +0.001
+    assert exact.comparison.lo == pytest.approx(0.002324, abs=1e-6) and exact.verdict == OPPOSITE
+    # KL r3 / grpo, multi: 1 in every seed, a point interval at ratio 1 inside [1/1.5, 1.5]
+    assert kl_same.comparison.estimate == pytest.approx(1.0) and kl_same.verdict == REPRODUCED
+    # r3 single accuracy 0.52, 0.61, 0.60 vs 0.5: diffs 0.02, 0.11, 0.10, mean 0.076667, sd 0.049329,
+    # half 4.302653 * 0.049329 / sqrt(3) = 0.122540 -> [-0.045873, +0.199206]: not resolved
+    assert above.comparison.n == 3 and above.comparison.estimate == pytest.approx(0.076667, abs=1e-6)
+    assert above.comparison.lo == pytest.approx(-0.045873, abs=1e-6) and above.verdict == NOT_RESOLVED
+    # r3 single KL 1e-5, 3e-5, 2e-5 vs 1e-3: ratios 0.01, 0.03, 0.02, geometric mean (6e-6)^(1/3) = 0.018171;
+    # log10 ratios mean -1.740616, sd 0.241272, half 0.599352 -> hi 10^-1.141264 = 0.072233 < 1
+    assert kl_low.comparison.estimate == pytest.approx((6e-6) ** (1 / 3), rel=1e-9)
+    assert kl_low.comparison.hi == pytest.approx(0.072233, rel=1e-5) and kl_low.verdict == REPRODUCED
+    assert flat.comparison.lo == flat.comparison.hi == pytest.approx(0.0) and flat.verdict == REPRODUCED
+    assert pr2.verdict == NO_RUNS and pr2.reason == "no treatment (algorithm=pr2, ministep=multi) run"
+    rows = list(csv.reader(io.StringIO(render_claims(res, "csv", notes=False))))[1:]
+    assert rows[4] == ["r3 beats 0.5", "p", "0.577", "0.5 (fixed)", "+0.0767 [-0.0459, +0.199]", "3",
+                       "not resolved"]
+    assert rows[5][3:] == ["0.001 (fixed)", f"×0.0182 [×0.00457, ×0.0722]{MARKER}", "3", "reproduced"]
+    assert rows[7][2:6] == ["–", "1 (fixed)", "–", "0"]               # the constant shows even without runs
+    assert rows[0][4:] == ["-0.05 [-0.174, +0.0742]", "3", "reproduced"]
+    notes = render_claims(res, "md")
+    assert "Claim 1: eval/accuracy, agg final, linear scale, expect same within ±0.2; treatment algorithm=tis vs " \
+           "baseline algorithm=grpo; where ministep=multi" in notes
+    assert "expect same within ×/÷1.5" in notes and "vs baseline value 0.001; where ministep=single" in notes
+    assert "one-sample claim" in notes and "wholly outside" in notes
+
+
+BAD_NEW = [
+    ("{claim: a, paper: p, metric: m, treatment: {algorithm: r3}, baseline: {algorithm: grpo}, expect: same}",
+     r"report\.claims\[1\]: expect same needs margin"),
+    ("{claim: a, paper: p, metric: m, treatment: {algorithm: r3}, baseline: {algorithm: grpo}, expect: higher, "
+     "margin: 0.1}", r"report\.claims\[1\]\.margin is only for expect same, not expect higher"),
+    ("{claim: a, paper: p, metric: m, treatment: {algorithm: r3}, baseline: {algorithm: grpo}, expect: same, "
+     "margin: 0}", r"report\.claims\[1\]\.margin must be a number > 0, got 0"),
+    ("{claim: a, paper: p, metric: m, treatment: {algorithm: r3}, baseline: {algorithm: grpo}, expect: same, "
+     "margin: 0.5, scale: log}", r"report\.claims\[1\]\.margin on scale log is a ratio factor and must be > 1"),
+    ("{claim: a, paper: p, metric: m, treatment: {algorithm: r3}, expect: lower}",
+     r"report\.claims\[1\]: give exactly one of baseline .* or baseline_value .*, got neither"),
+    ("{claim: a, paper: p, metric: m, treatment: {algorithm: r3}, baseline: {algorithm: grpo}, baseline_value: 1, "
+     "expect: lower}", r"report\.claims\[1\]: give exactly one of baseline .*, got both"),
+    ("{claim: a, paper: p, metric: m, treatment: {algorithm: r3}, baseline_value: one, expect: lower}",
+     r"report\.claims\[1\]\.baseline_value must be a finite number, got 'one'"),
+    ("{claim: a, paper: p, metric: m, treatment: {algorithm: r3}, baseline_value: 0, expect: lower, scale: log}",
+     r"report\.claims\[1\]\.baseline_value must be > 0 on scale log, got 0"),
+]
+
+
+@pytest.mark.parametrize("entry,message", BAD_NEW, ids=[m.split("]")[-1][:30] for _, m in BAD_NEW])
+def test_bad_same_and_one_sample_specs_are_one_line_errors(tmp_path, capsys, entry, message):
+    sw = _sweep(tmp_path, f"report:\n  claims:\n    - {GOOD}\n    - {entry}\n")
+    assert main(["table", str(sw), "--claims"]) == 2
+    line = _one_error_line(capsys)
+    assert re.search(message, line), line
+
+
+def test_parse_one_sample_and_same_claims():
+    one, same = parse_claims([
+        {"claim": "a", "paper": "p", "metric": "m", "treatment": {"k": 1}, "baseline_value": 1, "expect": "lower"},
+        {"claim": "b", "paper": "p", "metric": "m", "treatment": {"k": 1}, "baseline": {"k": 0}, "expect": "same",
+         "margin": 2, "scale": "log"}])
+    assert one.baseline_value == 1.0 and one.one_sample and one.baseline == {} and one.margin is None
+    assert same.margin == 2.0 and not same.one_sample and same.baseline == {"k": "0"}
+
+
+# ------------------------------------------------------------------------- plan-time validation by `sweep`
+def _plan_exp(tmp_path, claims: str) -> Path:
+    p = tmp_path / "tiny.yaml"
+    p.write_text(EXP.split("report:")[0] + "report:\n  claims:\n" + claims)
+    return p
+
+
+PLAN_BAD = [
+    ("    - {claim: a, paper: p, metric: reward/mean, treatment: {staleness: 2}, baseline: {staleness: 0}, "
+     "expct: higher}\n", r"tiny\.yaml: report\.claims\[0\]: unknown key\(s\) \['expct'\]"),
+    ("    - {claim: a, paper: p, metric: reward/mean, treatment: {staleness: 2}, baseline: {staleness: 0}, "
+     "expect: same}\n", r"tiny\.yaml: report\.claims\[0\]: expect same needs margin"),
+    ("    - {claim: a, paper: p, metric: reward/mean, treatment: {staleness: 2}, baseline: {staleness: 0}, "
+     "expect: up}\n", r"report\.claims\[0\]\.expect must be one of higher, lower, got 'up' \(or same"),
+    ("    - {claim: a, paper: p, metric: reward/mean, treatment: {staleness: 2}, baseline_value: 0.1, "
+     "expect: higher, where: {algoritm: grpo}}\n",
+     r"tiny\.yaml: report\.claims\[0\]\.where: unknown axis 'algoritm': not a grid axis \(algorithm, staleness, "
+     r"seed\) nor a config key\. Did you mean 'algorithm'"),
+]
+
+
+@pytest.mark.parametrize("claims,message", PLAN_BAD, ids=["key", "margin", "expect", "axis"])
+@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "run"])
+def test_sweep_refuses_bad_claims_before_any_run(tmp_path, capsys, monkeypatch, claims, message, dry):
+    exp = _plan_exp(tmp_path, claims)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("FAKE_TRAIN_LOG", str(calls))
+    out = tmp_path / "sw"
+    rc = main(["sweep", str(exp), "--out", str(out), "--train-cmd", " ".join(FAKE), "--no-progress"]
+              + (["--dry-run"] if dry else []))
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("offpolicy-moe sweep: error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert not calls.exists() and not out.exists() and "planned" not in cap.out   # nothing ran, nothing written
+
+
+def test_sweep_accepts_config_keys_and_warns_about_unknown_labels(tmp_path, capsys):
+    exp = _plan_exp(tmp_path, "    - {claim: a, paper: p, metric: reward/mean, treatment: {algorithm: ppo}, "
+                              "baseline: {algorithm: grpo}, where: {trainer.steps: 3, seed: 0}, expect: higher}\n"
+                              "    - {claim: b, paper: p, metric: reward/mean, treatment: {staleness: 2}, "
+                              "baseline_value: 0, expect: same, margin: 0.5}\n")
+    assert main(["sweep", str(exp), "--out", str(tmp_path / "sw"), "--dry-run", "--seeds", "0"]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: " + str(exp) + ": report.claims[0].treatment: grid axis 'algorithm' has no label 'ppo' "
+            "(labels: grpo, unclipped); the claim will read 'no runs'") in out
+    assert "report.claims: 1 seed (0); every claim will read 'n too small'" in out
+    assert "12 runs planned" not in out and "4 runs planned" in out
+
+
+def test_check_claim_axes_directly():
+    (c,) = parse_claims([{"claim": "a", "paper": "p", "metric": "m", "treatment": {"algo": "x"},
+                          "baseline": {"algo": "y"}, "expect": "lower"}])
+    assert check_claim_axes([c], {"algo": ["x", "y"]}, configs=iter(())) == []
+    assert check_claim_axes([c], {"algo": ["x"]}) == [
+        "report.claims[0].baseline: grid axis 'algo' has no label 'y' (labels: x); the claim will read 'no runs'"]
+    with pytest.raises(ValueError, match=r"report\.claims\[0\]\.treatment: unknown axis 'algo': not a grid axis "
+                                         r"\(algorithm, seed\) nor a config key\. Did you mean 'algo\.lr'"):
+        check_claim_axes([c], {"algorithm": ["x"]}, configs=[{"algo": {"lr": 1}}])
+    assert check_claim_axes([c], {}, configs=[{"algo": 3}]) == []     # a config leaf key is an axis too

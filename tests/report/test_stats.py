@@ -12,8 +12,10 @@ from offpolicy_moe.report.stats import (
     OPPOSITE,
     REPRODUCED,
     compare,
+    compare_to_value,
     differences,
     format_comparison,
+    margin_band,
     pair_by_seed,
     t_interval,
     t_quantile,
@@ -121,3 +123,79 @@ def test_format_comparison_marks_only_intervals_that_exclude_zero():
     assert format_comparison(_cmp([0.3, 0.1, 0.4, 0.2, 0.5]), digits=2) == f"+0.3 [+0.1, +0.5]{MARKER}"
     assert format_comparison(_cmp([0.031])) == "+0.031"
     assert format_comparison(compare({0: 1.0}, {1: 1.0})) == "–"
+
+
+# ------------------------------------------------------------------------------ equivalence (expect same, margin)
+def test_same_within_a_margin_every_branch_by_hand():
+    # diffs 0.01, 0.02, 0.03: mean 0.02, sd 0.01, half 4.302653 * 0.01 / sqrt(3) = 0.024841 -> [-0.004841, 0.044841]
+    near = _cmp([0.01, 0.02, 0.03])
+    assert near.lo == pytest.approx(-0.004841, abs=1e-6) and near.hi == pytest.approx(0.044841, abs=1e-6)
+    assert verdict(near, "same", margin=0.05) == REPRODUCED        # inside [-0.05, 0.05]
+    assert verdict(near, "same", margin=0.04) == NOT_RESOLVED      # hi 0.0448 pokes out of [-0.04, 0.04]
+    # diffs 1.0, 1.2, 0.9: mean 1.033333, sd 0.152753, half 4.302653 * 0.152753 / sqrt(3) = 0.379458
+    far = _cmp([1.0, 1.2, 0.9])
+    assert far.lo == pytest.approx(0.653875, abs=1e-5) and far.hi == pytest.approx(1.412792, abs=1e-5)
+    assert verdict(far, "same", margin=0.5) == OPPOSITE             # wholly above +0.5
+    assert verdict(far, "same", margin=0.7) == NOT_RESOLVED         # straddles +0.7
+    assert verdict(far, "same", margin=1.5) == REPRODUCED
+    assert verdict(_cmp([-1.0, -1.2, -0.9]), "same", margin=0.5) == OPPOSITE   # wholly below -0.5
+    flat = _cmp([0.25, 0.25, 0.25])                                 # a point interval at 0.25
+    assert verdict(flat, "same", margin=0.25) == REPRODUCED        # the band is closed
+    assert verdict(flat, "same", margin=0.2) == OPPOSITE
+    assert verdict(_cmp([5.0]), "same", margin=1.0) == N_TOO_SMALL
+    assert verdict(None, "same", margin=1.0) == NO_RUNS
+
+
+def test_same_on_the_log_scale_takes_the_margin_as_a_ratio_factor():
+    d = [0.01, 0.02, 0.03]                                           # log10 ratios, as above: [-0.004841, 0.044841]
+    c = compare({i: 2.0 * 10 ** x for i, x in enumerate(d)}, {i: 2.0 for i in range(3)}, scale="log")
+    assert c.lo == pytest.approx(10 ** -0.004841, rel=1e-5) and c.hi == pytest.approx(1.108769, rel=1e-5)
+    assert margin_band(1.12, "log") == pytest.approx(0.049218, abs=1e-6)
+    assert verdict(c, "same", margin=1.12) == REPRODUCED            # ratios [0.989, 1.109] inside [1/1.12, 1.12]
+    assert verdict(c, "same", margin=1.1) == NOT_RESOLVED           # 1.109 > 1.1
+    with pytest.raises(ValueError, match=r"margin on scale log is a ratio factor and must be > 1"):
+        verdict(c, "same", margin=0.05)
+
+
+def test_margin_is_required_for_same_and_refused_otherwise():
+    up = _cmp([1.0, 1.2, 0.9])
+    with pytest.raises(ValueError, match="expect same needs a margin"):
+        verdict(up, "same")
+    with pytest.raises(ValueError, match="a margin is only for expect same, not higher"):
+        verdict(up, "higher", margin=0.1)
+    for bad in (0, -0.1, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="margin must be a number > 0"):
+            margin_band(bad)
+
+
+# ------------------------------------------------------------------------------ one sample (baseline_value)
+def test_one_sample_interval_by_hand():
+    # skill ratios 0.7, 0.9, 0.8, 0.6, 0.5 vs 1: diffs -0.3, -0.1, -0.2, -0.4, -0.5, mean -0.3, sd 0.158114,
+    # half 2.776445 * 0.158114 / sqrt(5) = 0.196324 -> [-0.496324, -0.103676]
+    c = compare_to_value({0: 0.7, 1: 0.9, 2: 0.8, 3: 0.6, 4: 0.5}, 1.0)
+    assert c.n == 5 and c.pairing.unpaired == 0 and c.baseline_value == 1.0
+    assert c.estimate == pytest.approx(-0.3) and c.interval.sd == pytest.approx(0.158114, abs=1e-6)
+    assert c.lo == pytest.approx(-0.496324, abs=1e-6) and c.hi == pytest.approx(-0.103676, abs=1e-6)
+    assert c.treatment_mean == pytest.approx(0.7) and c.baseline_mean == 1.0
+    assert verdict(c, "lower") == REPRODUCED and verdict(c, "higher") == OPPOSITE
+    # 0.8, 0.9, 0.7 vs 1: diffs mean -0.2, sd 0.1, half 4.302653 * 0.1 / sqrt(3) = 0.248414 -> contains 0
+    c3 = compare_to_value({"0": 0.8, "1": 0.9, "2": 0.7}, 1.0)
+    assert c3.hi == pytest.approx(0.048414, abs=1e-6) and verdict(c3, "lower") == NOT_RESOLVED
+    assert format_comparison(c3) == "-0.2 [-0.448, +0.0484]"
+    assert verdict(compare_to_value({0: 0.5}, 1.0), "lower") == N_TOO_SMALL
+    assert verdict(compare_to_value({}, 1.0), "lower") == NO_RUNS
+
+
+def test_one_sample_on_the_log_scale_is_a_ratio_to_the_value():
+    # 0.1, 0.01, 0.001 vs 1: log10 ratios -1, -2, -3: mean -2, sd 1, half 2.484138 -> ratios 10^-4.484138, 10^0.484138
+    c = compare_to_value({0: 0.1, 1: 0.01, 2: 0.001}, 1.0, scale="log")
+    assert c.estimate == pytest.approx(0.01) and c.lo == pytest.approx(3.27991e-5, rel=1e-4)
+    assert c.hi == pytest.approx(3.048864, rel=1e-5) and verdict(c, "lower") == NOT_RESOLVED
+    assert verdict(c, "same", margin=1e4) == NOT_RESOLVED           # log10 band ±4: lo -4.48 is below it
+    assert verdict(c, "same", margin=1e5) == REPRODUCED             # ±5 holds [-4.48, +0.48]
+    with pytest.raises(ValueError, match=r"baseline_value must be a finite number > 0 on scale log, got 0"):
+        compare_to_value({0: 1.0, 1: 2.0}, 0, scale="log")
+    with pytest.raises(ValueError, match=r"scale log needs values > 0, but the treatment of seed 1 is 0"):
+        compare_to_value({0: 1.0, 1: 0.0}, 1.0, scale="log")
+    with pytest.raises(ValueError, match=r"baseline_value must be a finite number, got nan"):
+        compare_to_value({0: 1.0, 1: 2.0}, float("nan"))
