@@ -52,3 +52,16 @@ def test_gpu_twin_same_grid_and_placeholders_refused(name, tmp_path):
     for r in runs:
         validate(r.config)
         assert r.config.model.path == str(model) and r.config.rollout.max_new_tokens >= 512
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_twin_makes_the_same_claims(name):
+    """The GPU twin checks the CPU file's claims: same comparisons, expectations and margins (the metric and the
+    aggregation may differ with the task and the evaluation cadence), and lays out the same tables."""
+    def key(c):
+        return (c.claim, c.treatment, c.baseline, c.baseline_value, c.where, c.expect, c.margin, c.scale)
+    cpu = load_experiment(ROOT / f"{name}.yaml")
+    gpu = load_experiment(ROOT / "gpu" / f"{name}.yaml")
+    assert cpu.claims and [key(c) for c in gpu.claims] == [key(c) for c in cpu.claims]
+    layout = [(t.get("rows"), t.get("cols"), t.get("baseline"), t.get("where")) for t in cpu.report["tables"]]
+    assert [(t.get("rows"), t.get("cols"), t.get("baseline"), t.get("where")) for t in gpu.report["tables"]] == layout
