@@ -154,6 +154,16 @@ def check_routing(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
     if replay == "r2" and cfg.trainer.updates_per_step == 1:
         found.warn("algo.routing.replay=r2 with trainer.updates_per_step=1: R2 only fixes routing drift across "
                    "mini-steps")
+    rt = cfg.algo.routing
+    if rt.drift_metrics and model_is_moe is False:
+        found.warn("algo.routing.drift_metrics=true on a dense model has no effect (no routes)")
+    elif rt.drift_metrics and not rt.metrics and replay not in ("r3", "pr2"):
+        found.error("algo.routing.drift_metrics=true needs the engine's routes: set algo.routing.metrics=true "
+                    "(or replay r3/pr2, which record them)")
+    elif (rt.drift_metrics and cfg.trainer.updates_per_step == 1 and cfg.buffer.staleness == 0
+          and cfg.buffer.mode == "fixed"):
+        found.warn("algo.routing.drift_metrics=true with one update per on-policy batch logs nothing: drift/* is "
+                   "measured at off-policy mini-steps only")
 
 
 def async_problems(cfg: Any) -> list[str]:

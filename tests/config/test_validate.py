@@ -96,6 +96,7 @@ def test_config_error_is_value_error():
         ([], ["r2"], ["r2", "trainer.updates_per_step"]),
         (["trainer.updates_per_step=3"], [], ["trainer.updates_per_step"]),
         (["algo.correction.high=0.5"], ["tis"], ["algo.correction.high"]),
+        (["algo.routing.drift_metrics=true"], [], ["algo.routing.drift_metrics", "off-policy"]),
     ],
 )
 def test_warnings_name_keys(overrides, presets, keys):
@@ -150,3 +151,17 @@ def test_async_combinations_it_cannot_run_are_refused_before_compute(overrides, 
     """These passed --dry-run and failed only once the trainer had built the model and the pipeline."""
     with pytest.raises(ConfigError, match=key):
         validate(load_config(overrides=overrides), model_is_moe=True)
+
+
+def test_drift_metrics_need_engine_routes():
+    """drift/* compares the engine's recorded routes with the current router: without them it would log nothing."""
+    with pytest.raises(ConfigError, match="drift_metrics=true needs the engine's routes"):
+        validate(load_config(overrides=["algo.routing.drift_metrics=true", "algo.routing.metrics=false",
+                                        "trainer.updates_per_step=2"]), model_is_moe=True)
+    for preset in ("r3", "pr2"):     # replay records the engine's routes anyway
+        validate(load_config(presets=[preset], overrides=["algo.routing.drift_metrics=true",
+                                                          "algo.routing.metrics=false", "trainer.updates_per_step=2"]),
+                 model_is_moe=True)
+    warnings = validate(load_config(overrides=["algo.routing.drift_metrics=true", "trainer.updates_per_step=2"]),
+                        model_is_moe=False)
+    assert any("drift_metrics" in w and "dense" in w for w in warnings)
