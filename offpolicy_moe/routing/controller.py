@@ -65,6 +65,15 @@ class _Replay:
             self.by_device[key] = (t.ids.long(), None if bool(rec.all()) else rec)
         return self.by_device[key]
 
+    def layer(self, i: int, b: int, s: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MoE layer ``i``'s replayed ids ``[B*s, K]`` and recorded flags ``[B*s]`` (None: all recorded) for a router
+        call that saw ``[B, s] = (b, s)`` tokens; a trace laid out differently is a ``ValueError``."""
+        ids, rec = self.rows(device)
+        if tuple(ids.shape[:2]) != (b, s):
+            raise ValueError(f"replay trace has [B, S] = {tuple(ids.shape[:2])} but the forward's MoE layer {i} saw "
+                             f"[B, s] = {(b, s)}: lay the trace out exactly like the input_ids")
+        return ids[:, :, i].reshape(b * s, -1), (None if rec is None else rec.reshape(b * s))
+
 
 @dataclass
 class _Offsets:
@@ -431,13 +440,8 @@ class RoutingController(GenericRuleHooks):
             if d_sel is not None:
                 idx = ad.select(router, (logits.detach().float() + d_sel).to(logits.dtype))
             if self._replay is not None:
-                ids, rec = self._replay.rows(logits.device)
-                tb, ts = ids.shape[:2]
-                if (tb, ts) != (b, sl):
-                    raise ValueError(f"replay trace has [B, S] = {(tb, ts)} but the forward's MoE layer {i} saw "
-                                     f"[B, s] = {(b, sl)}: lay the trace out exactly like the input_ids")
-                rep = ids[:, :, i].reshape(n, -1)
-                idx = rep if rec is None else torch.where(rec.reshape(n, 1), rep, idx)
+                rep, rec = self._replay.layer(i, b, sl, logits.device)
+                idx = rep if rec is None else torch.where(rec[:, None], rep, idx)
             modified = d_sel is not None or self._replay is not None
             if modified:
                 lw = logits if d_w is None else (logits.float() + d_w).to(logits.dtype)

@@ -88,16 +88,11 @@ class GenericRuleHooks:
         if d_sel is not None and d_sel is not d_w:  # selection and weights see different logits: probe first
             forced = self._probe(s, module, args, kwargs, n, d_sel).used
         if self._replay is not None:
-            ids, rec = self._replay.rows(h.device)
-            tb, ts = ids.shape[:2]
-            if (tb, ts) != (b, sl):
-                raise ValueError(f"replay trace has [B, S] = {(tb, ts)} but the forward's MoE layer {i} saw "
-                                 f"[B, s] = {(b, sl)}: lay the trace out exactly like the input_ids")
-            rep = ids[:, :, i].reshape(n, -1)
+            rep, rec = self._replay.layer(i, b, sl, h.device)
             if forced is not None and rec is not None:
-                forced = torch.where(rec.reshape(n, 1), rep, forced)
+                forced = torch.where(rec[:, None], rep, forced)
             else:
-                forced, rows = rep, (None if rec is None else rec.reshape(n))
+                forced, rows = rep, rec
         mode = TopKIntercept(n, e, k, forced=forced, forced_rows=rows, shift=d_w)
         mode.bs = (b, sl)
         if mode.modified and (
