@@ -58,11 +58,19 @@ def archive(sweep: Path, out: Path) -> int:
         for name in RUN_FILES:
             if (run / name).is_file():
                 shutil.copy2(run / name, target / name)
-        with open(run / "metrics.jsonl") as src, open(target / "metrics.jsonl", "w") as dst:
-            for line in src:
-                if line.strip():
+        src_metrics = run / "metrics.jsonl"
+        if not src_metrics.is_file():       # a run that failed before logging: its status says so in the tables
+            count += 1
+            continue
+        with open(src_metrics) as src, open(target / "metrics.jsonl", "w") as dst:
+            for lineno, line in enumerate(src, 1):
+                if not line.strip():
+                    continue
+                try:
                     row = json.loads(line)
-                    dst.write(json.dumps({k: v for k, v in row.items() if k in keep}) + "\n")
+                except ValueError:
+                    raise SystemExit(f"error: {src_metrics}:{lineno} is not a JSON line") from None
+                dst.write(json.dumps({k: v for k, v in row.items() if k in keep}) + "\n")
         count += 1
     return count
 

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from offpolicy_moe.cli import main
 from tests.report.test_claims import _sweep
 
@@ -37,3 +39,16 @@ def test_archive_keeps_rows_and_report_keys_and_renders_the_same(tmp_path, capsy
         after = [json.loads(x) for x in (out / "runs" / run.name / "metrics.jsonl").read_text().splitlines()]
         assert after == [{k: v for k, v in r.items() if k != "perf/time_step_s"} for r in before]
     assert _render(out / "runs", capsys) == _render(sw, capsys).replace(str(sw), str(out / "runs"))
+
+
+def test_archive_keeps_a_run_that_logged_nothing_and_names_a_corrupt_line(tmp_path, capsys):
+    sw = _sweep(tmp_path)
+    failed = next(p for p in sorted(sw.iterdir()) if (p / "run.json").is_file())
+    (failed / "metrics.jsonl").unlink()
+    out = tmp_path / "results"
+    assert archive_sweep.archive(sw, out) == 18
+    assert (out / "runs" / failed.name / "run.json").is_file()
+    assert not (out / "runs" / failed.name / "metrics.jsonl").exists()
+    (failed / "metrics.jsonl").write_text('{"step": 1}\n{not json\n')
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:2 is not a JSON line"):
+        archive_sweep.archive(sw, out)
