@@ -7,7 +7,10 @@ run in a fresh process.  Reported per cell: median s/step and rollout tokens/s o
 ratios, ours' and TRL's peak resident memory (``ru_maxrss`` of the process), ours' cost per token (s/step / (prompts
 x G x T)), the same ratio in process CPU time (``cpu_ratio``: time stolen by other tenants of a shared machine does
 not inflate it), which forward the cost model picked for ours' update (``perf/forward_*``), and the load average after the
-cell.  Writes JSON and a plot (ratio and cost per token against T, one line per G).
+cell, and each system's seconds per step inside generation (``gen_s_per_step``; the rest of the step is the update
+and its bookkeeping).  TRL runs with its default activation checkpointing unless ``--trl-gradient-checkpointing 0``
+(then both systems make the same compute/memory trade; ``bench_vs_trl.py``).  Writes JSON and a plot (ratio and
+cost per token against T, one line per G).
 
 With ``--threads`` > 1 a quick matmul calibration runs first: if 2 threads are not at least ``--min-speedup`` x
 faster than 1 on a 512^3 matmul the cores are not really available and the run stops (a 2-thread run on a shared
@@ -65,7 +68,10 @@ def run_cell(T: int, G: int, args) -> dict:
              for o, t in zip(runs["ours"], runs["trl"])]
     cpu_pairs = [statistics.median(t["cpu_step_times"]) / statistics.median(o["cpu_step_times"])
                  for o, t in zip(runs["ours"], runs["trl"])]
+    gen = {s: statistics.median(statistics.median(r["gen_s"]) for r in rs) if all(r.get("gen_s") for r in rs)
+           else None for s, rs in runs.items()}
     return {"T": T, "G": G, "steps": a.steps, "repeats": args.repeats,
+            "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "gen_s_per_step": gen,
             "s_per_step": med, "tokens_per_s": {s: n_tok / v for s, v in med.items()},
             "ratio": statistics.median(pairs), "pair_ratios": pairs,
             "cpu_ratio": statistics.median(cpu_pairs), "cpu_pair_ratios": cpu_pairs,
@@ -105,12 +111,14 @@ def plot(cells: list[dict], path: Path) -> None:
 
 def table(cells: list[dict]) -> str:
     """Markdown table of the cells."""
-    rows = ["| T | G | steps x pairs | ours s/step | TRL s/step | ours/TRL (wall) | ours/TRL (CPU) | ours ms/token | "
-            "ours forward | peak RSS ours / TRL (MiB) | load avg |", "|" + " --- |" * 11]
+    rows = ["| T | G | steps x pairs | ours s/step (generate) | TRL s/step (generate) | ours/TRL (wall) | ours/TRL (CPU) | "
+            "ours ms/token | ours forward | peak RSS ours / TRL (MiB) | load avg |", "|" + " --- |" * 11]
     for c in sorted(cells, key=lambda c: (c["G"], c["T"])):
         fwd = [k.split("_")[-1] for k, v in c["forward_plan"].items() if v == 1.0 and "est" not in k]
-        rows.append(f"| {c['T']} | {c['G']} | {c['steps']} x {c['repeats']} | {c['s_per_step']['ours']:.2f} | "
-                    f"{c['s_per_step']['trl']:.2f} | {c['ratio']:.2f}x | {c['cpu_ratio']:.2f}x | {c['ours_s_per_token_ms']:.3f} | "
+        gen = c.get("gen_s_per_step") or {}
+        phase = {s: f" ({gen[s]:.2f})" if gen.get(s) is not None else "" for s in ("ours", "trl")}
+        rows.append(f"| {c['T']} | {c['G']} | {c['steps']} x {c['repeats']} | {c['s_per_step']['ours']:.2f}{phase['ours']} | "
+                    f"{c['s_per_step']['trl']:.2f}{phase['trl']} | {c['ratio']:.2f}x | {c['cpu_ratio']:.2f}x | {c['ours_s_per_token_ms']:.3f} | "
                     f"{','.join(fwd) or '-'} | {c['peak_rss_mb']['ours']:.0f} / {c['peak_rss_mb']['trl']:.0f} | "
                     f"{c['loadavg'][0]:.2f} |")
     return "\n".join(rows)
@@ -128,6 +136,7 @@ def main() -> None:
     p.add_argument("--long-from", type=int, default=64)
     p.add_argument("--min-speedup", type=float, default=1.5)
     p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE")
+    bench_vs_trl.add_trl_args(p)
     p.add_argument("--out", type=str, default="experiments/results/speed/scaling.json")
     args = p.parse_args()
     if args.threads > 1:
@@ -139,7 +148,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cells = []
-    print(f"load average at start: {os.getloadavg()}", flush=True)
+    print(f"load average at start: {os.getloadavg()}; TRL gradient checkpointing "
+          f"{'on (its default)' if args.trl_gradient_checkpointing else 'off'}", flush=True)
     for G in args.groups:
         for T in args.lengths:
             c = run_cell(T, G, args)

@@ -14,7 +14,12 @@ time, which time stolen by other tenants of a shared machine does not inflate.
 Fairness probes (printed for the first pair): sequences generated per step, optimizer updates, dtype,
 max_new_tokens, and for TRL the number of no-grad forwards fed ONE token (decode steps against the KV cache).
 TRL skips its old-log-prob pass when on-policy with one update; ours does the same (old_logp from the update
-forward).  Measurements TRL has no equivalent of are off for ours: routing metrics (``algo.routing.metrics=false``;
+forward).  TRL's ``GRPOConfig`` turns activation (gradient) checkpointing ON by default (it recomputes the forward
+in the backward: less memory, more time); ours runs without it (``model.gradient_checkpointing=false``, its
+default).  ``--trl-gradient-checkpointing 1`` (the default) measures TRL as its users get it, ``0`` measures it with
+the same compute/memory trade as ours; say which one a figure is.  Each run also reports the CPU seconds per step
+spent generating (``gen_s``: ours' ``perf/time_generate_s``, TRL's time inside ``model.generate``) so the rest of
+the step (update and bookkeeping) can be compared on its own (``gen_s``, wall seconds).  Measurements TRL has no equivalent of are off for ours: routing metrics (``algo.routing.metrics=false``;
 with them on the engine records routes and cannot share a prompt's prefill across its group) and the
 counterfactual "with R3" mismatch pass (``trainer.mismatch_metrics=false``).  ``--ours-set KEY=VALUE`` adds
 trainer overrides for ours, e.g. ``--ours-set algo.routing.metrics=true``.
@@ -55,11 +60,24 @@ def _common_setup(args):
     return task, tok, model
 
 
+def add_trl_args(p: argparse.ArgumentParser) -> None:
+    """``--trl-gradient-checkpointing``: 1 (TRL's default) or 0 (no recompute, as ours)."""
+    p.add_argument("--trl-gradient-checkpointing", type=int, default=1, choices=(0, 1),
+                   help="TRL GRPOConfig.gradient_checkpointing: 1 = TRL's default (recomputes the forward in the "
+                        "backward), 0 = off, the same compute/memory trade as ours")
+
+
 def _timed(stamps: list[float]) -> list[float]:
     """Wall time between consecutive end-of-step stamps, for every step but the first (warm-up) and the last
     (ours runs its final evaluation and checkpoint there): ``steps`` timed steps out of ``steps + 2``."""
     diffs = [b - a for a, b in zip(stamps, stamps[1:])]
     return diffs[:-1]
+
+
+def _timed_phase(per_step: list[float], n_steps: int) -> list[float]:
+    """A per-step phase time restricted to the timed steps of :func:`_timed` (the first and the last step dropped);
+    one entry per step is expected (one generate call per step in both systems), else nothing is reported."""
+    return per_step[1:-1] if len(per_step) == n_steps else []
 
 
 def run_trl(args) -> dict:
@@ -105,6 +123,17 @@ def run_trl(args) -> dict:
 
     model.register_forward_pre_hook(probe, with_kwargs=True)
 
+    gen_s: list[float] = []            # wall seconds inside model.generate, per call
+    generate = model.generate
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        out = generate(*a, **kw)
+        gen_s.append(time.perf_counter() - t0)
+        return out
+
+    model.generate = timed_generate
+
     out = tempfile.mkdtemp(prefix="trl_bench_")
     cfg = GRPOConfig(
         output_dir=out, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1000,
@@ -114,7 +143,7 @@ def run_trl(args) -> dict:
         learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", max_steps=args.steps + 2, seed=args.seed,
         bf16=False, disable_dropout=True, shuffle_dataset=False, dataloader_num_workers=0,
-        log_completions=False, max_grad_norm=1.0,
+        log_completions=False, max_grad_norm=1.0, gradient_checkpointing=bool(args.trl_gradient_checkpointing),
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Timer()])
@@ -122,10 +151,11 @@ def run_trl(args) -> dict:
     fair = {"sequences_per_step": sorted(set(seqs_per_call)), "optimizer_updates": n_updates[0],
             "steps": len(times), "dtype": str(next(model.parameters()).dtype),
             "generation_use_cache": trainer.generation_config.use_cache,
+            "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
             "max_new_tokens": trainer.generation_config.max_new_tokens,
             "no_grad_forwards_len1": sum(n == 1 for n in fwd_lens), "no_grad_forwards": len(fwd_lens)}
     return {"step_times": _timed(times), "cpu_step_times": _timed(cpu), "fairness": fair,
-            "peak_rss_mb": peak_rss_mb()}
+            "peak_rss_mb": peak_rss_mb(), "gen_s": _timed_phase(gen_s, len(times))}
 
 
 def run_ours(args) -> dict:
@@ -145,9 +175,11 @@ def run_ours(args) -> dict:
     seqs: list[int] = []
 
     forward: dict = {}
+    gen_s: list[float] = []
 
     def on_step_end(tr, step, metrics):
         forward.update({k: v for k, v in metrics.items() if k.startswith("perf/forward_")})
+        gen_s.append(float(metrics.get("perf/time_generate_s", float("nan"))))
         stamps.append(time.perf_counter())
         cpu.append(time.process_time())
 
@@ -167,9 +199,11 @@ def run_ours(args) -> dict:
     fair = {"sequences_per_step": sorted(set(seqs)), "optimizer_updates": trainer.updates, "steps": trainer.step,
             "dtype": str(trainer.engine.dtype), "train_dtype": str(next(trainer.unwrapped.parameters()).dtype),
             "generation_use_cache": trainer.engine._generation_kwargs().get("use_cache", True),
-            "max_new_tokens": trainer.engine.max_new_tokens}
+            "max_new_tokens": trainer.engine.max_new_tokens,
+            "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
+            "single_query_decode": bool(getattr(trainer.engine, "single_query_decode", False))}
     return {"step_times": _timed(stamps), "cpu_step_times": _timed(cpu), "fairness": fair,
-            "peak_rss_mb": peak_rss_mb(), "forward_plan": forward}
+            "peak_rss_mb": peak_rss_mb(), "forward_plan": forward, "gen_s": _timed_phase(gen_s, len(stamps))}
 
 
 def _child(args) -> None:
@@ -183,6 +217,7 @@ def _spawn(system: str, args) -> dict:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     for o in args.ours_set:
         cmd += ["--ours-set", o]
+    cmd += ["--trl-gradient-checkpointing", str(args.trl_gradient_checkpointing)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
@@ -207,6 +242,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed RL steps (one warm-up step is added)")
     add_job_args(p)
     p.add_argument("--out", type=str, default=None)
+    add_trl_args(p)
     p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer override for ours (e.g. algo.routing.metrics=true)")
     args = p.parse_args()

@@ -29,6 +29,7 @@ STALE_POLICIES = ("wait", "drop")       # buffer.mode=async (docs/async.md)
 WORKER_DEATH = ("restart", "stop")
 ENGINES = ("hf",)                     # until the rollout engines have a registry of their own
 SAMPLERS = ("native", "hf")
+DECODE_ATTENTION = ("single_query", "sdpa")
 SCHEDULERS = ("constant", "cosine", "linear")
 ON_NAN = ("skip", "stop")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -86,6 +87,9 @@ class RolloutConfig:
     # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
     sampler: str = ranged("native", choices=SAMPLERS)
     compact_finished: bool = True     # native sampler: finished sequences leave the decode batch
+    # native sampler on an "sdpa" model: single_query (decode steps as two batched matmuls, engine/decode_attention.py)
+    # | sdpa (transformers' kernel for every step)
+    decode_attention: str = ranged("single_query", choices=DECODE_ATTENTION)
     # buffer.mode=async (docs/async.md): rollout worker processes per trainer process
     workers: int = ranged(1, ge=1)
     worker_threads: int = ranged(1, ge=1)          # torch threads of each worker

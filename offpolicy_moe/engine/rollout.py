@@ -7,7 +7,9 @@ train/inference mismatch; optional Gaussian router-logit noise and a fixed, seed
 and samples ``G`` responses per prompt with its own KV-cache sampling loop (``sampler="native"``: one prefill
 forward, one forward per token, none of ``generate``'s per-step machinery) or with ``model.generate``
 (``sampler="hf"``); temperature, top-p, top-k disabled; both draw the same ``torch.multinomial`` samples from the
-same scores.
+same scores.  The native sampler's decode steps run attention through
+:mod:`offpolicy_moe.engine.decode_attention` (one query per row, float32 matmuls) unless
+``rollout.decode_attention=sdpa``.
 
 Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
 masking to -inf (``generate(output_scores=True)`` returns the same tensor) are the very tensor that ``softmax`` +
@@ -31,6 +33,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.decode_attention import use_single_query_decode
 from offpolicy_moe.engine.kv_cache import preallocated_cache
 from offpolicy_moe.engine.layout import accepts_kwarg
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, cat_features, cat_traces,
@@ -120,18 +123,22 @@ class HFRolloutEngine(RolloutEngine):
                    temperature=rollout.temperature, top_p=rollout.top_p, batch_size=rollout.batch_size,
                    record_routes=record_routes, router_noise=rollout.router_noise,
                    router_perturb=getattr(rollout, "router_perturb", 0.0), perturb_seed=seed, device=device,
-                   sampler=rollout.sampler, compact_finished=rollout.compact_finished, **(router_offsets or {}))
+                   sampler=rollout.sampler, compact_finished=rollout.compact_finished,
+                   decode_attention=getattr(rollout, "decode_attention", "single_query"), **(router_offsets or {}))
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, *, dtype: str = "bfloat16",
                  max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128,
                  record_routes: bool = False, router_noise: float = 0.0, pr2_predictors: Any = None,
                  pr2_in_weights: bool = True, pr2_feature_sample_rate: float = 0.125,
                  device: Optional[torch.device] = None, sampler: str = "native", compact_finished: bool = True,
-                 router_perturb: float = 0.0, perturb_seed: int = 0):
+                 router_perturb: float = 0.0, perturb_seed: int = 0, decode_attention: str = "single_query"):
         """``router_perturb`` (sigma) > 0: the engine routes on ``logits + h dW_l^T`` with the fixed
         ``dW_l ~ N(0, sigma^2 / H)`` of :func:`~offpolicy_moe.routing.router_perturbation` ``(..., sigma,
         perturb_seed)`` in every MoE layer, prefill and decode, selection and gating weights (composed with the PR2
-        predictors' offsets when both are on).  Router noise and the perturbation do nothing on a dense model."""
+        predictors' offsets when both are on).  Router noise and the perturbation do nothing on a dense model.
+        ``decode_attention="single_query"``: the native sampler's engine copy runs its decode steps with
+        :func:`~offpolicy_moe.engine.decode_attention.single_query_attention` when its attention is SDPA
+        (``"sdpa"``: transformers' kernel throughout)."""
         if temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -141,6 +148,8 @@ class HFRolloutEngine(RolloutEngine):
                              "must be >= 1")
         if sampler not in ("native", "hf"):
             raise ValueError(f"sampler must be 'native' (own KV-cache loop) or 'hf' (model.generate), got {sampler!r}")
+        if decode_attention not in ("single_query", "sdpa"):
+            raise ValueError(f"rollout.decode_attention must be 'single_query' or 'sdpa', got {decode_attention!r}")
         self.dtype = resolve_dtype(dtype)
         self.model = copy.deepcopy(policy).to(dtype=self.dtype)
         if device is not None:
@@ -167,6 +176,9 @@ class HFRolloutEngine(RolloutEngine):
         # the own sampling loop needs a Hugging Face causal LM that takes a DynamicCache
         self.sampler = sampler if (sampler == "hf" or _supports_native_loop(self.model)) else "hf"
         self._keeps_logits = accepts_kwarg(self.model, "logits_to_keep")
+        # the engine's own copy only: the trainer's model keeps its attention implementation
+        self.single_query_decode = (self.sampler == "native" and decode_attention == "single_query"
+                                    and use_single_query_decode(self.model))
         self.compact_finished = bool(compact_finished)
         self._sync_targets = self.model.state_dict(keep_vars=True)     # name -> the engine's own tensor
         self.router_perturb = float(router_perturb)

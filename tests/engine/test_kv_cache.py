@@ -71,8 +71,9 @@ def test_long_native_samples_equal_generate_with_compaction():
     for dtype, temp, top_p in (("float32", 1.0, 1.0), ("bfloat16", 0.8, 0.9)):
         out = {}
         for sampler in ("hf", "native"):
+            # transformers' SDPA kernel in the decode steps too (the single-query path: test_decode_attention.py)
             eng = HFRolloutEngine(model, tok, dtype=dtype, max_new_tokens=40, temperature=temp, top_p=top_p,
-                                  sampler=sampler)
+                                  sampler=sampler, decode_attention="sdpa")
             out[sampler] = eng.generate(prompts, answers, group_size=4, seed=7)
         a, b = out["hf"], out["native"]
         lens = b.response_mask.sum(-1)

@@ -242,8 +242,9 @@ def test_native_sampler_matches_generate():
                                            ("bfloat16", 1.3, 0.8, False, 10), ("float32", 1.0, 1.0, False, 7)):
         out = {}
         for sampler in ("hf", "native"):
+            # transformers' SDPA kernel in the decode steps too (the single-query path: test_decode_attention.py)
             eng = HFRolloutEngine(model, tok, dtype=dtype, max_new_tokens=5, temperature=temp, top_p=top_p,
-                                  record_routes=record, sampler=sampler, batch_size=bs)
+                                  record_routes=record, sampler=sampler, batch_size=bs, decode_attention="sdpa")
             out[sampler] = eng.generate(prompts, answers, group_size=4, seed=11)
         a, b = out["hf"], out["native"]
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
