@@ -71,7 +71,8 @@ def run_cell(T: int, G: int, args) -> dict:
     gen = {s: statistics.median(statistics.median(r["gen_s"]) for r in rs) if all(r.get("gen_s") for r in rs)
            else None for s, rs in runs.items()}
     return {"T": T, "G": G, "steps": a.steps, "repeats": args.repeats,
-            "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "gen_s_per_step": gen,
+            "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
+            "trl_experts_implementation": args.trl_experts_implementation, "gen_s_per_step": gen,
             "s_per_step": med, "tokens_per_s": {s: n_tok / v for s, v in med.items()},
             "ratio": statistics.median(pairs), "pair_ratios": pairs,
             "cpu_ratio": statistics.median(cpu_pairs), "cpu_pair_ratios": cpu_pairs,
@@ -149,7 +150,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     cells = []
     print(f"load average at start: {os.getloadavg()}; TRL gradient checkpointing "
-          f"{'on (its default)' if args.trl_gradient_checkpointing else 'off'}", flush=True)
+          f"{'on (its default)' if args.trl_gradient_checkpointing else 'off'}, TRL experts "
+          f"{args.trl_experts_implementation}", flush=True)
     for G in args.groups:
         for T in args.lengths:
             c = run_cell(T, G, args)

@@ -17,7 +17,9 @@ TRL skips its old-log-prob pass when on-policy with one update; ours does the sa
 forward).  TRL's ``GRPOConfig`` turns activation (gradient) checkpointing ON by default (it recomputes the forward
 in the backward: less memory, more time); ours runs without it (``model.gradient_checkpointing=false``, its
 default).  ``--trl-gradient-checkpointing 1`` (the default) measures TRL as its users get it, ``0`` measures it with
-the same compute/memory trade as ours; say which one a figure is.  Each run also reports the CPU seconds per step
+the same compute/memory trade as ours; say which one a figure is.  Likewise the routed experts: ours runs them with
+``model.experts_implementation=auto`` (its default), TRL's model with transformers' default ``grouped_mm`` unless
+``--trl-experts-implementation auto`` gives it ours too.  Each run also reports the CPU seconds per step
 spent generating (``gen_s``: ours' ``perf/time_generate_s``, TRL's time inside ``model.generate``) so the rest of
 the step (update and bookkeeping) can be compared on its own (``gen_s``, wall seconds).  Measurements TRL has no equivalent of are off for ours: routing metrics (``algo.routing.metrics=false``;
 with them on the engine records routes and cannot share a prompt's prefill across its group) and the
@@ -55,16 +57,21 @@ def _common_setup(args):
     torch.manual_seed(args.seed)
     task_cfg = TaskConfig(max_digits=args.digits)
     task = make_task(task_cfg)
-    model_cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_experts=args.experts)
+    model_cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_experts=args.experts,
+                            experts_implementation=args.trl_experts_implementation)
     model, tok = load_policy(model_cfg, seed=args.seed, task=task)    # exactly as the trainer loads it
     return task, tok, model
 
 
 def add_trl_args(p: argparse.ArgumentParser) -> None:
-    """``--trl-gradient-checkpointing``: 1 (TRL's default) or 0 (no recompute, as ours)."""
+    """``--trl-gradient-checkpointing``: 1 (TRL's default) or 0 (no recompute, as ours); ``--trl-experts-implementation``
+    (transformers' default ``grouped_mm``, or ours)."""
     p.add_argument("--trl-gradient-checkpointing", type=int, default=1, choices=(0, 1),
                    help="TRL GRPOConfig.gradient_checkpointing: 1 = TRL's default (recomputes the forward in the "
                         "backward), 0 = off, the same compute/memory trade as ours")
+    p.add_argument("--trl-experts-implementation", default="grouped_mm", choices=("grouped_mm", "auto", "eager"),
+                   help="how TRL's model runs its routed experts: grouped_mm = transformers' default (what a TRL "
+                        "user gets), auto = ours (model.experts_implementation=auto), to see the trainers alone")
 
 
 def _timed(stamps: list[float]) -> list[float]:
@@ -152,6 +159,7 @@ def run_trl(args) -> dict:
             "steps": len(times), "dtype": str(next(model.parameters()).dtype),
             "generation_use_cache": trainer.generation_config.use_cache,
             "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
+            "experts_implementation": model.config._experts_implementation,
             "max_new_tokens": trainer.generation_config.max_new_tokens,
             "no_grad_forwards_len1": sum(n == 1 for n in fwd_lens), "no_grad_forwards": len(fwd_lens)}
     return {"step_times": _timed(times), "cpu_step_times": _timed(cpu), "fairness": fair,
@@ -201,6 +209,7 @@ def run_ours(args) -> dict:
             "generation_use_cache": trainer.engine._generation_kwargs().get("use_cache", True),
             "max_new_tokens": trainer.engine.max_new_tokens,
             "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
+            "experts_implementation": trainer.unwrapped.config._experts_implementation,
             "single_query_decode": bool(getattr(trainer.engine, "single_query_decode", False))}
     return {"step_times": _timed(stamps), "cpu_step_times": _timed(cpu), "fairness": fair,
             "peak_rss_mb": peak_rss_mb(), "forward_plan": forward, "gen_s": _timed_phase(gen_s, len(stamps))}
@@ -217,7 +226,8 @@ def _spawn(system: str, args) -> dict:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     for o in args.ours_set:
         cmd += ["--ours-set", o]
-    cmd += ["--trl-gradient-checkpointing", str(args.trl_gradient_checkpointing)]
+    cmd += ["--trl-gradient-checkpointing", str(args.trl_gradient_checkpointing),
+            "--trl-experts-implementation", args.trl_experts_implementation]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()

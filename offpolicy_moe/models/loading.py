@@ -20,6 +20,7 @@ from typing import Optional
 
 from ..tasks.tokenizer import build_char_tokenizer, encode_texts
 from .dtypes import resolve_dtype
+from .experts import AUTO, resolve_experts_implementation
 from .moe_shape import moe_shape
 from .presets import PRESETS, build_preset
 
@@ -171,14 +172,14 @@ def _supports_experts_impl(config) -> bool:
     return moe_shape(config)[0] is not None
 
 
-def load_checkpoint(path: str, *, dtype="float32", experts_implementation: Optional[str] = "grouped_mm"):
+def load_checkpoint(path: str, *, dtype="float32", experts_implementation: Optional[str] = AUTO):
     """``AutoModelForCausalLM`` from a local directory with ``local_files_only=True``."""
     from transformers import AutoModelForCausalLM
 
     config = load_model_config(path)
     kwargs = {"dtype": resolve_dtype(dtype), "local_files_only": True}
     if experts_implementation and _supports_experts_impl(config):
-        kwargs["experts_implementation"] = experts_implementation
+        kwargs["experts_implementation"] = resolve_experts_implementation(experts_implementation)
     try:
         return AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **kwargs)
     except pickle.UnpicklingError as exc:   # transformers reads .bin weights with weights_only=True

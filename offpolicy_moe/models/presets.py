@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from .dtypes import resolve_dtype
+from .experts import AUTO, resolve_experts_implementation
 
 HEAD_DIM = 16
 MAX_POSITIONS = 256
@@ -36,7 +37,7 @@ def _common(vocab_size: int, hidden_size: int, num_layers: int, special_ids: dic
 
 
 def tiny_qwen3_moe_config(vocab_size: int, *, num_layers: int = 2, hidden_size: int = 64, num_experts: int = 8,
-                          top_k: int = 2, special_ids: dict | None = None, experts_implementation: str = "grouped_mm"):
+                          top_k: int = 2, special_ids: dict | None = None, experts_implementation: str = AUTO):
     """``Qwen3MoeConfig`` of the ``tiny-qwen3-moe`` preset."""
     from transformers import Qwen3MoeConfig
 
@@ -48,7 +49,8 @@ def tiny_qwen3_moe_config(vocab_size: int, *, num_layers: int = 2, hidden_size: 
                           intermediate_size=4 * hidden_size, moe_intermediate_size=hidden_size,
                           num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
-                          output_router_logits=False, experts_implementation=experts_implementation)
+                          output_router_logits=False,
+                          experts_implementation=resolve_experts_implementation(experts_implementation))
 
 
 def tiny_dense_config(vocab_size: int, *, num_layers: int = 2, hidden_size: int = 64, special_ids: dict | None = None,
@@ -79,7 +81,7 @@ PRESETS: dict[str, tuple[Callable, Callable]] = {
 
 def build_preset(preset: str, vocab_size: int, *, num_layers: int = 2, hidden_size: int = 64, num_experts: int = 8,
                  top_k: int = 2, special_ids: dict | None = None, dtype="float32",
-                 experts_implementation: str = "grouped_mm", seed: int | None = None):
+                 experts_implementation: str = AUTO, seed: int | None = None):
     """Instantiate a preset with random weights; ``seed`` makes the init deterministic without
     touching the caller's global RNG state (``torch.random.fork_rng``)."""
     if preset not in PRESETS:

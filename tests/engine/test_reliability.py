@@ -243,7 +243,8 @@ def test_lock_is_exclusive_and_names_its_holder(tmp_path):
 
 def test_two_concurrent_starts_are_refused_and_a_killed_run_releases_the_folder(tmp_path):
     run_dir = tmp_path / "run"
-    cfg = tiny_config(run_dir, "trainer.steps=200", "trainer.threads=1")
+    # far more steps than the test lasts (it kills the run): 200 steps could finish before the second start
+    cfg = tiny_config(run_dir, "trainer.steps=1000000", "trainer.threads=1")
     (tmp_path / "cfg.yaml").write_text(to_yaml(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "offpolicy_moe", "train", str(tmp_path / "cfg.yaml")], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -7,6 +7,7 @@ import torch
 from offpolicy_moe.config.schema import ModelConfig
 from offpolicy_moe.models import (CheckpointNotFoundError, build_preset, check_compatibility, is_moe, load_policy,
                                   moe_info)
+from offpolicy_moe.models.experts import NAME as EXPERTS_AUTO
 from offpolicy_moe.tasks import build_char_tokenizer
 
 SMALL = dict(num_layers=2, hidden_size=32, num_experts=4, top_k=2)
@@ -24,7 +25,7 @@ def test_moe_preset_shapes():
     assert cfg.norm_topk_prob is True and cfg.vocab_size == len(tok) == 20
     assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (0, 1, 2)
     assert is_moe(model) and moe_info(model).num_moe_layers == 2
-    assert model.config._experts_implementation == "grouped_mm"
+    assert model.config._experts_implementation == EXPERTS_AUTO        # model.experts_implementation=auto
     gate = model.model.layers[0].mlp.gate
     assert gate.weight.shape == (4, 32)
     logits, weights, idx = gate(torch.randn(5, 32))
@@ -71,7 +72,7 @@ def test_save_and_load_offline_gives_identical_logits(tmp_path):
     tok.save_pretrained(tmp_path)
     loaded, tok2 = load_policy(ModelConfig(path=str(tmp_path)), expected_num_experts=4, expected_top_k=2)
     assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
-    assert loaded.config._experts_implementation == "grouped_mm"  # cfg default applied to the checkpoint
+    assert loaded.config._experts_implementation == EXPERTS_AUTO  # cfg default applied to the checkpoint
     assert len(tok2) == len(tok) and tok2.padding_side == "left"
     ids = torch.tensor([[1, 4, 13, 5, 16, 8], [1, 9, 15, 3, 16, 3]])
     with torch.no_grad():
