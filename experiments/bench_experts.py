@@ -1,6 +1,6 @@
-"""Routed experts on the CPU: ``model.experts_implementation=auto`` (offpolicy_moe/models/experts.py, one dense
-matmul per expert) against transformers' ``grouped_mm`` and ``eager``, forward and forward + backward of one
-layer's experts of the anchor model (hidden 128, 8 experts, intermediate 128, top-2) for N tokens.
+"""Routed experts on the CPU: transformers' ``grouped_mm`` against the family's own per-expert loop (``eager``, what
+``model.experts_implementation=auto`` runs on the CPU: offpolicy_moe/models/experts.py), forward and forward +
+backward of one layer's experts of the anchor model (hidden 128, 8 experts, intermediate 128, top-2) for N tokens.
 
 The tokens' routes come from the layer's own router on random hidden states; rounds alternate the implementations;
 the figure is the median over rounds of the CPU time per call, and the ratio grouped_mm / auto (> 1: auto faster).

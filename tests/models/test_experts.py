@@ -1,6 +1,7 @@
-"""``model.experts_implementation=auto`` (offpolicy_moe/models/experts.py) on the anchor preset: outputs and
-gradients equal to transformers' ``grouped_mm`` (an expert without tokens, top-1 and top-3 included), a saved
-checkpoint that does not name it, and the names it resolves."""
+"""``model.experts_implementation=auto`` (offpolicy_moe/models/experts.py) on the anchor preset: on the CPU exactly
+the family's own per-expert loop (``eager``), equal to transformers' ``grouped_mm`` up to float rounding in values
+and gradients (an expert without tokens, top-1 and top-3 included); ``grouped_mm`` under expert parallelism; the
+names it resolves."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,11 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 from offpolicy_moe.config.schema import ModelConfig
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.experts import AUTO, NAME, auto_experts_forward, resolve_experts_implementation
+
+
+def _eager(experts, x, idx, w):
+    """The class's own loop, called the way transformers' ``eager`` calls it."""
+    return type(experts).forward.__wrapped__(experts, x, idx, w)
 
 
 def _experts(top_k=2, experts=4, hidden=32, seed=0):
@@ -40,11 +46,14 @@ def test_auto_equals_grouped_mm_values_and_gradients(top_k):
     w = torch.rand(N, top_k, generator=g)
     ref = _run(grouped_mm_experts_forward, experts, x, idx, w)
     out = _run(auto_experts_forward, experts, x, idx, w)
+    eager = _run(_eager, experts, x, idx, w)
     torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(out[1], ref[1], rtol=0, atol=1e-6)
     torch.testing.assert_close(out[2], ref[2], rtol=0, atol=1e-6)
     for name in ref[3]:
         torch.testing.assert_close(out[3][name], ref[3][name], rtol=0, atol=1e-5)
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1]) and torch.equal(out[2], eager[2])
+    assert all(torch.equal(out[3][n], eager[3][n]) for n in eager[3])
 
 
 def test_model_forward_and_backward_equal_grouped_mm():
