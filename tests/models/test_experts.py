@@ -1,7 +1,7 @@
 """``model.experts_implementation=auto`` (offpolicy_moe/models/experts.py) on the anchor preset: on the CPU exactly
-the family's own per-expert loop (``eager``), equal to transformers' ``grouped_mm`` up to float rounding in values
-and gradients (an expert without tokens, top-1 and top-3 included); ``grouped_mm`` under expert parallelism; the
-names it resolves."""
+the family's own per-expert loop (``eager``) from ``N * K * H >= LOOP_MIN_ELEMENTS`` and exactly ``grouped_mm``
+below it, the two equal up to float rounding in values and gradients (an expert without tokens, top-1 and top-3
+included); ``grouped_mm`` under expert parallelism; the names it resolves."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,9 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 
 from offpolicy_moe.config.schema import ModelConfig
 from offpolicy_moe.models import load_policy
-from offpolicy_moe.models.experts import AUTO, NAME, auto_experts_forward, resolve_experts_implementation
+from offpolicy_moe.models import experts as experts_module
+from offpolicy_moe.models.experts import (AUTO, LOOP_MIN_ELEMENTS, NAME, auto_experts_forward,
+                                          resolve_experts_implementation)
 
 
 def _eager(experts, x, idx, w):
@@ -34,8 +36,13 @@ def _run(fn, experts, x, idx, w):
     return out.detach(), x.grad, w.grad, {n: p.grad for n, p in experts.named_parameters()}
 
 
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and all(torch.equal(a[3][n], b[3][n]) for n in b[3])
+
+
 @pytest.mark.parametrize("top_k", [1, 2, 3])
-def test_auto_equals_grouped_mm_values_and_gradients(top_k):
+def test_auto_equals_grouped_mm_values_and_gradients(top_k, monkeypatch):
+    monkeypatch.setattr(experts_module, "LOOP_MIN_ELEMENTS", 0)       # every call takes the per-expert loop
     experts = _experts(top_k=top_k)
     g = torch.Generator().manual_seed(top_k)
     N, E = 37, experts.num_experts
@@ -52,11 +59,23 @@ def test_auto_equals_grouped_mm_values_and_gradients(top_k):
     torch.testing.assert_close(out[2], ref[2], rtol=0, atol=1e-6)
     for name in ref[3]:
         torch.testing.assert_close(out[3][name], ref[3][name], rtol=0, atol=1e-5)
-    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1]) and torch.equal(out[2], eager[2])
-    assert all(torch.equal(out[3][n], eager[3][n]) for n in eager[3])
+    assert _same(out, eager)
 
 
-def test_model_forward_and_backward_equal_grouped_mm():
+def test_size_picks_the_implementation():
+    """Below N * K * H = LOOP_MIN_ELEMENTS exactly grouped_mm, from it exactly the per-expert loop."""
+    experts = _experts(top_k=2, hidden=32)
+    for n, loop in ((LOOP_MIN_ELEMENTS // 64 - 1, False), (LOOP_MIN_ELEMENTS // 64, True)):
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(n, 32, generator=g)
+        idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n)])
+        w = torch.rand(n, 2, generator=g)
+        out = _run(auto_experts_forward, experts, x, idx, w)
+        assert _same(out, _run(_eager if loop else grouped_mm_experts_forward, experts, x, idx, w)), n
+
+
+def test_model_forward_and_backward_equal_grouped_mm(monkeypatch):
+    monkeypatch.setattr(experts_module, "LOOP_MIN_ELEMENTS", 0)
     model, _ = load_policy(ModelConfig(num_layers=2, hidden_size=32, num_experts=4, top_k=2), seed=1)
     assert model.config._experts_implementation == NAME
     ref = copy.deepcopy(model)

@@ -1,5 +1,6 @@
-"""``model.experts_implementation=auto`` on every buildable MoE family whose experts dispatch by name: the same
-outputs and gradients as transformers' ``grouped_mm`` (the family's gate function, biases, weight layout and
+"""``model.experts_implementation=auto`` on every buildable MoE family whose experts dispatch by name, its per-expert
+loop path forced (the tiny models are below the size it starts at): the same outputs and gradients as transformers'
+``grouped_mm`` (the family's gate function, biases, weight layout and
 post-expert norm included); families whose experts do not dispatch by name are unaffected by the setting."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from offpolicy_moe.models import experts as experts_module
 from offpolicy_moe.models.experts import NAME, register_experts_implementation
 
 from family_models import VOCAB, make_family_model
@@ -29,7 +31,8 @@ def _loss_and_grads(model, ids, mask):
 
 
 @pytest.mark.parametrize("family", CASES)
-def test_family_auto_experts_equal_grouped_mm(family):
+def test_family_auto_experts_equal_grouped_mm(family, monkeypatch):
+    monkeypatch.setattr(experts_module, "LOOP_MIN_ELEMENTS", 0)   # tiny models: take the per-expert loop anyway
     model = make_family_model(family).train()
     if not _dispatches_by_name(model):
         pytest.skip(f"{family}: its experts do not dispatch by implementation name")
