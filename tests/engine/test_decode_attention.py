@@ -16,6 +16,7 @@ from offpolicy_moe.engine.decode_attention import NAME, single_query_attention, 
 from offpolicy_moe.engine.rollout import HFRolloutEngine
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.tasks import make_task
+from tests.decode_steps import decode_logits
 
 
 def _module(heads: int, kv_heads: int) -> nn.Module:
@@ -109,24 +110,6 @@ def test_other_calls_are_sdpa_exactly():
     assert torch.equal(out, ref)
 
 
-def _decode_logits(model, ids, mask, steps=2):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    outs = []
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-        outs.append(out.logits[:, -1])
-        for t in range(steps):
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            pos = pos[:, -1:] + 1
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-            outs.append(out.logits[:, -1])
-    return torch.stack(outs, 1)
-
-
 def test_switched_model_decodes_like_sdpa_model():
     """The anchor family (Qwen3-MoE, grouped-query): prefill and two decode steps with left padding."""
     model, _ = load_policy(ModelConfig(num_layers=2, hidden_size=64, num_experts=8, top_k=2), seed=0)
@@ -138,7 +121,7 @@ def test_switched_model_decodes_like_sdpa_model():
     ids = torch.randint(3, 19, (4, 7), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    torch.testing.assert_close(_decode_logits(fast, ids, mask), _decode_logits(model, ids, mask), rtol=0, atol=1e-5)
+    torch.testing.assert_close(decode_logits(fast, ids, mask), decode_logits(model, ids, mask), rtol=0, atol=1e-5)
     assert not use_single_query_decode(fast)            # already switched: only an "sdpa" model is switched
 
 

@@ -7,28 +7,14 @@ import copy
 
 import pytest
 import torch
+
 from offpolicy_moe.engine.decode_attention import NAME, use_single_query_decode
+from tests.decode_steps import decode_logits
 
 from family_models import VOCAB, make_family_model
 from test_families import CACHE_DIFFERS, SLOW, SUPPORTED
 
 CASES = [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in SUPPORTED]
-
-
-def _decode_logits(model, ids, mask, steps=2):
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    outs = []
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)   # the family's own cache
-        cache = out.past_key_values
-        outs.append(out.logits[:, -1])
-        for _ in range(steps):
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            pos = pos[:, -1:] + 1
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-            outs.append(out.logits[:, -1])
-    return torch.stack(outs, 1)
 
 
 @pytest.mark.parametrize("family", CASES)
@@ -47,8 +33,8 @@ def test_family_single_query_decode_equals_sdpa(family):
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    ref = _decode_logits(model, ids, mask)
-    out = _decode_logits(fast, ids, mask)
+    ref = decode_logits(model, ids, mask)
+    out = decode_logits(fast, ids, mask)
     if family in CACHE_DIFFERS:
         assert bool(torch.isfinite(out).all())
         return
