@@ -26,10 +26,21 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["RolloutBatch"]
+__all__ = ["RolloutBatch", "micro_batch_count"]
 
 _TENSOR_FIELDS = ("input_ids", "attention_mask", "response_mask", "behav_logp", "old_logp", "group_ids",
                   "trainer_routes_ok")
+
+
+def micro_batch_count(rows: int, seq_len: int, grad_accum: int, max_tokens: Optional[int]) -> int:
+    """Micro-batches a mini-batch of ``rows`` sequences padded to ``seq_len`` positions is cut into: at least
+    ``grad_accum`` (``trainer.grad_accum``), more when one would hold more than ``max_tokens`` padded positions
+    (``trainer.micro_batch_tokens``; None: no cap): ``max(grad_accum, ceil(rows * seq_len / max_tokens))``, never more
+    than ``rows``.  A function of the shape only, so a rerun or a resume cuts the same way."""
+    n = int(grad_accum)
+    if max_tokens is not None and rows * seq_len > max_tokens:
+        n = max(n, -(-rows * seq_len // int(max_tokens)))
+    return max(1, min(n, rows))
 
 
 def _select(obj: Any, idx: torch.Tensor) -> Any:

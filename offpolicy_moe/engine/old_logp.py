@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.batch import RolloutBatch, micro_batch_count
 from offpolicy_moe.engine.forward import REPLAY_ENGINE, RoutedForward, eval_mode
 from offpolicy_moe.engine.loggers import clean_metrics
 from offpolicy_moe.losses import mismatch_metrics
@@ -71,7 +71,7 @@ class OldLogpPass:
         self.needs_global_pass = bool(needs_global_pass)
 
     # ------------------------------------------------------------------ when to fuse
-    def can_fuse(self) -> bool:
+    def can_fuse(self, batch: Optional[RolloutBatch] = None) -> bool:
         """True when the recompute pass is redundant (see the module docstring): fixed staleness 0, one update per
         step, ``old_logp_source=trainer``, no correction weights, no global selection pass, routing none or R3, and
         routing measurements only without replay and with one micro-batch (they record the update forward's
@@ -83,15 +83,24 @@ class OldLogpPass:
                 and cfg.algo.old_logp_source == "trainer" and cfg.buffer.mode == "fixed" and cfg.buffer.staleness == 0
                 and cfg.trainer.updates_per_step == 1 and cfg.algo.correction.mode == "none"
                 and replay in ("none", "r3")
-                and (not self.measure_routing or (replay == "none" and cfg.trainer.grad_accum == 1))
+                and (not self.measure_routing or (replay == "none" and self._one_micro_batch(batch)))
                 and not self.needs_global_pass)
+
+    def _one_micro_batch(self, batch: Optional[RolloutBatch]) -> bool:
+        """The whole batch is one micro-batch (``trainer.grad_accum`` and ``trainer.micro_batch_tokens``); without a
+        batch, only ``grad_accum`` is known."""
+        tr = self.cfg.trainer
+        if batch is None:
+            return tr.grad_accum == 1
+        return micro_batch_count(batch.size, int(batch.input_ids.shape[1]), tr.grad_accum,
+                                 getattr(tr, "micro_batch_tokens", None)) == 1
 
     # ------------------------------------------------------------------ right after generation
     @torch.no_grad()
     def prepare(self, batch: RolloutBatch) -> None:
         """``old_logp`` (per ``algo.old_logp_source``), R2 routes, mismatch and routing measurements →
         ``batch.extras``."""
-        if self.can_fuse():
+        if self.can_fuse(batch):
             batch.old_logp, batch.old_logp_fused = None, True
             batch.extras = self._fused_r3_counterfactual(batch)
             return

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.batch import RolloutBatch, micro_batch_count
 from offpolicy_moe.engine.faults import NonFiniteLossError, is_finite
 from offpolicy_moe.engine.forward import RoutedForward
 from offpolicy_moe.engine.full_state import as_full_tensor
@@ -202,7 +202,10 @@ class PolicyUpdate:
         return metrics
 
     def _cut(self, batch: RolloutBatch, rows: torch.Tensor, routes: Any, *, pr2_on: bool) -> _MiniBatch:
-        micro = [m for m in rows.tensor_split(self.cfg.trainer.grad_accum) if m.numel() > 0]
+        tr = self.cfg.trainer
+        n = micro_batch_count(int(rows.numel()), int(batch.input_ids.shape[1]), tr.grad_accum,
+                              getattr(tr, "micro_batch_tokens", None))
+        micro = [m for m in rows.tensor_split(n) if m.numel() > 0]
         parts = [batch.index_select(m) for m in micro]
         part_routes = [routes.index_select(m) if routes is not None else None for m in micro]
         n_tok, n_seq = global_counts([p.response_mask.to(self.device) for p in parts], self.process_group)
