@@ -64,7 +64,7 @@ class ModelConfig:
     num_experts: int = ranged(8, ge=1)
     top_k: int = ranged(2, ge=1)
     dtype: str = ranged("float32", choices=DTYPE_NAMES)           # trainer precision
-    # auto (models/experts.py: one dense matmul per expert on the CPU, grouped_mm elsewhere) | a transformers name
+    # auto (models/experts.py: the per-expert loop for large CPU calls, grouped_mm otherwise) | eager | a transformers name
     experts_implementation: str = "auto"
     gradient_checkpointing: bool = False
 

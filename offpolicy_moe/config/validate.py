@@ -36,6 +36,7 @@ from typing import Any, Optional
 from offpolicy_moe.config.ranges import Rule, declared_rules, field_problems
 from offpolicy_moe.config.schema import LOGGERS, TrainConfig
 from offpolicy_moe.losses import AGG_MODES, get_loss_spec, list_policy_losses, loss_options_problem
+from offpolicy_moe.models.experts import experts_implementations
 from offpolicy_moe.models.moe_shape import declares_moe
 from offpolicy_moe.models.presets import HEAD_DIM, PRESETS
 
@@ -80,6 +81,7 @@ def vocabularies() -> dict[str, tuple]:
     out = {k: r.choices for k, r in declared_rules(TrainConfig).items() if r.choices is not None}
     out.update({k: r.choices for k, r in LOSS_RULES.items() if r.choices is not None})
     out["algo.loss.name"] = tuple(list_policy_losses())
+    out["model.experts_implementation"] = experts_implementations()
     return out
 
 
@@ -226,12 +228,15 @@ def check_optim(cfg: Any, found: Findings) -> None:
 
 
 def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
-    """``model``: a built-in preset's shape can be built; ``model.path`` is not a placeholder; trained weights are
-    not float16 (the trainer does no loss scaling: the warm start's first step gave a NaN loss)."""
+    """``model``: a known experts implementation; a built-in preset's shape can be built; ``model.path`` is not a
+    placeholder; trained weights are not float16 (the trainer does no loss scaling: the warm start's first step gave a NaN loss)."""
     m = cfg.model
     if m.dtype in ("float16", "fp16"):
         found.error("model.dtype=float16: the trainer keeps no loss scale, so float16 training weights underflow "
                     "(NaN at the first step); use bfloat16 or float32 (rollout.dtype=float16 is fine for the engine)")
+    if m.experts_implementation not in experts_implementations():
+        found.error(f"model.experts_implementation: unknown value {m.experts_implementation!r}; expected one of "
+                    f"{', '.join(experts_implementations())}")
     if m.path is None:
         if m.preset not in PRESETS:
             found.error(f"model.preset: unknown preset {m.preset!r}; expected one of {', '.join(sorted(PRESETS))} "

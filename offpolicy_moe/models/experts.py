@@ -25,8 +25,8 @@ from typing import Callable, Optional
 import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-__all__ = ["AUTO", "LOOP_MIN_ELEMENTS", "NAME", "auto_experts_forward", "register_experts_implementation",
-           "resolve_experts_implementation"]
+__all__ = ["AUTO", "LOOP_MIN_ELEMENTS", "NAME", "auto_experts_forward", "experts_implementations",
+           "register_experts_implementation", "resolve_experts_implementation"]
 
 AUTO = "auto"                      # the config value
 LOOP_MIN_ELEMENTS = 2 ** 18        # N * K * H from which the per-expert loop beats grouped_mm on the CPU
@@ -55,6 +55,12 @@ def register_experts_implementation() -> None:
     """Register :func:`auto_experts_forward` with transformers' ``ExpertsInterface`` under :data:`NAME` (once)."""
     if NAME not in ExpertsInterface._global_mapping:
         ExpertsInterface.register(NAME, auto_experts_forward)
+
+
+def experts_implementations() -> tuple[str, ...]:
+    """The values ``model.experts_implementation`` takes: ``auto``, ``eager`` and every name transformers'
+    ``ExpertsInterface`` knows (``grouped_mm``, ``batched_mm``, ...; our registered :data:`NAME` excluded)."""
+    return (AUTO, "eager", *sorted(k for k in ExpertsInterface._global_mapping if k != NAME))
 
 
 def resolve_experts_implementation(name: Optional[str]) -> Optional[str]:
