@@ -185,7 +185,8 @@ class TrainerConfig:
     steps: int = ranged(100, ge=1)     # trained steps; a run needs at least one
     updates_per_step: int = ranged(1, ge=1)        # optimizer updates per consumed batch (mini-batches)
     grad_accum: int = ranged(1, ge=1)              # micro-batches per update (at least)
-    # more micro-batches when one would hold more padded token positions than this (null: no cap; engine/batch.py)
+    # more micro-batches when one would hold more padded token positions than this (null: no cap; engine/batch.py);
+    # the no-grad passes over a whole batch (old-logp, reference) run on the same micro-batches
     micro_batch_tokens: Optional[int] = ranged(16384, ge=1, optional=True)
     sft_warmup_steps: int = ranged(60, ge=0)       # SFT warm start -> partially solved default task (0 = none)
     sft_lr: float = ranged(3e-3, gt=0)

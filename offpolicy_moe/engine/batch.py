@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["RolloutBatch", "micro_batch_count"]
+__all__ = ["RolloutBatch", "MicroBatching", "micro_batch_count", "update_cut"]
 
 _TENSOR_FIELDS = ("input_ids", "attention_mask", "response_mask", "behav_logp", "old_logp", "group_ids",
                   "trainer_routes_ok")
@@ -41,6 +41,44 @@ def micro_batch_count(rows: int, seq_len: int, grad_accum: int, max_tokens: Opti
     if max_tokens is not None and rows * seq_len > max_tokens:
         n = max(n, -(-rows * seq_len // int(max_tokens)))
     return max(1, min(n, rows))
+
+
+def update_cut(rows: int, seq_len: int, updates_per_step: int, grad_accum: int,
+               max_tokens: Optional[int]) -> list[list[torch.Tensor]]:
+    """The row indices of the update's micro-batches, per mini-batch: ``rows`` split into ``updates_per_step``
+    contiguous mini-batches (``tensor_split``), each into :func:`micro_batch_count` contiguous micro-batches (empty
+    parts dropped).  The policy update trains on these pieces and the no-grad passes over a whole batch (old-logp,
+    reference, proximal) run on the same ones, so on-policy their log-probs are those of the update's forward bit
+    for bit, and no forward holds more than ``max_tokens`` padded positions (a row longer than that alone)."""
+    cut = []
+    for mini in torch.arange(int(rows)).tensor_split(max(1, int(updates_per_step))):
+        n = micro_batch_count(int(mini.numel()), seq_len, grad_accum, max_tokens)
+        cut.append([m for m in mini.tensor_split(n) if m.numel() > 0])
+    return cut
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a consumed batch is cut (``trainer.updates_per_step``, ``trainer.grad_accum``,
+    ``trainer.micro_batch_tokens``): :meth:`cut` gives the update's pieces per mini-batch, :meth:`pieces` the same
+    pieces in one list (what a no-grad pass over the whole batch runs on)."""
+
+    updates_per_step: int = 1
+    grad_accum: int = 1
+    max_tokens: Optional[int] = None
+
+    @classmethod
+    def from_trainer(cls, tr: Any) -> "MicroBatching":
+        """From the ``trainer`` config section."""
+        return cls(int(tr.updates_per_step), int(tr.grad_accum), getattr(tr, "micro_batch_tokens", None))
+
+    def cut(self, rows: int, seq_len: int) -> list[list[torch.Tensor]]:
+        """:func:`update_cut` of ``rows`` sequences of ``seq_len`` positions."""
+        return update_cut(rows, seq_len, self.updates_per_step, self.grad_accum, self.max_tokens)
+
+    def pieces(self, rows: int, seq_len: int) -> list[torch.Tensor]:
+        """Every micro-batch of :meth:`cut`, in row order."""
+        return [m for mini in self.cut(rows, seq_len) for m in mini]
 
 
 def _select(obj: Any, idx: torch.Tensor) -> Any:

@@ -11,11 +11,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.engine.batch import MicroBatching, RolloutBatch
 from offpolicy_moe.engine.forward_plan import MODES as FORWARD_MODES
 from offpolicy_moe.engine.forward_plan import ForwardPlan
 from offpolicy_moe.engine.logprobs import plan_shared_forward, response_logprobs
-from offpolicy_moe.routing import RoutingController
+from offpolicy_moe.routing import RoutingController, cat_traces
 
 __all__ = ["RoutedForward", "eval_mode", "REPLAY_ENGINE"]
 
@@ -41,11 +41,15 @@ class RoutedForward:
     ``algo.routing.replay``; ``share_prompt`` is ``trainer.share_prompt``; ``temperature`` is ``rollout.temperature``;
     ``group_size`` (``rollout.group_size``) is the width of a packed row, so a forward on part of a group (a
     micro-batch) packs rows as wide as the whole group's and gives bit for bit the same log-probs.
+    ``micro_batching`` is the update's cut; :meth:`logp_pieces` runs a no-grad pass over a whole batch on the same
+    pieces.
     """
 
     def __init__(self, *, device: torch.device, controller: Optional[RoutingController], replay: str,
-                 share_prompt: bool, temperature: float, group_size: Optional[int] = None):
+                 share_prompt: bool, temperature: float, group_size: Optional[int] = None,
+                 micro_batching: MicroBatching = MicroBatching()):
         self.device = device
+        self.micro_batching = micro_batching
         self.controller = controller
         self.replay = replay
         self.share_prompt = bool(share_prompt)
@@ -117,3 +121,19 @@ class RoutedForward:
             return logp
         trace = rec.trace()
         return logp, (packing.unpack_trace(trace) if packing is not None else trace)
+
+    def logp_pieces(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any = None,
+                    record: bool | str = False):
+        """:meth:`logp` of the whole ``batch``, run on the update's micro-batches (``micro_batching.pieces``) and
+        concatenated in row order: no forward holds more than ``trainer.micro_batch_tokens`` padded positions (the
+        logits of a real vocabulary over a whole batch would not fit), and on-policy each piece's log-probs are
+        those of the update forward on the same rows bit for bit.  For passes without gradient (old-logp,
+        reference, proximal, the R3 counterfactual)."""
+        pieces = self.micro_batching.pieces(batch.size, int(batch.input_ids.shape[1]))
+        if len(pieces) <= 1:
+            return self.logp(model, batch, routes, record)
+        outs = [self.logp(model, batch.index_select(rows),
+                          routes.index_select(rows) if routes is not None else None, record) for rows in pieces]
+        if not record:
+            return torch.cat(outs, 0)
+        return torch.cat([o[0] for o in outs], 0), cat_traces([o[1] for o in outs], side="right")

@@ -119,7 +119,7 @@ class OldLogpPass:
             if need_own:
                 lp_own = self._own_pass(model, batch, extras)
             if need_r3:
-                lp_r3 = self.forward.logp(model, batch, batch.routes).cpu()
+                lp_r3 = self.forward.logp_pieces(model, batch, batch.routes).cpu()
         if src == "trainer":
             batch.old_logp = lp_r3 if engine_replay else lp_own
             if batch.old_logp is not None:
@@ -139,8 +139,8 @@ class OldLogpPass:
         """The pass with the trainer's own routing; records the routes when R2 or routing metrics need them."""
         replay = self.cfg.algo.routing.replay
         if self.forward.controller is None or not (self.measure_routing or replay == "r2"):
-            return self.forward.logp(model, batch, None).cpu()
-        lp_own, own_routes = self.forward.logp(model, batch, None, record=True)
+            return self.forward.logp_pieces(model, batch, None).cpu()
+        lp_own, own_routes = self.forward.logp_pieces(model, batch, None, record=True)
         own_routes = _to_cpu(own_routes)
         if replay == "r2":
             batch.trainer_routes = own_routes
@@ -154,7 +154,7 @@ class OldLogpPass:
         if not (self.measure_routing and self.cfg.trainer.mismatch_metrics and batch.routes is not None):
             return {}
         with eval_mode(self.model) as model:
-            lp_r3 = self.forward.logp(model, batch, batch.routes).cpu()
+            lp_r3 = self.forward.logp_pieces(model, batch, batch.routes).cpu()
         return self.mismatch_extras(lp_r3, batch, "r3")
 
     # ------------------------------------------------------------------ measurements
@@ -179,7 +179,7 @@ class OldLogpPass:
         if self.cfg.algo.old_logp_source != "proximal":
             return {}
         with eval_mode(self.model) as model, torch.no_grad():
-            batch.old_logp = self.forward.logp(model, batch, routes).cpu()
+            batch.old_logp = self.forward.logp_pieces(model, batch, routes).cpu()
         return self.mismatch(batch.old_logp, batch)
 
     def begin_fused(self, batch: RolloutBatch, step: int, device: torch.device) -> Optional[FusedOldLogp]:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch, micro_batch_count
+from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.faults import NonFiniteLossError, is_finite
 from offpolicy_moe.engine.forward import RoutedForward
 from offpolicy_moe.engine.full_state import as_full_tensor
@@ -151,7 +151,7 @@ class PolicyUpdate:
         if self.forward.ref_model is None:
             return None
         with torch.no_grad():
-            return self.forward.logp(self.forward.ref_model, batch, routes).cpu()
+            return self.forward.logp_pieces(self.forward.ref_model, batch, routes).cpu()
 
     def __call__(self, batch: RolloutBatch, *, step: int, iteration: int) -> dict[str, float]:
         """Train on one consumed batch at policy version ``step``; returns the step's metrics (``_tokens``:
@@ -180,10 +180,10 @@ class PolicyUpdate:
         mini_metrics: list[dict] = []
         grad_norms: list[torch.Tensor] = []
         on_policy = batch.version == step
-        for mb_num, rows in enumerate(torch.arange(batch.size).tensor_split(self.cfg.trainer.updates_per_step)):
+        for mb_num, micro in enumerate(self.forward.micro_batching.cut(batch.size, int(batch.input_ids.shape[1]))):
             # PR2: skip the predictor loss on the first mini-step of on-policy data (target = "no change")
             off_policy = not (on_policy and mb_num == 0)
-            mb = self._cut(batch, rows, routes, pr2_on=off_policy)
+            mb = self._cut(batch, micro, routes, pr2_on=off_policy)
             mb.off_policy = off_policy
             mb.global_sel = self.global_selection(mb, adv)
             gn = self.minibatch_step(mb, adv, weights, ref_lp, fused, mini_metrics)
@@ -201,11 +201,8 @@ class PolicyUpdate:
         metrics["_tokens"] = float(int(batch.attention_mask.sum()))
         return metrics
 
-    def _cut(self, batch: RolloutBatch, rows: torch.Tensor, routes: Any, *, pr2_on: bool) -> _MiniBatch:
-        tr = self.cfg.trainer
-        n = micro_batch_count(int(rows.numel()), int(batch.input_ids.shape[1]), tr.grad_accum,
-                              getattr(tr, "micro_batch_tokens", None))
-        micro = [m for m in rows.tensor_split(n) if m.numel() > 0]
+    def _cut(self, batch: RolloutBatch, micro: list[torch.Tensor], routes: Any, *, pr2_on: bool) -> _MiniBatch:
+        """The mini-batch of micro-batch rows ``micro`` (:meth:`MicroBatching.cut`) with its global counts."""
         parts = [batch.index_select(m) for m in micro]
         part_routes = [routes.index_select(m) if routes is not None else None for m in micro]
         n_tok, n_seq = global_counts([p.response_mask.to(self.device) for p in parts], self.process_group)
