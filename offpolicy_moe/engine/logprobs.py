@@ -6,7 +6,8 @@ sampling temperature makes the trainer's distribution the same one the engine sa
 not applied on the trainer side, as in verl/TRL; keep ``top_p = 1`` for an exact match).
 
 Memory: only the ``T + 1`` last positions' logits are produced (``logits_to_keep``), and the log-prob is
-``z[x] - logsumexp(z)``, which never materialises a second ``[B, T, V]`` log-softmax tensor.
+``z[x] - logsumexp(z)`` computed over blocks of positions (:func:`token_logprobs`), which never materialises a
+second ``[B, T, V]`` tensor (log-softmax, float32 copy or exponentials).
 
 Shared prompts (``share_prompt``): the G samples of a GRPO group share their prompt, and under causal attention
 the prompt positions never see the response, so their hidden states, keys and values are the same for every
@@ -39,7 +40,7 @@ from offpolicy_moe.engine.layout import accepts_kwarg, position_ids_from_mask, p
 from offpolicy_moe.engine.packing import (DEFAULT_MAX_MASK_ELEMENTS, GroupPacking, plan_group_packing,
                                           takes_4d_mask)
 
-__all__ = ["position_ids_from_mask", "prompt_groups", "response_logprobs", "plan_shared_forward"]
+__all__ = ["position_ids_from_mask", "prompt_groups", "response_logprobs", "plan_shared_forward", "token_logprobs"]
 
 _SHARE_MODES = (False, True, "auto", "pack", "cache")
 
@@ -56,7 +57,33 @@ def _can_share(model: torch.nn.Module) -> bool:
         and not _checkpointing(model)
 
 
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+# logits handled per block of token_logprobs (2^22 float32 = 16 MiB): the float32 copy, the temperature division
+# and logsumexp's exp temporary exist for one block at a time, never for the whole [B, T, V] tensor
+LOGPROB_BLOCK_ELEMENTS = 1 << 22
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                   block_elements: int = LOGPROB_BLOCK_ELEMENTS) -> torch.Tensor:
+    """``[B, T]`` float32 ``z[x] / τ - logsumexp(z / τ)`` of logits ``z [B, T, V]`` (any float dtype) at
+    ``targets [B, T]``, computed over blocks of positions of at most ``block_elements`` logits (at least one
+    position): with a real vocabulary the float32 copy and logsumexp's temporaries of the whole tensor would each
+    be as large as the logits (128 x 256 positions, V = 32k: 4.3 GB).  Each position's value depends on its own
+    logits only, so the blocks give the one-block values; gradients flow to ``logits``."""
+    B, T, V = logits.shape
+    per_row = max(1, T * V)
+    if B * per_row <= block_elements:
+        return _block_logprobs(logits, targets, temperature)
+    if per_row <= block_elements:          # whole rows per block
+        step = block_elements // per_row
+        return torch.cat([_block_logprobs(logits[b:b + step], targets[b:b + step], temperature)
+                          for b in range(0, B, step)], 0)
+    step = max(1, block_elements // max(1, V))     # a row's positions per block
+    return torch.cat([torch.cat([_block_logprobs(logits[b:b + 1, t:t + step], targets[b:b + 1, t:t + step],
+                                                 temperature) for t in range(0, T, step)], 1)
+                      for b in range(B)], 0)
+
+
+def _block_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -181,7 +208,7 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
             logits = model(**kwargs, logits_to_keep=T + 1).logits[:, :-1]
         else:
             logits = model(**kwargs).logits[:, prompt_len - 1:-1]
-    logp = _token_logprobs(logits, input_ids[:, prompt_len:], temperature)
+    logp = token_logprobs(logits, input_ids[:, prompt_len:], temperature)
     if response_mask is not None:
         logp = logp * response_mask.to(logp.dtype)
     return logp

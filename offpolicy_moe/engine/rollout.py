@@ -270,7 +270,9 @@ class HFRolloutEngine(RolloutEngine):
         (``torch.multinomial``, the same draws ``generate`` makes); rows that emitted EOS get the pad token afterwards
         and, once a quarter of the decoded rows has finished, leave the decode batch (``compact_finished``; not with
         router noise or PR2, whose per-token draws follow the batch); stops when every row has finished or after
-        ``max_new_tokens``.  Returns ``(sequences [B, P+T'], scores [B, T', V])``."""
+        ``max_new_tokens``.  Returns ``(sequences [B, P+T'], logp [B, T'])``: ``logp`` of each drawn token under the
+        processed scores, ``s_t[x_t] - logsumexp(s_t)``, taken at each step so that only one ``[B, V]`` score tensor
+        is ever held (all ``T'`` of them would be ``B * T' * V`` floats: 128 x 4096 x 152k = 318 GB)."""
         model, tok = self.model, self.tokenizer
         B, P = ids.shape
         cache = preallocated_cache(model.config, P + self.max_new_tokens)      # no per-token torch.cat of the cache
@@ -290,7 +292,7 @@ class HFRolloutEngine(RolloutEngine):
         fwd_version, self._step_versions = self.version, []
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
-        tokens, scores_all = [], []
+        tokens, logps = [], []
         mask_buf = torch.cat([am, am.new_ones((B, self.max_new_tokens))], dim=1)    # mask[:, :P+t+1] at step t
         last_pos = pos[:, -1:]
         fed = torch.arange(B, device=ids.device)          # rows still fed to the model
@@ -304,7 +306,7 @@ class HFRolloutEngine(RolloutEngine):
             nxt = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
             nxt = torch.where(unfinished, nxt, pad)
             tokens.append(nxt)
-            scores_all.append(scores)
+            logps.append(scores.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1))
             self._step_versions.append(fwd_version)     # the weights whose forward gave these scores
             unfinished &= nxt != tok.eos_token_id
             if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
@@ -326,7 +328,7 @@ class HFRolloutEngine(RolloutEngine):
         seq = torch.cat([ids, torch.stack(tokens, 1)], dim=1)
         if recorder is not None:
             recorder.final_len = int(seq.shape[1])   # the last sampled token is never fed to the model
-        return seq, torch.stack(scores_all, dim=1)
+        return seq, torch.stack(logps, dim=1)
 
     @torch.no_grad()
     def _generate_chunk(self, ids: torch.Tensor, am: torch.Tensor, feature_cache: Any, group_size: int = 1):
@@ -347,16 +349,17 @@ class HFRolloutEngine(RolloutEngine):
                 # no router hook: nothing produced here is kept by autograd-facing code, so inference mode (no
                 # version counters or view tracking) is safe; the outputs are cloned back into normal tensors
                 with torch.inference_mode():
-                    sequences, scores = self._sample_loop(ids, am, rec, group_size)
-                sequences, scores = sequences.clone(), scores.clone()
+                    sequences, logp = self._sample_loop(ids, am, rec, group_size)
+                sequences, logp = sequences.clone(), logp.clone()
             elif self.sampler == "native":
-                sequences, scores = self._sample_loop(ids, am, rec, group_size)
-            else:
+                sequences, logp = self._sample_loop(ids, am, rec, group_size)
+            else:   # generate returns every step's processed scores: [b, T', V]
                 out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs())
-                sequences, scores = out.sequences, torch.stack(out.scores, dim=1).float()   # [b, T', V] processed
+                scores = torch.stack(out.scores, dim=1).float()
+                resp = out.sequences[:, ids.shape[1]:]
+                sequences = out.sequences
+                logp = scores.gather(-1, resp.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
         trace = rec.trace() if rec is not None else None
-        resp = sequences[:, ids.shape[1]:]
-        logp = scores.gather(-1, resp.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
         return sequences, logp, trace
 
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,

@@ -1,0 +1,64 @@
+"""The native sampler holds one step's ``[B, V]`` scores at a time (with a real vocabulary all ``T`` steps' scores
+would be ``B * T * V`` floats), and its behaviour log-probs are still ``log_softmax(s_t)[x_t]`` of the scores each
+token was drawn from; the no-grad log-prob blocks give the one-block values."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from offpolicy_moe.config.schema import ModelConfig, TaskConfig
+from offpolicy_moe.engine.logprobs import token_logprobs
+from offpolicy_moe.engine.rollout import HFRolloutEngine
+from offpolicy_moe.models import load_policy
+from offpolicy_moe.tasks import make_task
+
+
+def test_sampler_keeps_one_step_of_scores():
+    torch.set_num_threads(1)
+    task = make_task(TaskConfig())
+    model, tok = load_policy(ModelConfig(num_layers=1, hidden_size=32, num_experts=4, top_k=2), seed=0, task=task)
+    rows = task.sample_prompts(0, 2)
+    eng = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=12, sampler="native")
+    process = eng._process_scores
+    alive: list[weakref.ref] = []
+    drawn: list[torch.Tensor] = []
+    peak = [0]
+
+    def spy(logits):
+        scores = process(logits)
+        alive.append(weakref.ref(scores))
+        drawn.append(torch.log_softmax(scores, -1).clone())     # a copy: the spy does not keep the tensor alive
+        return scores
+
+    def between_tokens(_engine):
+        gc.collect()
+        peak[0] = max(peak[0], sum(r() is not None for r in alive))
+
+    eng._process_scores = spy
+    eng.between_tokens = between_tokens
+    batch = eng.generate([r["prompt"] for r in rows], [r["answer"] for r in rows], group_size=3, seed=1)
+    assert len(alive) >= 5
+    assert peak[0] == 1            # only the current step's scores (all earlier ones were freed)
+    # the behaviour log-probs are the drawn tokens' log-softmax entries of the scores they were drawn from
+    resp = batch.input_ids[:, batch.prompt_len:]
+    want = torch.stack([d.gather(-1, resp[:, t:t + 1]).squeeze(-1) for t, d in enumerate(drawn)], 1)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(batch.behav_logp[mask], want[:, :resp.shape[1]][mask], rtol=0, atol=1e-6)
+
+
+def test_token_logprobs_blocks_equal_one_block():
+    g = torch.Generator().manual_seed(0)
+    for B, T, V, block in ((3, 5, 7, 1), (3, 5, 7, 40), (4, 6, 50, 333), (2, 9, 11, 10 ** 9)):
+        for dtype in (torch.float32, torch.bfloat16):
+            z = (torch.randn(B, T, V, generator=g) * 4).to(dtype).requires_grad_()
+            x = torch.randint(0, V, (B, T), generator=g)
+            for temp in (1.0, 0.7):
+                whole = torch.log_softmax(z.float() / temp, -1).gather(-1, x.unsqueeze(-1)).squeeze(-1)
+                got = token_logprobs(z, x, temp, block_elements=block)
+                assert got.dtype == torch.float32 and got.shape == (B, T)
+                torch.testing.assert_close(got, whole, rtol=0, atol=1e-5)
+                gw, = torch.autograd.grad(whole.sum(), z)
+                gg, = torch.autograd.grad(token_logprobs(z, x, temp, block_elements=block).sum(), z)
+                torch.testing.assert_close(gg.float(), gw.float(), rtol=0, atol=1e-5)
