@@ -8,6 +8,10 @@ the process's peak RSS above its RSS after building the model and batch (MiB), a
 ``--repeats`` after one warm-up pass).  Cells are run interleaved (whole, pieces, whole, ...) so machine load hits both alike.
 
     python experiments/bench_no_grad_pass.py --rows 16 32 64 128 --vocab 32000
+    python experiments/bench_no_grad_pass.py --blocks --rows 32      # token_logprobs' block size alone
+
+``--blocks``: ``token_logprobs`` on random logits ``[rows, response + 1, vocab]`` with blocks of 2^18 .. 2^26
+elements and in one piece (median of ``--repeats`` after a warm-up call, blocks interleaved round by round).
 """
 from __future__ import annotations
 
@@ -57,6 +61,31 @@ def cell(rows: int, cap: int | None, args) -> dict:
             "peak_mib": round(peak_rss_mb() - base, 1), "s": round(statistics.median(times), 4)}
 
 
+def blocks(args) -> None:
+    import torch
+
+    from offpolicy_moe.engine.logprobs import token_logprobs
+
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(args.rows[0], args.response + 1, args.vocab, generator=g)
+    x = torch.randint(0, args.vocab, z.shape[:2], generator=g)
+    sizes = [1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, z.numel()]
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    for b in sizes:
+        token_logprobs(z, x, block_elements=b)
+    for _ in range(args.repeats):
+        for b in sizes:
+            t0 = time.perf_counter()
+            token_logprobs(z, x, block_elements=b)
+            times[b].append(time.perf_counter() - t0)
+    print(f"# load average {os.getloadavg()}, {args.threads} thread(s), logits {tuple(z.shape)}")
+    print("| block elements | s |\n| --- | --- |")
+    for b in sizes:
+        label = "one piece" if b == z.numel() else f"2^{b.bit_length() - 1}"
+        print(f"| {label} | {statistics.median(times[b]):.3f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128])
@@ -68,8 +97,12 @@ def main() -> None:
     p.add_argument("--cap", type=int, default=16384, help="trainer.micro_batch_tokens of the 'pieces' cells")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--blocks", action="store_true", help="time token_logprobs' block sizes instead")
     p.add_argument("--cell", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.blocks:
+        blocks(args)
+        return
     if args.cell is not None:
         rows, cap = json.loads(args.cell)
         print(json.dumps(cell(rows, cap, args)))

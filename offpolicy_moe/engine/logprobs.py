@@ -57,30 +57,39 @@ def _can_share(model: torch.nn.Module) -> bool:
         and not _checkpointing(model)
 
 
-# logits handled per block of token_logprobs (2^22 float32 = 16 MiB): the float32 copy, the temperature division
-# and logsumexp's exp temporary exist for one block at a time, never for the whole [B, T, V] tensor
-LOGPROB_BLOCK_ELEMENTS = 1 << 22
+# logits handled per block of token_logprobs: the float32 copy, the temperature division and logsumexp's exp
+# temporary exist for one block at a time, never for the whole [B, T, V] tensor.  CPU: 2^20 float32 (4 MiB) was
+# among the fastest blocks on the 2-core machine (32 x 257 x 32k logits: 0.30 s at 2^18-2^20, 0.38 s at 2^22, about
+# 0.5 s at 2^24-2^26, 1.06 s in one piece; experiments/bench_no_grad_pass.py --blocks); on an accelerator, 2^26
+# (256 MiB) keeps the number of kernel launches small (not measured here).
+CPU_LOGPROB_BLOCK = 1 << 20
+ACCELERATOR_LOGPROB_BLOCK = 1 << 26
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                   block_elements: int = LOGPROB_BLOCK_ELEMENTS) -> torch.Tensor:
+                   block_elements: Optional[int] = None) -> torch.Tensor:
     """``[B, T]`` float32 ``z[x] / τ - logsumexp(z / τ)`` of logits ``z [B, T, V]`` (any float dtype) at
     ``targets [B, T]``, computed over blocks of positions of at most ``block_elements`` logits (at least one
     position): with a real vocabulary the float32 copy and logsumexp's temporaries of the whole tensor would each
     be as large as the logits (128 x 256 positions, V = 32k: 4.3 GB).  Each position's value depends on its own
-    logits only, so the blocks give the one-block values; gradients flow to ``logits``."""
+    logits only, so the blocks give the one-block values; gradients flow to ``logits``.  ``block_elements``:
+    :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere."""
+    if block_elements is None:
+        block_elements = CPU_LOGPROB_BLOCK if logits.device.type == "cpu" else ACCELERATOR_LOGPROB_BLOCK
     B, T, V = logits.shape
     per_row = max(1, T * V)
     if B * per_row <= block_elements:
         return _block_logprobs(logits, targets, temperature)
+    # torch.split, not slicing: the backward of one split writes every block's gradient into one tensor, where
+    # each slice's backward would allocate a zero-filled tensor of the whole logits' size
     if per_row <= block_elements:          # whole rows per block
         step = block_elements // per_row
-        return torch.cat([_block_logprobs(logits[b:b + step], targets[b:b + step], temperature)
-                          for b in range(0, B, step)], 0)
+        return torch.cat([_block_logprobs(z, x, temperature)
+                          for z, x in zip(logits.split(step, 0), targets.split(step, 0))], 0)
     step = max(1, block_elements // max(1, V))     # a row's positions per block
-    return torch.cat([torch.cat([_block_logprobs(logits[b:b + 1, t:t + step], targets[b:b + 1, t:t + step],
-                                                 temperature) for t in range(0, T, step)], 1)
-                      for b in range(B)], 0)
+    return torch.cat([torch.cat([_block_logprobs(z, x, temperature)
+                                 for z, x in zip(row.split(step, 1), trow.split(step, 1))], 1)
+                      for row, trow in zip(logits.split(1, 0), targets.split(1, 0))], 0)
 
 
 def _block_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
