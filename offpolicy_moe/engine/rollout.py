@@ -14,7 +14,8 @@ same scores.  The native sampler's decode steps run attention through
 Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
 masking to -inf (``generate(output_scores=True)`` returns the same tensor) are the very tensor that ``softmax`` +
 ``multinomial`` sampled from, so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.
-They are computed in float32 from the engine's (bf16) logits.
+They are computed in float32 from the engine's (bf16) logits; the native sampler takes them at each step, so it
+never holds more than one step's ``[B, V]`` scores (``generate`` returns all of them: ``B * T * V`` floats).
 
 When routing is recorded (R3 / PR2 / routing metrics) the engine's expert choices for every processed token come
 back as a route trace aligned with the sequences; with PR2 the predictors' logit offsets shape the engine's routing
