@@ -68,35 +68,80 @@ ACCELERATOR_LOGPROB_BLOCK = 1 << 26
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
                    block_elements: Optional[int] = None) -> torch.Tensor:
-    """``[B, T]`` float32 ``z[x] / τ - logsumexp(z / τ)`` of logits ``z [B, T, V]`` (any float dtype) at
-    ``targets [B, T]``, computed over blocks of positions of at most ``block_elements`` logits (at least one
-    position): with a real vocabulary the float32 copy and logsumexp's temporaries of the whole tensor would each
-    be as large as the logits (128 x 256 positions, V = 32k: 4.3 GB).  Each position's value depends on its own
-    logits only, so the blocks give the one-block values; gradients flow to ``logits``.  ``block_elements``:
-    :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere."""
+    """``[B, T]`` float32 (float64 for float64 logits) ``z[x] / τ - logsumexp(z / τ)`` of logits
+    ``z [B, T, V]`` at ``targets [B, T]``, over blocks of positions of at most ``block_elements`` logits (at least
+    one position).  With a real vocabulary the float32 copy and logsumexp's temporaries of the whole tensor would
+    each be as large as the logits (128 x 256 positions, V = 32k: 4.3 GB); here they exist for one block at a
+    time.  Under autograd the backward recomputes each block's softmax from the logits as they came,
+    ``d/dz_j = g (1[j = x] - softmax(z / τ)_j) / τ``, written straight into one gradient tensor: nothing but the
+    logits and one float per position is kept (autograd through the float32 arithmetic would keep a float32 copy
+    of every block, twice a bfloat16 model's logits, and each block's gradient before joining them).
+    ``block_elements``: :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere."""
     if block_elements is None:
         block_elements = CPU_LOGPROB_BLOCK if logits.device.type == "cpu" else ACCELERATOR_LOGPROB_BLOCK
-    B, T, V = logits.shape
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _BlockedLogprob.apply(logits, targets, float(temperature), int(block_elements))
+    return _forward(logits, targets, float(temperature), int(block_elements))[0]
+
+
+def _blocks(shape: torch.Size, block_elements: int) -> list[tuple[slice, slice]]:
+    """``(rows, positions)`` slices covering ``[B, T, V]`` in blocks of at most ``block_elements`` logits (whole
+    rows when a row fits, else runs of one row's positions; at least one position)."""
+    B, T, V = shape
     per_row = max(1, T * V)
-    if B * per_row <= block_elements:
-        return _block_logprobs(logits, targets, temperature)
-    # torch.split, not slicing: the backward of one split writes every block's gradient into one tensor, where
-    # each slice's backward would allocate a zero-filled tensor of the whole logits' size
-    if per_row <= block_elements:          # whole rows per block
-        step = block_elements // per_row
-        return torch.cat([_block_logprobs(z, x, temperature)
-                          for z, x in zip(logits.split(step, 0), targets.split(step, 0))], 0)
-    step = max(1, block_elements // max(1, V))     # a row's positions per block
-    return torch.cat([torch.cat([_block_logprobs(z, x, temperature)
-                                 for z, x in zip(row.split(step, 1), trow.split(step, 1))], 1)
-                      for row, trow in zip(logits.split(1, 0), targets.split(1, 0))], 0)
+    if per_row <= block_elements:
+        step = max(1, block_elements // per_row)
+        return [(slice(b, b + step), slice(0, T)) for b in range(0, B, step)]
+    step = max(1, block_elements // max(1, V))
+    return [(slice(b, b + 1), slice(t, t + step)) for b in range(B) for t in range(0, T, step)]
 
 
-def _block_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs, lse)`` ``[B, T]`` in the compute dtype, ``lse = logsumexp(z / τ)``, block by block."""
+    B, T, _ = logits.shape
+    dtype = _compute_dtype(logits)
+    out = torch.empty(B, T, dtype=dtype, device=logits.device)
+    lse = torch.empty(B, T, dtype=dtype, device=logits.device)
+    for rows, pos in _blocks(logits.shape, block_elements):
+        z = logits[rows, pos]
+        z = z.to(dtype) / temperature if temperature != 1.0 else z.to(dtype)
+        l_blk = torch.logsumexp(z, dim=-1)
+        lse[rows, pos] = l_blk
+        out[rows, pos] = z.gather(-1, targets[rows, pos].unsqueeze(-1)).squeeze(-1) - l_blk
+    return out, lse
+
+
+class _BlockedLogprob(torch.autograd.Function):
+    """:func:`token_logprobs` under autograd (see there); saves the logits, the targets and ``lse``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int):
+        out, lse = _forward(logits, targets, temperature, block_elements)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.block_elements = temperature, block_elements
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        tau = ctx.temperature
+        grad = torch.empty_like(logits)
+        dtype = lse.dtype
+        for rows, pos in _blocks(logits.shape, ctx.block_elements):
+            z, l_blk = logits[rows, pos].to(dtype), lse[rows, pos].unsqueeze(-1)
+            blk = (z / tau).sub_(l_blk) if tau != 1.0 else z - l_blk          # a new tensor either way
+            g = grad_out[rows, pos].to(dtype).unsqueeze(-1)
+            blk.exp_().mul_(-g)                                               # -g softmax(z / τ)
+            blk.scatter_add_(-1, targets[rows, pos].unsqueeze(-1), g)
+            if tau != 1.0:
+                blk.div_(tau)
+            grad[rows, pos] = blk
+        return grad, None, None, None
 
 
 def _shared_prompt_logits(model: torch.nn.Module, base: torch.nn.Module, input_ids: torch.Tensor,

@@ -14,8 +14,9 @@ same scores.  The native sampler's decode steps run attention through
 Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
 masking to -inf (``generate(output_scores=True)`` returns the same tensor) are the very tensor that ``softmax`` +
 ``multinomial`` sampled from, so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.
-They are computed in float32 from the engine's (bf16) logits; the native sampler takes them at each step, so it
-never holds more than one step's ``[B, V]`` scores (``generate`` returns all of them: ``B * T * V`` floats).
+They are computed in float32 from the engine's (bf16) logits; the native sampler takes them as soon as the steps
+it holds reach :data:`SCORES_HELD_ELEMENTS` floats, so with a real vocabulary it holds one step's ``[B, V]``
+scores (``generate`` returns all of them: ``B * T * V`` floats).
 
 When routing is recorded (R3 / PR2 / routing metrics) the engine's expert choices for every processed token come
 back as a route trace aligned with the sequences; with PR2 the predictors' logit offsets shape the engine's routing
@@ -37,6 +38,7 @@ from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.decode_attention import use_single_query_decode
 from offpolicy_moe.engine.kv_cache import preallocated_cache
 from offpolicy_moe.engine.layout import accepts_kwarg
+from offpolicy_moe.engine.logprobs import token_logprobs
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, cat_features, cat_traces,
                                    router_perturbation)
 from offpolicy_moe.models import is_moe
@@ -90,6 +92,19 @@ def _encode(tokenizer: Any, prompts: Sequence[str]) -> tuple[torch.Tensor, torch
 def _decode(tokenizer: Any, resp: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
     """Completion texts, decoded exactly as the task's evaluation decodes them (so rewards agree with eval)."""
     return list(decode_completions(tokenizer, resp))
+
+
+# the native sampler takes the behaviour log-probs of the steps it holds once their scores reach this many floats
+# (16 MiB of float32): one step at a time with a real vocabulary, all steps in one call with a tiny one
+SCORES_HELD_ELEMENTS = 1 << 22
+
+
+def _held_logprobs(held: list) -> torch.Tensor:
+    """``[B, k]`` log-probs of the ``k`` held steps' drawn tokens under their scores; empties ``held``."""
+    scores = torch.stack([s for s, _ in held], 1)
+    drawn = torch.stack([x for _, x in held], 1)
+    held.clear()
+    return token_logprobs(scores, drawn)
 
 
 def _cat_traces(traces: list) -> Any:
@@ -173,6 +188,7 @@ class HFRolloutEngine(RolloutEngine):
         # called with the engine before every decode forward of the native sampler (may sync newer weights: updates
         # in flight, docs/async.md); the version of each forward is recorded per sampled token
         self.between_tokens: Optional[Any] = None
+        self.scores_held_elements = SCORES_HELD_ELEMENTS
         self._step_versions: list[int] = []
         # the own sampling loop needs a Hugging Face causal LM that takes a DynamicCache
         self.sampler = sampler if (sampler == "hf" or _supports_native_loop(self.model)) else "hf"
@@ -272,8 +288,9 @@ class HFRolloutEngine(RolloutEngine):
         and, once a quarter of the decoded rows has finished, leave the decode batch (``compact_finished``; not with
         router noise or PR2, whose per-token draws follow the batch); stops when every row has finished or after
         ``max_new_tokens``.  Returns ``(sequences [B, P+T'], logp [B, T'])``: ``logp`` of each drawn token under the
-        processed scores, ``s_t[x_t] - logsumexp(s_t)``, taken at each step so that only one ``[B, V]`` score tensor
-        is ever held (all ``T'`` of them would be ``B * T' * V`` floats: 128 x 4096 x 152k = 318 GB)."""
+        processed scores, ``s_t[x_t] - logsumexp(s_t)``, taken as soon as the held steps' scores reach
+        ``scores_held_elements`` floats (all ``T'`` of them would be ``B * T' * V`` floats: 128 x 4096 x 152k =
+        318 GB; a small vocabulary keeps them to the end, in one call)."""
         model, tok = self.model, self.tokenizer
         B, P = ids.shape
         cache = preallocated_cache(model.config, P + self.max_new_tokens)      # no per-token torch.cat of the cache
@@ -293,7 +310,7 @@ class HFRolloutEngine(RolloutEngine):
         fwd_version, self._step_versions = self.version, []
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
-        tokens, logps = [], []
+        tokens, logps, held = [], [], []      # held: the steps' (scores, token) whose log-probs are not yet taken
         mask_buf = torch.cat([am, am.new_ones((B, self.max_new_tokens))], dim=1)    # mask[:, :P+t+1] at step t
         last_pos = pos[:, -1:]
         fed = torch.arange(B, device=ids.device)          # rows still fed to the model
@@ -307,7 +324,9 @@ class HFRolloutEngine(RolloutEngine):
             nxt = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
             nxt = torch.where(unfinished, nxt, pad)
             tokens.append(nxt)
-            logps.append(scores.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1))
+            held.append((scores, nxt))
+            if len(held) * scores.numel() >= self.scores_held_elements:
+                logps.append(_held_logprobs(held))
             self._step_versions.append(fwd_version)     # the weights whose forward gave these scores
             unfinished &= nxt != tok.eos_token_id
             if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
@@ -329,7 +348,9 @@ class HFRolloutEngine(RolloutEngine):
         seq = torch.cat([ids, torch.stack(tokens, 1)], dim=1)
         if recorder is not None:
             recorder.final_len = int(seq.shape[1])   # the last sampled token is never fed to the model
-        return seq, torch.stack(logps, dim=1)
+        if held:
+            logps.append(_held_logprobs(held))
+        return seq, torch.cat(logps, dim=1)
 
     @torch.no_grad()
     def _generate_chunk(self, ids: torch.Tensor, am: torch.Tensor, feature_cache: Any, group_size: int = 1):

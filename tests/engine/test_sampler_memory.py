@@ -1,5 +1,5 @@
-"""The native sampler holds one step's ``[B, V]`` scores at a time (with a real vocabulary all ``T`` steps' scores
-would be ``B * T * V`` floats), and its behaviour log-probs are still ``log_softmax(s_t)[x_t]`` of the scores each
+"""The native sampler holds one step's ``[B, V]`` scores at a time once a step reaches its threshold, as with a real
+vocabulary (all ``T`` steps' scores would be ``B * T * V`` floats), and its behaviour log-probs are still ``log_softmax(s_t)[x_t]`` of the scores each
 token was drawn from; the no-grad log-prob blocks give the one-block values."""
 from __future__ import annotations
 
@@ -38,9 +38,16 @@ def test_sampler_keeps_one_step_of_scores():
 
     eng._process_scores = spy
     eng.between_tokens = between_tokens
+    eng.scores_held_elements = 1          # as with a real vocabulary: one step's scores reach the threshold
     batch = eng.generate([r["prompt"] for r in rows], [r["answer"] for r in rows], group_size=3, seed=1)
     assert len(alive) >= 5
     assert peak[0] == 1            # only the current step's scores (all earlier ones were freed)
+    # the default threshold holds this tiny vocabulary's steps to the end: the same samples and log-probs
+    eng2 = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=12, sampler="native")
+    assert eng2.scores_held_elements > 12 * 6 * len(tok)
+    again = eng2.generate([r["prompt"] for r in rows], [r["answer"] for r in rows], group_size=3, seed=1)
+    assert torch.equal(again.input_ids, batch.input_ids)
+    torch.testing.assert_close(again.behav_logp, batch.behav_logp, rtol=0, atol=1e-6)
     # the behaviour log-probs are the drawn tokens' log-softmax entries of the scores they were drawn from
     resp = batch.input_ids[:, batch.prompt_len:]
     want = torch.stack([d.gather(-1, resp[:, t:t + 1]).squeeze(-1) for t, d in enumerate(drawn)], 1)
@@ -62,3 +69,35 @@ def test_token_logprobs_blocks_equal_one_block():
                 gw, = torch.autograd.grad(whole.sum(), z)
                 gg, = torch.autograd.grad(token_logprobs(z, x, temp, block_elements=block).sum(), z)
                 torch.testing.assert_close(gg.float(), gw.float(), rtol=0, atol=1e-5)
+
+
+def test_token_logprobs_gradcheck():
+    g = torch.Generator().manual_seed(1)
+    for block in (7, 10 ** 9):
+        z = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+        x = torch.randint(0, 5, (2, 3), generator=g)
+        for temp in (1.0, 0.6):
+            assert torch.autograd.gradcheck(lambda t: token_logprobs(t, x, temp, block_elements=block), (z,))
+
+
+def test_token_logprobs_saves_the_logits_not_a_float32_copy():
+    """Under autograd, a bfloat16 model's logits are kept as they are for the backward (plus one float per
+    position), not as float32 copies of every block (which would be twice their size)."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(4, 9, 8, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(300, 8, generator=g).bfloat16()
+    x = torch.randint(0, 300, (4, 9), generator=g)
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    logits = h @ w.t()                                   # an intermediate, as a model's logits are
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp = token_logprobs(logits, x, 0.8, block_elements=300 * 9)      # four blocks of one row
+    float_bytes = sum(t.numel() * t.element_size() for t in saved if t.is_floating_point() and t.dim() == 3
+                      and t.dtype == torch.float32)
+    assert float_bytes == 0
+    lp.sum().backward()
+    assert h.grad is not None and torch.isfinite(h.grad.float()).all()
