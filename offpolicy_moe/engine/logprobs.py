@@ -144,26 +144,28 @@ class _BlockedLogprob(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _shared_prompt_logits(model: torch.nn.Module, base: torch.nn.Module, input_ids: torch.Tensor,
-                          attention_mask: torch.Tensor, prompt_len: int, first: torch.Tensor,
-                          inverse: torch.Tensor) -> torch.Tensor:
-    """``[B, T, V]`` logits predicting the ``T`` response tokens: prompt pass on the distinct prompts, cache repeated
-    to the rows, response pass on tokens ``P .. P+T-2`` against it."""
+def _shared_prompt_logprobs(model: torch.nn.Module, base: torch.nn.Module, input_ids: torch.Tensor,
+                            attention_mask: torch.Tensor, prompt_len: int, first: torch.Tensor,
+                            inverse: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, T]`` response log-probs: prompt pass on the distinct prompts (its last logits predict the first
+    response token), cache repeated to the rows, response pass on tokens ``P .. P+T-2`` against it (the rest).  The
+    two passes' logits go to :func:`token_logprobs` separately (never joined into one ``[B, T, V]`` copy)."""
     P = prompt_len
     pos = position_ids_from_mask(attention_mask)
+    targets = input_ids[:, P:]
     cache = DynamicCache(config=getattr(base, "config", None))
     keep = {"logits_to_keep": 1} if accepts_kwarg(base, "logits_to_keep") else {}
     # the prompt pass goes to the unwrapped module (a DDP wrapper takes ONE forward per backward; the response pass
     # below is that forward, and its graph reaches the prompt pass's parameters through the cache)
     out = base(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=pos[first, :P],
                past_key_values=cache, use_cache=True, **keep)
-    first_logits = out.logits[:, -1:].index_select(0, inverse)
+    first_lp = token_logprobs(out.logits[:, -1:].index_select(0, inverse), targets[:, :1], temperature)
     if input_ids.shape[1] - P == 1:
-        return first_logits
+        return first_lp
     cache.batch_select_indices(inverse)
     out = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos[:, P:-1],
                 past_key_values=cache, use_cache=True)
-    return torch.cat([first_logits, out.logits], dim=1)
+    return torch.cat([first_lp, token_logprobs(out.logits, targets[:, 1:], temperature)], dim=1)
 
 
 def plan_shared_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -254,7 +256,9 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         logits = packing.response_logits(out.logits)
     elif mode == "cache":
         first, inverse = prompt_groups(input_ids, attention_mask, prompt_len)
-        logits = _shared_prompt_logits(model, base, input_ids, attention_mask, prompt_len, first, inverse)
+        logp = _shared_prompt_logprobs(model, base, input_ids, attention_mask, prompt_len, first, inverse,
+                                       temperature)
+        return logp * response_mask.to(logp.dtype) if response_mask is not None else logp
     if logits is None:
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False)
