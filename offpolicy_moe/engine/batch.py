@@ -22,11 +22,11 @@ Rewards and advantages are NOT stored: they are computed when the batch is consu
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["RolloutBatch", "MicroBatching", "micro_batch_count", "update_cut"]
+__all__ = ["RolloutBatch", "MicroBatching", "max_over_processes", "micro_batch_count", "update_cut"]
 
 _TENSOR_FIELDS = ("input_ids", "attention_mask", "response_mask", "behav_logp", "old_logp", "group_ids",
                   "trainer_routes_ok")
@@ -57,24 +57,46 @@ def update_cut(rows: int, seq_len: int, updates_per_step: int, grad_accum: int,
     return cut
 
 
+def max_over_processes(device: torch.device) -> Callable[[int], int]:
+    """``n -> max of n over the processes of the default process group`` (one all-reduce per call, which every
+    process must make)."""
+    def reduce_max(n: int) -> int:
+        t = torch.tensor([int(n)], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+    return reduce_max
+
+
 @dataclass(frozen=True)
 class MicroBatching:
     """How a consumed batch is cut (``trainer.updates_per_step``, ``trainer.grad_accum``,
     ``trainer.micro_batch_tokens``): :meth:`cut` gives the update's pieces per mini-batch, :meth:`pieces` the same
-    pieces in one list (what a no-grad pass over the whole batch runs on)."""
+    pieces in one list (what a no-grad pass over the whole batch runs on).
+
+    ``process_max`` (several processes: :func:`max_over_processes`): each mini-batch's micro-batch count is the
+    largest over the processes, so every process runs the same number of forwards (a sharded model gathers its
+    parameters in each: unequal counts would hang), whatever its rows and padded length."""
 
     updates_per_step: int = 1
     grad_accum: int = 1
     max_tokens: Optional[int] = None
+    process_max: Optional[Callable[[int], int]] = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_trainer(cls, tr: Any) -> "MicroBatching":
+    def from_trainer(cls, tr: Any, process_max: Optional[Callable[[int], int]] = None) -> "MicroBatching":
         """From the ``trainer`` config section."""
-        return cls(int(tr.updates_per_step), int(tr.grad_accum), getattr(tr, "micro_batch_tokens", None))
+        return cls(int(tr.updates_per_step), int(tr.grad_accum), getattr(tr, "micro_batch_tokens", None),
+                   process_max)
 
     def cut(self, rows: int, seq_len: int) -> list[list[torch.Tensor]]:
-        """:func:`update_cut` of ``rows`` sequences of ``seq_len`` positions."""
-        return update_cut(rows, seq_len, self.updates_per_step, self.grad_accum, self.max_tokens)
+        """:func:`update_cut` of ``rows`` sequences of ``seq_len`` positions (counts agreed over processes)."""
+        if self.process_max is None:
+            return update_cut(rows, seq_len, self.updates_per_step, self.grad_accum, self.max_tokens)
+        cut = []
+        for mini in torch.arange(int(rows)).tensor_split(max(1, self.updates_per_step)):
+            n = self.process_max(micro_batch_count(int(mini.numel()), seq_len, self.grad_accum, self.max_tokens))
+            cut.append([m for m in mini.tensor_split(max(1, min(n, int(mini.numel())))) if m.numel() > 0])
+        return cut
 
     def pieces(self, rows: int, seq_len: int) -> list[torch.Tensor]:
         """Every micro-batch of :meth:`cut`, in row order."""

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch, micro_batch_count
+from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.forward import REPLAY_ENGINE, RoutedForward, eval_mode
 from offpolicy_moe.engine.loggers import clean_metrics
 from offpolicy_moe.losses import mismatch_metrics
@@ -89,11 +89,9 @@ class OldLogpPass:
     def _one_micro_batch(self, batch: Optional[RolloutBatch]) -> bool:
         """The whole batch is one micro-batch (``trainer.grad_accum`` and ``trainer.micro_batch_tokens``); without a
         batch, only ``grad_accum`` is known."""
-        tr = self.cfg.trainer
         if batch is None:
-            return tr.grad_accum == 1
-        return micro_batch_count(batch.size, int(batch.input_ids.shape[1]), tr.grad_accum,
-                                 getattr(tr, "micro_batch_tokens", None)) == 1
+            return self.cfg.trainer.grad_accum == 1
+        return len(self.forward.micro_batching.pieces(batch.size, int(batch.input_ids.shape[1]))) == 1
 
     # ------------------------------------------------------------------ right after generation
     @torch.no_grad()

@@ -38,7 +38,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 
 from offpolicy_moe.config.preflight import preflight
 from offpolicy_moe.config.validate import ConfigError
-from offpolicy_moe.engine.batch import MicroBatching, RolloutBatch
+from offpolicy_moe.engine.batch import MicroBatching, RolloutBatch, max_over_processes
 from offpolicy_moe.engine.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
 from offpolicy_moe.engine.callbacks import Callback, CallbackList
 from offpolicy_moe.engine.checkpoint import rng_state, set_rng_state
@@ -151,7 +151,8 @@ class Trainer:
         self.forward = RoutedForward(device=self.accelerator.device, controller=self.controller, replay=rt.replay,
                                      share_prompt=getattr(tc, "share_prompt", True),
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size,
-                                     micro_batching=MicroBatching.from_trainer(tc))
+                                     micro_batching=MicroBatching.from_trainer(
+                                         tc, max_over_processes(self.accelerator.device) if self.world > 1 else None))
         loss = loss_setup(cfg.algo.loss, self.world)
         self.old_logp = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
                                     measure_routing=self.measure_routing,

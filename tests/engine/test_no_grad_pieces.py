@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy_moe.engine.batch import MicroBatching, micro_batch_count, update_cut
+from offpolicy_moe.engine.batch import MicroBatching, max_over_processes, micro_batch_count, update_cut
 from offpolicy_moe.engine.trainer import Trainer
 from tests.engine.tiny import tiny_config
 
@@ -119,3 +119,32 @@ def test_pieces_equal_the_whole_batch_forward(tmp_path):
     torch.testing.assert_close(lp_p, lp_w, rtol=0, atol=1e-5)
     assert torch.equal(tr_p.ids, tr_w.ids)
     torch.testing.assert_close(replay_p, lp_w, rtol=0, atol=1e-5)     # replaying the routes, piece by piece
+
+
+def _agree_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mb = MicroBatching(2, 1, 100, max_over_processes(torch.device("cpu")))
+        rows, seq = (8, 40) if rank == 0 else (7, 13)      # uneven shards: 320 vs 91 positions per mini-batch
+        counts = [len(mini) for mini in mb.cut(rows, seq)]
+        local = [len(mini) for mini in update_cut(rows, seq, 2, 1, 100)]
+        Path(out_dir, f"{rank}.json").write_text(json.dumps({"agreed": counts, "local": local}))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_micro_batch_counts_agree_across_processes(tmp_path):
+    """Two processes with shards of different rows and padded lengths cut into the same number of micro-batches
+    (the larger), so a sharded model makes the same number of forwards on each; alone they would differ."""
+    torch.multiprocessing.spawn(_agree_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    assert r0["local"] == [2, 2] and r1["local"] == [1, 1]          # 4 x 40 = 160 > 100; 4 x 13 = 52 <= 100
+    assert r0["agreed"] == r1["agreed"] == [2, 2]
+
+
+def test_micro_batching_with_process_max_partitions_rows():
+    mb = MicroBatching(2, 1, None, lambda n: n + 2)                 # a stand-in "other process" needing 2 more
+    cut = mb.cut(9, 5)
+    assert [len(mini) for mini in cut] == [3, 3]
+    assert torch.equal(torch.cat([torch.cat(mini) for mini in cut]), torch.arange(9))
+    assert [len(mini) for mini in MicroBatching(1, 1, None, lambda n: 50).cut(3, 5)] == [3]   # never more than rows
