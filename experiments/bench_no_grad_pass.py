@@ -64,7 +64,7 @@ def cell(rows: int, cap: int | None, args) -> dict:
 def blocks(args) -> None:
     import torch
 
-    from offpolicy_moe.engine.logprobs import token_logprobs
+    from offpolicy_moe.engine.token_logprobs import token_logprobs
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

@@ -39,6 +39,7 @@ from offpolicy_moe.engine.forward_plan import MODES, ForwardPlan, plan_forward
 from offpolicy_moe.engine.layout import accepts_kwarg, position_ids_from_mask, prompt_groups
 from offpolicy_moe.engine.packing import (DEFAULT_MAX_MASK_ELEMENTS, GroupPacking, plan_group_packing,
                                           takes_4d_mask)
+from offpolicy_moe.engine.token_logprobs import token_logprobs
 
 __all__ = ["position_ids_from_mask", "prompt_groups", "response_logprobs", "plan_shared_forward", "token_logprobs"]
 
@@ -55,93 +56,6 @@ def _checkpointing(model: torch.nn.Module) -> bool:
 def _can_share(model: torch.nn.Module) -> bool:
     return accepts_kwarg(model, "past_key_values") and accepts_kwarg(model, "position_ids") \
         and not _checkpointing(model)
-
-
-# logits handled per block of token_logprobs: the float32 copy, the temperature division and logsumexp's exp
-# temporary exist for one block at a time, never for the whole [B, T, V] tensor.  CPU: 2^20 float32 (4 MiB) was
-# among the fastest blocks on the 2-core machine (32 x 257 x 32k logits: 0.30 s at 2^18-2^20, 0.38 s at 2^22, about
-# 0.5 s at 2^24-2^26, 1.06 s in one piece; experiments/bench_no_grad_pass.py --blocks); on an accelerator, 2^26
-# (256 MiB) keeps the number of kernel launches small (not measured here).
-CPU_LOGPROB_BLOCK = 1 << 20
-ACCELERATOR_LOGPROB_BLOCK = 1 << 26
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                   block_elements: Optional[int] = None) -> torch.Tensor:
-    """``[B, T]`` float32 (float64 for float64 logits) ``z[x] / τ - logsumexp(z / τ)`` of logits
-    ``z [B, T, V]`` at ``targets [B, T]``, over blocks of positions of at most ``block_elements`` logits (at least
-    one position).  With a real vocabulary the float32 copy and logsumexp's temporaries of the whole tensor would
-    each be as large as the logits (128 x 256 positions, V = 32k: 4.3 GB); here they exist for one block at a
-    time.  Under autograd the backward recomputes each block's softmax from the logits as they came,
-    ``d/dz_j = g (1[j = x] - softmax(z / τ)_j) / τ``, written straight into one gradient tensor: nothing but the
-    logits and one float per position is kept (autograd through the float32 arithmetic would keep a float32 copy
-    of every block, twice a bfloat16 model's logits, and each block's gradient before joining them).
-    ``block_elements``: :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere."""
-    if block_elements is None:
-        block_elements = CPU_LOGPROB_BLOCK if logits.device.type == "cpu" else ACCELERATOR_LOGPROB_BLOCK
-    if logits.requires_grad and torch.is_grad_enabled():
-        return _BlockedLogprob.apply(logits, targets, float(temperature), int(block_elements))
-    return _forward(logits, targets, float(temperature), int(block_elements))[0]
-
-
-def _blocks(shape: torch.Size, block_elements: int) -> list[tuple[slice, slice]]:
-    """``(rows, positions)`` slices covering ``[B, T, V]`` in blocks of at most ``block_elements`` logits (whole
-    rows when a row fits, else runs of one row's positions; at least one position)."""
-    B, T, V = shape
-    per_row = max(1, T * V)
-    if per_row <= block_elements:
-        step = max(1, block_elements // per_row)
-        return [(slice(b, b + step), slice(0, T)) for b in range(0, B, step)]
-    step = max(1, block_elements // max(1, V))
-    return [(slice(b, b + 1), slice(t, t + step)) for b in range(B) for t in range(0, T, step)]
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(logits.dtype, torch.float32)
-
-
-def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log-probs, lse)`` ``[B, T]`` in the compute dtype, ``lse = logsumexp(z / τ)``, block by block."""
-    B, T, _ = logits.shape
-    dtype = _compute_dtype(logits)
-    out = torch.empty(B, T, dtype=dtype, device=logits.device)
-    lse = torch.empty(B, T, dtype=dtype, device=logits.device)
-    for rows, pos in _blocks(logits.shape, block_elements):
-        z = logits[rows, pos]
-        z = z.to(dtype) / temperature if temperature != 1.0 else z.to(dtype)
-        l_blk = torch.logsumexp(z, dim=-1)
-        lse[rows, pos] = l_blk
-        out[rows, pos] = z.gather(-1, targets[rows, pos].unsqueeze(-1)).squeeze(-1) - l_blk
-    return out, lse
-
-
-class _BlockedLogprob(torch.autograd.Function):
-    """:func:`token_logprobs` under autograd (see there); saves the logits, the targets and ``lse``."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int):
-        out, lse = _forward(logits, targets, temperature, block_elements)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.block_elements = temperature, block_elements
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        tau = ctx.temperature
-        grad = torch.empty_like(logits)
-        dtype = lse.dtype
-        for rows, pos in _blocks(logits.shape, ctx.block_elements):
-            z, l_blk = logits[rows, pos].to(dtype), lse[rows, pos].unsqueeze(-1)
-            blk = (z / tau).sub_(l_blk) if tau != 1.0 else z - l_blk          # a new tensor either way
-            g = grad_out[rows, pos].to(dtype).unsqueeze(-1)
-            blk.exp_().mul_(-g)                                               # -g softmax(z / τ)
-            blk.scatter_add_(-1, targets[rows, pos].unsqueeze(-1), g)
-            if tau != 1.0:
-                blk.div_(tau)
-            grad[rows, pos] = blk
-        return grad, None, None, None
 
 
 def _shared_prompt_logprobs(model: torch.nn.Module, base: torch.nn.Module, input_ids: torch.Tensor,
@@ -253,7 +167,8 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         dtype = next(base.parameters()).dtype
         out = model(input_ids=packing.input_ids, attention_mask=packing.attention_mask(dtype),
                     position_ids=packing.position_ids, use_cache=False)
-        logits = packing.response_logits(out.logits)
+        logp = packing.response_logprobs(out.logits, input_ids[:, prompt_len:], temperature)
+        return logp * response_mask.to(logp.dtype) if response_mask is not None else logp
     elif mode == "cache":
         first, inverse = prompt_groups(input_ids, attention_mask, prompt_len)
         logp = _shared_prompt_logprobs(model, base, input_ids, attention_mask, prompt_len, first, inverse,

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from offpolicy_moe.engine.layout import position_ids_from_mask, prompt_groups
+from offpolicy_moe.engine.token_logprobs import token_logprobs
 
 __all__ = ["GroupPacking", "plan_group_packing", "takes_4d_mask", "DEFAULT_MAX_MASK_ELEMENTS"]
 
@@ -95,6 +96,24 @@ class GroupPacking:
         if self.fed == 0:
             return first
         return torch.cat([first, logits[self.rows, self.cols]], dim=1)
+
+    def response_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``[B, T]`` log-probs of the response tokens ``targets [B, T]`` from the packed logits ``[U, L, V]``,
+        without laying the logits out like the plain batch (:meth:`response_logits` copies ``[B, T, V]``): token 0
+        of each row from its prompt's last position, tokens ``t >= 1`` from one :func:`token_logprobs` call over the
+        packed positions, each of which predicts at most one token (the others get a dummy target and no
+        gradient)."""
+        P = self.prompt_len
+        if tuple(logits.shape[:2]) != (self.num_rows, self.length):
+            raise ValueError(f"packed logits have [U, L] = {tuple(logits.shape[:2])}, the packing "
+                             f"{(self.num_rows, self.length)}")
+        first = token_logprobs(logits[:, P - 1:P].index_select(0, self.inverse), targets[:, :1], temperature)
+        if self.fed == 0:
+            return first
+        packed_targets = torch.zeros(logits.shape[:2], dtype=targets.dtype, device=targets.device)
+        packed_targets[self.rows, self.cols] = targets[:, 1:self.fed + 1]
+        lp = token_logprobs(logits, packed_targets, temperature)
+        return torch.cat([first, lp[self.rows, self.cols]], dim=1)
 
     def pack_trace(self, trace: Any) -> Optional[Any]:
         """The route trace ``[B, P+T, L_moe, K]`` laid out like the packed batch ``[U, L, L_moe, K]`` (positions

@@ -38,7 +38,7 @@ from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.decode_attention import use_single_query_decode
 from offpolicy_moe.engine.kv_cache import preallocated_cache
 from offpolicy_moe.engine.layout import accepts_kwarg
-from offpolicy_moe.engine.logprobs import token_logprobs
+from offpolicy_moe.engine.token_logprobs import token_logprobs
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, cat_features, cat_traces,
                                    router_perturbation)
 from offpolicy_moe.models import is_moe

@@ -444,6 +444,8 @@ def test_bad_layouts_are_refused_by_name():
             plan.pack_trace(tr)
     with pytest.raises(ValueError, match="packed logits"):
         plan.response_logits(torch.zeros(5, 21, 7))
+    with pytest.raises(ValueError, match="packed logits"):
+        plan.response_logprobs(torch.zeros(5, 21, 7), ids[:, 6:], 1.0)
     model, _ = _model()
     with pytest.raises(ValueError, match="packing was planned for"):
         response_logprobs(model, ids[:8], am[:8], 6, packing=plan)
@@ -459,3 +461,23 @@ def test_bad_layouts_are_refused_by_name():
         for rows, batch in (([0, 0], 4), ([4], 4), ([[0]], 4), ([0, 1], 0)):
             with pytest.raises(ValueError, match="scatter_rows"):
                 rec.scatter_rows(torch.tensor(rows), batch)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_logprobs_equal_the_laid_out_logits(temperature):
+    """``GroupPacking.response_logprobs`` (log-probs over the packed positions) against the log-probs of the
+    logits laid out like the plain batch (``response_logits``): same values and gradients."""
+    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.engine.token_logprobs import token_logprobs
+
+    ids, am, _ = _batch(U=5, G=4, P=6, T=5)
+    plan = plan_group_packing(ids, am, 6)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(plan.num_rows, plan.length, 19, generator=g, requires_grad=True)
+    got = plan.response_logprobs(z, ids[:, 6:], temperature)
+    want = token_logprobs(plan.response_logits(z), ids[:, 6:], temperature)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    w = torch.randn(got.shape, generator=g)
+    g_got, = torch.autograd.grad((got * w).sum(), z)
+    g_want, = torch.autograd.grad((want * w).sum(), z)
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-6)
