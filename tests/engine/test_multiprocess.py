@@ -24,7 +24,7 @@ import torch
 
 from offpolicy_moe.engine.launch import cpu_launch_processes
 from offpolicy_moe.engine.trainer import Trainer
-from tests.engine.tiny import tiny_config, tiny_policy
+from tests.engine.tiny import run_fused_or_not, tiny_config, tiny_policy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,18 +167,6 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------------------------------------------
 # the single-process fast path: on-policy, one update → old_logp from the update forward (no recompute pass)
 
-def _run_metrics(cfg, fuse: bool):
-    import json
-
-    cfg.trainer.fuse_old_logp = fuse
-    tr = Trainer(cfg)
-    assert tr.old_logp.can_fuse() is fuse
-    tr.run()
-    rows = [json.loads(x) for x in open(Path(cfg.run_dir) / "metrics.jsonl")]
-    rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
-    return rows, {k: v.clone() for k, v in tr.unwrapped.state_dict().items()}
-
-
 def test_fused_old_logp_equals_recompute_pass(tmp_path):
     torch.set_num_threads(1)
     for name, extra in (("none_routing_metrics", ["algo.routing.metrics=true", "trainer.mismatch_metrics=true"]),
@@ -188,8 +176,8 @@ def test_fused_old_logp_equals_recompute_pass(tmp_path):
         # share prompts; the two paths agree only to float rounding (tests/engine/test_shared_prompt.py)
         common = ["buffer.staleness=0", "trainer.updates_per_step=1", "trainer.sft_warmup_steps=0",
                   "rollout.dtype=bfloat16", "trainer.steps=2", "trainer.share_prompt=false", *extra]
-        fused_rows, fused_w = _run_metrics(tiny_config(tmp_path / f"{name}_fused", *common), True)
-        ref_rows, ref_w = _run_metrics(tiny_config(tmp_path / f"{name}_ref", *common), False)
+        fused_rows, fused_w = run_fused_or_not(tiny_config(tmp_path / f"{name}_fused", *common), True)
+        ref_rows, ref_w = run_fused_or_not(tiny_config(tmp_path / f"{name}_ref", *common), False)
         assert [r.keys() for r in fused_rows] == [r.keys() for r in ref_rows]
         assert fused_rows == ref_rows, name
         if name.startswith("none"):

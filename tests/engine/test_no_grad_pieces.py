@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from offpolicy_moe.engine.batch import MicroBatching, max_over_processes, micro_batch_count, update_cut
 from offpolicy_moe.engine.trainer import Trainer
-from tests.engine.tiny import tiny_config
+from tests.engine.tiny import run_fused_or_not, tiny_config
 
 
 @settings(max_examples=300, deadline=None)
@@ -71,16 +71,6 @@ def test_recompute_pass_forwards_hold_at_most_the_cap(tmp_path):
     assert max(no_grad) == 16                              # without a cap: one forward per batch
 
 
-def _run(cfg, fuse: bool):
-    cfg.trainer.fuse_old_logp = fuse
-    tr = Trainer(cfg)
-    assert tr.old_logp.can_fuse() is fuse
-    tr.run()
-    rows = [json.loads(x) for x in open(Path(cfg.run_dir) / "metrics.jsonl")]
-    rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
-    return rows, {k: v.clone() for k, v in tr.unwrapped.state_dict().items()}
-
-
 def test_fused_old_logp_equals_recompute_pass_when_the_update_is_cut(tmp_path):
     """On-policy, one update, the batch cut into 4 micro-batches (by grad_accum, then by the token cap): the run
     that recomputes old_logp in a separate pass is bit for bit the run that takes it from the update forward,
@@ -90,8 +80,8 @@ def test_fused_old_logp_equals_recompute_pass_when_the_update_is_cut(tmp_path):
                       ("cap", ["trainer.grad_accum=1", "trainer.micro_batch_tokens=40"])):
         common = ["buffer.staleness=0", "trainer.updates_per_step=1", "rollout.dtype=float32", "trainer.steps=2",
                   "algo.routing.metrics=false", "rollout.prompts_per_step=8", "rollout.max_new_tokens=4", *cut]
-        fused_rows, fused_w = _run(tiny_config(tmp_path / f"{name}_fused", *common), True)
-        ref_rows, ref_w = _run(tiny_config(tmp_path / f"{name}_ref", *common), False)
+        fused_rows, fused_w = run_fused_or_not(tiny_config(tmp_path / f"{name}_fused", *common), True)
+        ref_rows, ref_w = run_fused_or_not(tiny_config(tmp_path / f"{name}_ref", *common), False)
         assert fused_rows == ref_rows, name
         for k in ref_w:
             assert torch.equal(fused_w[k], ref_w[k]), (name, k)

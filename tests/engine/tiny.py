@@ -2,7 +2,9 @@
 conftests and the tests as ``tests.engine.tiny``."""
 from __future__ import annotations
 
+import json
 import socket
+from pathlib import Path
 
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.config.schema import ModelConfig
@@ -36,3 +38,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_fused_or_not(cfg, fuse: bool):
+    """Train ``cfg`` with ``trainer.fuse_old_logp=fuse`` (checking that the trainer fuses exactly then); returns
+    the metric rows without ``perf/*`` and the final weights."""
+    from offpolicy_moe.engine.trainer import Trainer
+
+    cfg.trainer.fuse_old_logp = fuse
+    tr = Trainer(cfg)
+    assert tr.old_logp.can_fuse() is fuse
+    tr.run()
+    rows = [json.loads(x) for x in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    return rows, {k: v.clone() for k, v in tr.unwrapped.state_dict().items()}
