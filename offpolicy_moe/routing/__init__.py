@@ -10,8 +10,8 @@ Depends only on torch and transformers (models are duck-typed: any transformers 
 """
 from .adapters import (ROUTER_ADAPTERS, RouterAdapter, UnsupportedRouterError, get_router_adapter,
                        register_router_adapter)
-from .controller import (Recorder, RouterBypassError, RouterCapture, RoutingController,
-                         UnsupportedGenerationError)
+from .capture import Recorder, RouterCapture
+from .controller import RouterBypassError, RoutingController, UnsupportedGenerationError
 from .metrics import RouteComparison, compare_traces, routing_metrics, zero_deviation
 from .perturb import perturbation_seed, router_perturbation
 from .pr2 import FeatureCache, PR2Features, PR2Predictors, cat_features, pr2_param_group, pr2_predictor_loss
