@@ -12,11 +12,12 @@ same scores.  The native sampler's decode steps run attention through
 ``rollout.decode_attention=sdpa``.
 
 Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
-masking to -inf (``generate(output_scores=True)`` returns the same tensor) are the very tensor that ``softmax`` +
+masking to -inf (the tensor ``generate`` hands its last logits processor) are the very tensor that ``softmax`` +
 ``multinomial`` sampled from, so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.
 They are computed in float32 from the engine's (bf16) logits; the native sampler takes them as soon as the steps
 it holds reach :data:`SCORES_HELD_ELEMENTS` floats, so with a real vocabulary it holds one step's ``[B, V]``
-scores (``generate`` returns all of them: ``B * T * V`` floats).
+scores; ``model.generate`` (``sampler="hf"``) gets :class:`StepLogprobs` as its last logits processor, which
+holds one step's scores too.
 
 When routing is recorded (R3 / PR2 / routing metrics) the engine's expert choices for every processed token come
 back as a route trace aligned with the sequences; with PR2 the predictors' logit offsets shape the engine's routing
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.decode_attention import use_single_query_decode
@@ -105,6 +106,33 @@ def _held_logprobs(held: list) -> torch.Tensor:
     drawn = torch.stack([x for _, x in held], 1)
     held.clear()
     return token_logprobs(scores, drawn)
+
+
+class StepLogprobs(LogitsProcessor):
+    """The last logits processor of a ``generate`` call: it holds the current step's processed scores and, at the
+    next step (whose ``input_ids`` end with the token drawn from them), takes that token's log-prob
+    ``s_t[x_t] - logsumexp(s_t)``; :meth:`finish` takes the last step's.  Scores pass through unchanged."""
+
+    def __init__(self):
+        self._held: Optional[torch.Tensor] = None
+        self._logps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._held is not None:
+            self._logps.append(token_logprobs(self._held.unsqueeze(1), input_ids[:, -1:]))
+        self._held = scores
+        return scores
+
+    def finish(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """``[B, T']`` log-probs of ``sequences[:, prompt_len:]`` (the ``T'`` drawn tokens)."""
+        if self._held is not None and sequences.shape[1] - prompt_len > len(self._logps):
+            self._logps.append(token_logprobs(self._held.unsqueeze(1), sequences[:, -1:]))
+        self._held = None
+        steps = sequences.shape[1] - prompt_len
+        if len(self._logps) != steps:
+            raise RuntimeError(f"generate drew {steps} tokens but the logits processor saw {len(self._logps)} steps")
+        return torch.cat(self._logps, 1) if self._logps else sequences.new_zeros((sequences.shape[0], 0),
+                                                                                 dtype=torch.float32)
 
 
 def _cat_traces(traces: list) -> Any:
@@ -241,12 +269,20 @@ class HFRolloutEngine(RolloutEngine):
         self.version = int(version)
 
     # ------------------------------------------------------------------ sampling
-    def _generation_kwargs(self) -> dict:
+    def _generation_kwargs(self, step_logprobs: Optional["StepLogprobs"] = None) -> dict:
+        """``generate``'s arguments.  With ``step_logprobs`` the sampling warpers are passed as our own
+        ``logits_processor`` list with ``step_logprobs`` after them (``generate`` would run a custom processor
+        before its own warpers), temperature and top-p are left at 1 so ``generate`` adds none of its own, and
+        ``output_scores`` is off: the same processed scores and draws, one step's scores held."""
         tok = self.tokenizer
-        return dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0,
-                    max_new_tokens=self.max_new_tokens, min_new_tokens=0,
-                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                    return_dict_in_generate=True, output_scores=True, num_beams=1)
+        kw = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0,
+                  max_new_tokens=self.max_new_tokens, min_new_tokens=0,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                  return_dict_in_generate=True, output_scores=True, num_beams=1)
+        if step_logprobs is not None:
+            kw.update(temperature=1.0, top_p=1.0, output_scores=False,
+                      logits_processor=LogitsProcessorList([*self._warpers(), step_logprobs]))
+        return kw
 
     def _warpers(self) -> LogitsProcessorList:
         """The logits processors ``generate`` applies for this engine's sampling settings, in its order:
@@ -375,12 +411,11 @@ class HFRolloutEngine(RolloutEngine):
                 sequences, logp = sequences.clone(), logp.clone()
             elif self.sampler == "native":
                 sequences, logp = self._sample_loop(ids, am, rec, group_size)
-            else:   # generate returns every step's processed scores: [b, T', V]
-                out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs())
-                scores = torch.stack(out.scores, dim=1).float()
-                resp = out.sequences[:, ids.shape[1]:]
+            else:
+                step_lp = StepLogprobs()
+                out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs(step_lp))
                 sequences = out.sequences
-                logp = scores.gather(-1, resp.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+                logp = step_lp.finish(sequences, ids.shape[1])
         trace = rec.trace() if rec is not None else None
         return sequences, logp, trace
 

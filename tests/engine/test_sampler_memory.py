@@ -101,3 +101,31 @@ def test_token_logprobs_saves_the_logits_not_a_float32_copy():
     assert float_bytes == 0
     lp.sum().backward()
     assert h.grad is not None and torch.isfinite(h.grad.float()).all()
+
+
+def test_generate_sampler_holds_one_step_of_scores():
+    """``rollout.sampler=hf``: ``generate`` is asked for no per-step scores (it would return all ``T`` of them);
+    the behaviour log-probs come from the last logits processor and equal the native sampler's."""
+    torch.set_num_threads(1)
+    task = make_task(TaskConfig())
+    model, tok = load_policy(ModelConfig(num_layers=1, hidden_size=32, num_experts=4, top_k=2), seed=0, task=task)
+    rows = task.sample_prompts(0, 2)
+    prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    out = {}
+    for sampler in ("hf", "native"):
+        eng = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=9, sampler=sampler, temperature=0.9,
+                              top_p=0.95, decode_attention="sdpa")
+        calls = []
+        generate = eng.model.generate
+
+        def spy(*args, **kwargs):
+            calls.append(kwargs)
+            return generate(*args, **kwargs)
+
+        eng.model.generate = spy
+        out[sampler] = eng.generate(prompts, answers, group_size=3, seed=4)
+        assert len(calls) == (1 if sampler == "hf" else 0)
+        if calls:
+            assert calls[0]["output_scores"] is False
+    assert torch.equal(out["hf"].input_ids, out["native"].input_ids)
+    torch.testing.assert_close(out["hf"].behav_logp, out["native"].behav_logp, rtol=0, atol=1e-5)
