@@ -43,16 +43,20 @@ def micro_batch_count(rows: int, seq_len: int, grad_accum: int, max_tokens: Opti
     return max(1, min(n, rows))
 
 
-def update_cut(rows: int, seq_len: int, updates_per_step: int, grad_accum: int,
-               max_tokens: Optional[int]) -> list[list[torch.Tensor]]:
+def update_cut(rows: int, seq_len: int, updates_per_step: int, grad_accum: int, max_tokens: Optional[int],
+               process_max: Optional[Callable[[int], int]] = None) -> list[list[torch.Tensor]]:
     """The row indices of the update's micro-batches, per mini-batch: ``rows`` split into ``updates_per_step``
     contiguous mini-batches (``tensor_split``), each into :func:`micro_batch_count` contiguous micro-batches (empty
     parts dropped).  The policy update trains on these pieces and the no-grad passes over a whole batch (old-logp,
     reference, proximal) run on the same ones, so on-policy their log-probs are those of the update's forward bit
-    for bit, and no forward holds more than ``max_tokens`` padded positions (a row longer than that alone)."""
+    for bit, and no forward holds more than ``max_tokens`` padded positions (a row longer than that alone).
+    ``process_max``: each count replaced by ``process_max(count)`` (the largest over the processes), never more
+    than the mini-batch's rows."""
     cut = []
     for mini in torch.arange(int(rows)).tensor_split(max(1, int(updates_per_step))):
         n = micro_batch_count(int(mini.numel()), seq_len, grad_accum, max_tokens)
+        if process_max is not None:
+            n = max(1, min(int(process_max(n)), int(mini.numel())))
         cut.append([m for m in mini.tensor_split(n) if m.numel() > 0])
     return cut
 
@@ -88,15 +92,14 @@ class MicroBatching:
         return cls(int(tr.updates_per_step), int(tr.grad_accum), getattr(tr, "micro_batch_tokens", None),
                    process_max)
 
+    def __post_init__(self) -> None:
+        if self.updates_per_step < 1 or self.grad_accum < 1 or (self.max_tokens is not None and self.max_tokens < 1):
+            raise ValueError(f"MicroBatching needs updates_per_step >= 1, grad_accum >= 1 and max_tokens >= 1 or "
+                             f"None, got {self.updates_per_step}, {self.grad_accum}, {self.max_tokens}")
+
     def cut(self, rows: int, seq_len: int) -> list[list[torch.Tensor]]:
         """:func:`update_cut` of ``rows`` sequences of ``seq_len`` positions (counts agreed over processes)."""
-        if self.process_max is None:
-            return update_cut(rows, seq_len, self.updates_per_step, self.grad_accum, self.max_tokens)
-        cut = []
-        for mini in torch.arange(int(rows)).tensor_split(max(1, self.updates_per_step)):
-            n = self.process_max(micro_batch_count(int(mini.numel()), seq_len, self.grad_accum, self.max_tokens))
-            cut.append([m for m in mini.tensor_split(max(1, min(n, int(mini.numel())))) if m.numel() > 0])
-        return cut
+        return update_cut(rows, seq_len, self.updates_per_step, self.grad_accum, self.max_tokens, self.process_max)
 
     def pieces(self, rows: int, seq_len: int) -> list[torch.Tensor]:
         """Every micro-batch of :meth:`cut`, in row order."""

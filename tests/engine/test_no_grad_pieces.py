@@ -138,3 +138,11 @@ def test_micro_batching_with_process_max_partitions_rows():
     assert [len(mini) for mini in cut] == [3, 3]
     assert torch.equal(torch.cat([torch.cat(mini) for mini in cut]), torch.arange(9))
     assert [len(mini) for mini in MicroBatching(1, 1, None, lambda n: 50).cut(3, 5)] == [3]   # never more than rows
+
+
+def test_micro_batching_refuses_counts_below_one():
+    import pytest
+
+    for args in ((0, 1, None), (1, 0, None), (1, 1, 0)):
+        with pytest.raises(ValueError, match="MicroBatching needs"):
+            MicroBatching(*args)
