@@ -3,6 +3,7 @@ whole-vocabulary float32 copy: over blocks of positions, and under autograd with
 block's softmax from the logits as they came (:func:`token_logprobs`)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -28,9 +29,26 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     ``d/dz_j = g (1[j = x] - softmax(z / τ)_j) / τ``, written straight into one gradient tensor: nothing but the
     logits and one float per position is kept (autograd through the float32 arithmetic would keep a float32 copy
     of every block, twice a bfloat16 model's logits, and each block's gradient before joining them).
-    ``block_elements``: :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere."""
+    ``block_elements``: :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere.
+    Refuses (``ValueError``, naming the problem) logits that are not ``[B, T, V]`` floats, targets of another shape
+    or out of ``[0, V)``, a temperature that is not finite and positive."""
+    if logits.dim() != 3 or not logits.is_floating_point():
+        raise ValueError(f"token_logprobs: logits must be a float [B, T, V] tensor, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    if tuple(targets.shape) != tuple(logits.shape[:2]) or targets.is_floating_point() or targets.is_complex():
+        raise ValueError(f"token_logprobs: targets must be integer ids shaped [B, T] = {tuple(logits.shape[:2])}, "
+                         f"got {targets.dtype} {tuple(targets.shape)}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"token_logprobs: temperature must be finite and > 0, got {temperature}")
     if block_elements is None:
         block_elements = CPU_LOGPROB_BLOCK if logits.device.type == "cpu" else ACCELERATOR_LOGPROB_BLOCK
+    if block_elements < 1:
+        raise ValueError(f"token_logprobs: block_elements must be >= 1, got {block_elements}")
+    if targets.numel():
+        lo, hi = torch.stack([targets.min(), targets.max()]).tolist()     # one host sync
+        if lo < 0 or hi >= logits.shape[-1]:
+            raise ValueError(f"token_logprobs: target ids must be in [0, {logits.shape[-1]}) (the logits' "
+                             f"vocabulary), got ids from {lo} to {hi}")
     if logits.requires_grad and torch.is_grad_enabled():
         return _BlockedLogprob.apply(logits, targets, float(temperature), int(block_elements))
     return _forward(logits, targets, float(temperature), int(block_elements))[0]

@@ -129,3 +129,25 @@ def test_generate_sampler_holds_one_step_of_scores():
             assert calls[0]["output_scores"] is False
     assert torch.equal(out["hf"].input_ids, out["native"].input_ids)
     torch.testing.assert_close(out["hf"].behav_logp, out["native"].behav_logp, rtol=0, atol=1e-5)
+
+
+def test_token_logprobs_refuses_bad_input():
+    import pytest
+
+    z = torch.randn(2, 3, 5)
+    x = torch.randint(0, 5, (2, 3))
+    cases = [
+        ((torch.randn(6, 5), x, 1.0, None), "float \\[B, T, V\\]"),
+        ((z.long(), x, 1.0, None), "float \\[B, T, V\\]"),
+        ((z, x[:, :2], 1.0, None), "targets must be integer ids shaped \\[B, T\\] = \\(2, 3\\)"),
+        ((z, x.float(), 1.0, None), "targets must be integer ids"),
+        ((z, x + 5, 1.0, None), "target ids must be in \\[0, 5\\)"),
+        ((z, x - 9, 1.0, None), "target ids must be in \\[0, 5\\)"),
+        ((z, x, 0.0, None), "temperature must be finite and > 0"),
+        ((z, x, float("nan"), None), "temperature must be finite and > 0"),
+        ((z, x, 1.0, 0), "block_elements must be >= 1"),
+    ]
+    for (zz, xx, temp, block), match in cases:
+        with pytest.raises(ValueError, match=match):
+            token_logprobs(zz, xx, temp, block_elements=block)
+    assert token_logprobs(torch.randn(0, 3, 5), torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3)
