@@ -153,7 +153,6 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     if share_prompt not in _SHARE_MODES:
         raise ValueError(f"share_prompt must be one of {_SHARE_MODES}, got {share_prompt!r}")
     base = model.module if hasattr(model, "module") else model   # DDP wrapper
-    logits = None
     mode = "pack"
     if packing is None:
         plan, packing = plan_shared_forward(model, input_ids, attention_mask, prompt_len, share_prompt)
@@ -168,20 +167,18 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         out = model(input_ids=packing.input_ids, attention_mask=packing.attention_mask(dtype),
                     position_ids=packing.position_ids, use_cache=False)
         logp = packing.response_logprobs(out.logits, input_ids[:, prompt_len:], temperature)
-        return logp * response_mask.to(logp.dtype) if response_mask is not None else logp
     elif mode == "cache":
         first, inverse = prompt_groups(input_ids, attention_mask, prompt_len)
         logp = _shared_prompt_logprobs(model, base, input_ids, attention_mask, prompt_len, first, inverse,
                                        temperature)
-        return logp * response_mask.to(logp.dtype) if response_mask is not None else logp
-    if logits is None:
+    else:
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         if accepts_kwarg(base, "logits_to_keep"):
             logits = model(**kwargs, logits_to_keep=T + 1).logits[:, :-1]
         else:
             logits = model(**kwargs).logits[:, prompt_len - 1:-1]
-    logp = token_logprobs(logits, input_ids[:, prompt_len:], temperature)
+        logp = token_logprobs(logits, input_ids[:, prompt_len:], temperature)
     if response_mask is not None:
         logp = logp * response_mask.to(logp.dtype)
     return logp
