@@ -2,7 +2,9 @@
 
 * :func:`position_ids_from_mask` — positions counting real tokens only, as ``generate`` numbers them;
 * :func:`prompt_groups` — which rows of a ``[B, P+T]`` batch share a prompt (the G samples of a GRPO group);
-* :func:`accepts_kwarg` — whether a model's ``forward`` takes a keyword (cached per class).
+* :func:`accepts_kwarg` — whether a model's ``forward`` takes a keyword (cached per class);
+* :func:`cache_kwarg` — the keyword a model's ``forward`` takes its KV cache by (``cache`` from transformers 5.24,
+  ``past_key_values`` before), or None.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import inspect
 
 import torch
 
-__all__ = ["accepts_kwarg", "position_ids_from_mask", "prompt_groups"]
+__all__ = ["accepts_kwarg", "cache_kwarg", "position_ids_from_mask", "prompt_groups"]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -48,3 +50,14 @@ def accepts_kwarg(model: torch.nn.Module, name: str) -> bool:
     """True when ``type(model).forward`` has a parameter ``name`` (the signature is read once per class:
     ``inspect.signature`` costs ~0.3 ms a call, too much for a per-forward check)."""
     return name in _forward_params(type(model))
+
+
+CACHE_KWARGS = ("cache", "past_key_values")     # transformers >= 5.24 names it ``cache``; earlier 5.x ``past_key_values``
+
+
+def cache_kwarg(model: torch.nn.Module) -> str | None:
+    """The name under which ``type(model).forward`` takes a KV cache, or None when it takes none.  transformers 5.24
+    renamed ``past_key_values`` to ``cache`` (the old name is still accepted with a deprecation warning until 5.40,
+    but no longer appears in the signature), so a check of one name alone silently misses the newer models."""
+    params = _forward_params(type(model))
+    return next((name for name in CACHE_KWARGS if name in params), None)

@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from offpolicy_moe.engine.forward_plan import MODES, ForwardPlan, plan_forward
-from offpolicy_moe.engine.layout import accepts_kwarg, position_ids_from_mask, prompt_groups
+from offpolicy_moe.engine.layout import accepts_kwarg, cache_kwarg, position_ids_from_mask, prompt_groups
 from offpolicy_moe.engine.packing import (DEFAULT_MAX_MASK_ELEMENTS, GroupPacking, plan_group_packing,
                                           takes_4d_mask)
 from offpolicy_moe.engine.token_logprobs import token_logprobs
@@ -54,7 +54,7 @@ def _checkpointing(model: torch.nn.Module) -> bool:
 
 
 def _can_share(model: torch.nn.Module) -> bool:
-    return accepts_kwarg(model, "past_key_values") and accepts_kwarg(model, "position_ids") \
+    return cache_kwarg(model) is not None and accepts_kwarg(model, "position_ids") \
         and not _checkpointing(model)
 
 
@@ -69,16 +69,17 @@ def _shared_prompt_logprobs(model: torch.nn.Module, base: torch.nn.Module, input
     targets = input_ids[:, P:]
     cache = DynamicCache(config=getattr(base, "config", None))
     keep = {"logits_to_keep": 1} if accepts_kwarg(base, "logits_to_keep") else {}
+    cache_arg = {cache_kwarg(base): cache}
     # the prompt pass goes to the unwrapped module (a DDP wrapper takes ONE forward per backward; the response pass
     # below is that forward, and its graph reaches the prompt pass's parameters through the cache)
     out = base(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=pos[first, :P],
-               past_key_values=cache, use_cache=True, **keep)
+               use_cache=True, **cache_arg, **keep)
     first_lp = token_logprobs(out.logits[:, -1:].index_select(0, inverse), targets[:, :1], temperature)
     if input_ids.shape[1] - P == 1:
         return first_lp
     cache.batch_select_indices(inverse)
     out = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos[:, P:-1],
-                past_key_values=cache, use_cache=True)
+                use_cache=True, **cache_arg)
     return torch.cat([first_lp, token_logprobs(out.logits, targets[:, 1:], temperature)], dim=1)
 
 

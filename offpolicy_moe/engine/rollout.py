@@ -38,7 +38,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogits
 from offpolicy_moe.engine.batch import RolloutBatch
 from offpolicy_moe.engine.decode_attention import use_single_query_decode
 from offpolicy_moe.engine.kv_cache import preallocated_cache
-from offpolicy_moe.engine.layout import accepts_kwarg
+from offpolicy_moe.engine.layout import accepts_kwarg, cache_kwarg
 from offpolicy_moe.engine.token_logprobs import token_logprobs
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, cat_features, cat_traces,
                                    router_perturbation)
@@ -150,7 +150,7 @@ def _supports_native_loop(model: torch.nn.Module) -> bool:
         return False
     cfg = getattr(model, "config", None)
     return (cfg is not None and not getattr(cfg, "is_encoder_decoder", False)
-            and accepts_kwarg(model, "past_key_values") and accepts_kwarg(model, "position_ids"))
+            and cache_kwarg(model) is not None and accepts_kwarg(model, "position_ids"))
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -332,17 +332,17 @@ class HFRolloutEngine(RolloutEngine):
         cache = preallocated_cache(model.config, P + self.max_new_tokens)      # no per-token torch.cat of the cache
         pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
         keep = {"logits_to_keep": 1} if self._keeps_logits else {}
+        keep[cache_kwarg(model)] = cache
         g = self._shared_prefill_groups(ids, am, group_size)
         if g > 1:      # G samples of one prompt share its prefill: run it on one row per group, repeat the cache
-            out = model(input_ids=ids[::g], attention_mask=am[::g], position_ids=pos[::g], past_key_values=cache,
-                        use_cache=True, **keep)
+            out = model(input_ids=ids[::g], attention_mask=am[::g], position_ids=pos[::g], use_cache=True,
+                        **keep)
             cache.batch_repeat_interleave(g)
             out.logits = out.logits.repeat_interleave(g, dim=0)
             if recorder is not None:
                 recorder.select_rows(torch.arange(B // g, device=ids.device).repeat_interleave(g))
         else:
-            out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True,
-                        **keep)
+            out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **keep)
         fwd_version, self._step_versions = self.version, []
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
@@ -380,7 +380,7 @@ class HFRolloutEngine(RolloutEngine):
                 self.between_tokens(self)
             fwd_version = self.version
             out = model(input_ids=nxt.index_select(0, fed).unsqueeze(1), attention_mask=mask, position_ids=last_pos,
-                        past_key_values=cache, use_cache=True, **keep)
+                        use_cache=True, **keep)
         seq = torch.cat([ids, torch.stack(tokens, 1)], dim=1)
         if recorder is not None:
             recorder.final_len = int(seq.shape[1])   # the last sampled token is never fed to the model
