@@ -1,36 +1,104 @@
-"""Routes returned by inference engines, laid out per token: the layouts of vLLM and SGLang.
+"""Routes returned by inference engines, decoded and laid out per token: every payload form of vLLM and SGLang.
 
 Pure layout functions (no model): each returns int64 ``[S, L_moe, K]`` route ids for one sequence of ``S`` tokens
 (prompt then completion), -1 where a position was not recorded. ``RouteTrace.from_vllm`` / ``from_sglang`` wrap
 them into a trace tied to the token ids.
 
-* vLLM (``enable_return_routed_experts``): int16 ``prompt_routed_experts [P, L, K]`` on the prompt output plus
-  ``routed_experts [T', L, K]`` on each completion, ``L`` = MoE layers; earlier versions gave one
-  ``routed_experts [S', L_all, K]`` over all hidden layers. The last sampled token is never fed to the model, so a
-  completion part may be one position short (``T' = T - 1``; ``S' = S - 1``).
-* SGLang (``--enable-return-routed-experts``): base64 of int32 ``[N, L, K]`` in ``meta_info["routed_experts"]``
-  covering positions ``[0, S - 1)`` (one position short: the last token is not fed).
+What the engines send (sources: vLLM ``docs/features/routed_experts.md``, ``tests/entrypoints/openai/
+test_return_routed_experts.py``; SGLang ``python/sglang/srt/layers/moe/routed_experts_capturer.py``; the notes in
+``/work/shared/research/engine_route_formats.md``):
 
-Layers: an array with ``len(layer_ids)`` layers is taken as the MoE layers; one with ``num_hidden_layers`` layers
-(dense first layers included) is reduced to the rows ``layer_ids``. Anything else is refused, naming both counts.
+=============  ===============================================  ===========================  ==============  =======
+engine         payload                                          rows                         layers          dtype
+=============  ===============================================  ===========================  ==============  =======
+vLLM 0.14-20   ``CompletionOutput.routed_experts`` (Python API)  ``[0, S - 1)``                all hidden      int32
+vLLM 0.21      ``prompt_routed_experts`` ``[P, L, K]`` + each    prompt ``P``; completion      MoE only        int16
+               completion's ``routed_experts`` (JSON lists);     ``T`` or ``T - 1``; cached
+               ``None`` after a preemption                       prompt rows -1
+vLLM >= 0.22   ``choices[i].routed_experts``: base64 of a        ``[start, S - 1)``,           all hidden      uint8
+               ``.npy`` file (an ndarray in the Python API)      ``start`` =                   (dense rows 0)  (E<=256)
+                                                                 ``routed_experts_prompt_start``               / uint16
+SGLang         ``meta_info["routed_experts"]``: base64 of raw    ``[start, S - 1)``,           all hidden      int32
+               little-endian int32, flat (a tensor with          ``start`` =                   (dense rows 0)
+               ``skip_tokenizer_init``)                          ``routed_experts_start_len``
+=============  ===============================================  ===========================  ==============  =======
+
+Accepted forms (:func:`decode_routes`): base64 ``str``/``bytes`` of an ``.npy`` file (``np.load(...,
+allow_pickle=False)``) or of raw int32; nested lists; numpy arrays and torch tensors of any integer dtype (uint8,
+uint16, int16, int32, int64). ``None`` is refused with one line saying the engine returned no routes.
+
+Rows: the last sampled token is never fed, so an engine returns ``S - start - 1`` rows; ``S - start`` rows (a path
+that fed the last token) are accepted too. Rows before ``start`` are "not recorded" (or taken from the previous
+turn's trace, ``RouteTrace.from_vllm(..., previous=...)``).
+
+Layers: an array with ``len(layer_ids)`` layers is taken as the MoE layers; one with ``num_hidden_layers`` layers is
+reduced to the rows ``layer_ids``, and the dropped (dense) layers must hold only the zeros the engines write there
+(a non-zero id there means ``layer_ids`` do not describe the engine's model). Anything else is refused, naming
+``num_hidden_layers``.
 """
 from __future__ import annotations
 
 import base64
+import binascii
+import io
 from typing import Sequence
 
 import numpy as np
 import torch
+from einops import rearrange
 
-__all__ = ["as_int_tensor", "decode_sglang", "moe_layers", "vllm_routes", "sglang_routes"]
+__all__ = ["NPY_MAGIC", "as_int_tensor", "decode_routes", "decode_sglang", "moe_layers", "place_rows",
+           "vllm_routes", "sglang_routes"]
+
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def _no_routes(name: str) -> ValueError:
+    return ValueError(f"{name} is None: the engine returned no routes for this request (vLLM 0.21 drops them after "
+                      f"a preemption; check the engine runs with --enable-return-routed-experts)")
 
 
 def as_int_tensor(x, name: str) -> torch.Tensor:
-    """``x`` (numpy array, torch tensor or nested list) as an int64 tensor; floats are refused by name."""
-    t = torch.from_numpy(np.asarray(x)) if not isinstance(x, torch.Tensor) else x
-    if t.is_floating_point() or t.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer expert ids, got {t.dtype}")
-    return t.long()
+    """``x`` (numpy array, torch tensor or nested list, any integer dtype incl. uint16) as an int64 tensor;
+    ``None``, floats and bools are refused by name."""
+    if x is None:
+        raise _no_routes(name)
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer expert ids, got {x.dtype}")
+        return x.detach().cpu().to(torch.int64)
+    a = np.asarray(x)
+    if a.size == 0 and a.dtype.kind not in "iu":
+        a = a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer expert ids, got {a.dtype}")
+    return torch.from_numpy(a.astype(np.int64))
+
+
+def _b64(payload, name: str) -> bytes:
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{name} is a string but not valid base64 ({exc})") from None
+
+
+def decode_routes(payload, name: str = "routed_experts") -> torch.Tensor:
+    """Any engine payload as int64: ``[N, L, K]`` when the payload carries its shape (``.npy``, array, tensor,
+    nested list), flat ``[N * L * K]`` for SGLang's raw base64 int32 bytes (see the module docstring)."""
+    if payload is None:
+        raise _no_routes(name)
+    if isinstance(payload, (str, bytes, bytearray)):
+        raw = _b64(payload, name)
+        if raw.startswith(NPY_MAGIC):
+            try:
+                arr = np.load(io.BytesIO(raw), allow_pickle=False)
+            except ValueError as exc:
+                raise ValueError(f"{name} holds an .npy file that cannot be read without pickle ({exc})") from None
+            return as_int_tensor(arr, name)
+        if len(raw) % 4:
+            raise ValueError(f"{name} decodes to {len(raw)} bytes: neither an .npy file nor whole int32 values")
+        return torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int64))
+    return as_int_tensor(payload, name)
 
 
 def moe_layers(routes: torch.Tensor, layer_ids: Sequence[int], num_hidden_layers: int | None, name: str
@@ -44,36 +112,46 @@ def moe_layers(routes: torch.Tensor, layer_ids: Sequence[int], num_hidden_layers
     if num_hidden_layers is not None and n_layers == num_hidden_layers:
         if max(layer_ids) >= num_hidden_layers:
             raise ValueError(f"layer_ids {tuple(layer_ids)} exceed num_hidden_layers={num_hidden_layers}")
+        dense = [i for i in range(n_layers) if i not in set(layer_ids)]
+        bad = [i for i in dense if bool((routes[:, i] > 0).any())]
+        if bad:
+            raise ValueError(f"{name} layer {bad[0]} is not an MoE layer of the model (layer_ids "
+                             f"{tuple(layer_ids)}) but holds non-zero expert ids: layer_ids do not match the engine's "
+                             f"model")
         return routes[:, list(layer_ids)]
-    raise ValueError(f"{name} has {n_layers} layers; expected {len(layer_ids)} MoE layers"
-                     + (f" or {num_hidden_layers} hidden layers" if num_hidden_layers is not None else
-                        " (pass num_hidden_layers for an all-layers layout)"))
+    hint = (f" or num_hidden_layers={num_hidden_layers} (all layers)" if num_hidden_layers is not None else
+            "; an engine that returns every hidden layer needs num_hidden_layers=config.num_hidden_layers")
+    raise ValueError(f"{name} has {n_layers} layers; expected {len(layer_ids)} MoE layers{hint}")
 
 
-def _fit(routes: torch.Tensor, length: int, name: str, what: str) -> torch.Tensor:
-    """``routes`` of ``length`` or ``length - 1`` positions padded with -1 to ``length``."""
-    n = routes.shape[0]
-    if n not in (length, length - 1):
-        raise ValueError(f"{name} has {n} positions but the {what} has {length} tokens (expected {length} or "
-                         f"{length - 1}: the last token is never fed)")
-    if n == length:
-        return routes
-    pad = torch.full((1,) + tuple(routes.shape[1:]), -1, dtype=routes.dtype)
-    return torch.cat([routes, pad], 0)
+def place_rows(routes: torch.Tensor, length: int, start: int, name: str, what: str) -> torch.Tensor:
+    """``routes[N, L, K]`` covering positions ``[start, start + N)`` laid into ``[length, L, K]`` (-1 elsewhere);
+    ``N`` must be ``length - start - 1`` (the last token is never fed) or ``length - start``."""
+    if not 0 <= start < max(length, 1):
+        raise ValueError(f"start={start} is outside the {what} of {length} tokens")
+    n, want = routes.shape[0], length - start
+    if n not in (want, want - 1):
+        raise ValueError(f"{name} has {n} positions but the {what} has {length} tokens from start={start} "
+                         f"(expected {want - 1} or {want}: the last token is never fed)")
+    out = torch.full((length,) + tuple(routes.shape[1:]), -1, dtype=torch.int64)
+    out[start:start + n] = routes
+    return out
 
 
 def vllm_routes(prompt_len: int, completion_len: int, routed_experts, prompt_routed_experts=None,
-                layer_ids: Sequence[int] = (), num_hidden_layers: int | None = None) -> torch.Tensor:
+                layer_ids: Sequence[int] = (), num_hidden_layers: int | None = None, start: int = 0
+                ) -> torch.Tensor:
     """vLLM routes of one completion as ``[P + T, L_moe, K]`` int64, -1 where not recorded.
 
-    With ``prompt_routed_experts`` (``[P, L, K]``): ``routed_experts`` covers the completion (``T`` or ``T - 1``
-    positions). Without it (older versions): ``routed_experts`` covers the whole sequence (``S`` or ``S - 1``).
-    """
-    gen = moe_layers(as_int_tensor(routed_experts, "routed_experts"), layer_ids, num_hidden_layers,
-                     "routed_experts")
+    Without ``prompt_routed_experts`` (vLLM <= 0.20 and >= 0.22): ``routed_experts`` covers ``[start, S - 1)`` (or
+    ``[start, S)``). With it (vLLM 0.21): ``prompt_routed_experts [P, L, K]`` plus a completion part of ``T`` or
+    ``T - 1`` positions."""
+    gen = moe_layers(_shaped(routed_experts, "routed_experts"), layer_ids, num_hidden_layers, "routed_experts")
     if prompt_routed_experts is None:
-        return _fit(gen, prompt_len + completion_len, "routed_experts", "sequence (prompt + completion)")
-    pr = moe_layers(as_int_tensor(prompt_routed_experts, "prompt_routed_experts"), layer_ids, num_hidden_layers,
+        return place_rows(gen, prompt_len + completion_len, start, "routed_experts", "sequence (prompt + completion)")
+    if start:
+        raise ValueError("start applies to the single-array layout (vLLM >= 0.22); vLLM 0.21's split layout has none")
+    pr = moe_layers(_shaped(prompt_routed_experts, "prompt_routed_experts"), layer_ids, num_hidden_layers,
                     "prompt_routed_experts")
     if pr.shape[0] != prompt_len:
         raise ValueError(f"prompt_routed_experts has {pr.shape[0]} positions but the prompt has {prompt_len} tokens")
@@ -84,40 +162,46 @@ def vllm_routes(prompt_len: int, completion_len: int, routed_experts, prompt_rou
         if gen.shape[0]:
             raise ValueError(f"routed_experts has {gen.shape[0]} positions but the completion is empty")
         return pr
-    return torch.cat([pr, _fit(gen, completion_len, "routed_experts", "completion")], 0)
+    return torch.cat([pr, place_rows(gen, completion_len, 0, "routed_experts", "completion")], 0)
+
+
+def _shaped(payload, name: str) -> torch.Tensor:
+    routes = decode_routes(payload, name)
+    if routes.dim() != 3:
+        raise ValueError(f"{name} must be [positions, layers, top_k] (an .npy file, an array or nested lists), got "
+                         f"shape {tuple(routes.shape)}")
+    return routes
 
 
 def decode_sglang(payload, num_layers: int, top_k: int) -> torch.Tensor:
-    """SGLang's ``meta_info["routed_experts"]`` (base64 string/bytes of int32, or an array) as ``[N, L, K]``."""
-    if isinstance(payload, (str, bytes)):
-        raw = base64.b64decode(payload, validate=True)
-        if len(raw) % 4:
-            raise ValueError(f"SGLang routed_experts decodes to {len(raw)} bytes, not a whole number of int32")
-        flat = torch.from_numpy(np.frombuffer(raw, dtype="<i4").copy()).long()
-    else:
-        flat = as_int_tensor(payload, "routed_experts").reshape(-1)
+    """SGLang's ``meta_info["routed_experts"]`` (base64 of int32, or an array/tensor) as ``[N, L, K]``."""
+    flat = decode_routes(payload, "routed_experts").reshape(-1)
     if flat.numel() % (num_layers * top_k):
         raise ValueError(f"SGLang routed_experts holds {flat.numel()} ids, not a multiple of layers x top_k = "
                          f"{num_layers} x {top_k}")
-    return flat.reshape(-1, num_layers, top_k)
+    return rearrange(flat, "(n l k) -> n l k", l=num_layers, k=top_k)
 
 
 def sglang_routes(seq_len: int, payload, top_k: int, layer_ids: Sequence[int],
-                  num_hidden_layers: int | None = None) -> torch.Tensor:
-    """SGLang routes of one request as ``[S, L_moe, K]`` int64 (position ``S - 1`` not recorded).
+                  num_hidden_layers: int | None = None, start: int = 0) -> torch.Tensor:
+    """SGLang routes of one request as ``[S, L_moe, K]`` int64 (rows ``[start, S - 1)``; ``[start, S)`` accepted).
 
-    The layer count of the payload is found from its size: ``S - 1`` positions of either ``len(layer_ids)`` MoE
-    layers or ``num_hidden_layers`` layers; a payload that fits neither (or both) is refused."""
-    if isinstance(payload, (str, bytes)):
-        n_ids = len(base64.b64decode(payload, validate=True)) // 4
-    else:
-        n_ids = int(np.prod(np.asarray(payload).shape)) if not isinstance(payload, torch.Tensor) else payload.numel()
-    fits = [l for l in dict.fromkeys([len(layer_ids)] + ([num_hidden_layers] if num_hidden_layers else []))
-            if n_ids == (seq_len - 1) * l * top_k]
-    if len(fits) != 1:
-        raise ValueError(f"SGLang routed_experts holds {n_ids} ids; {seq_len} tokens need (S - 1) x layers x top_k "
-                         f"= {seq_len - 1} x {len(layer_ids)} (MoE layers)"
-                         + (f" or x {num_hidden_layers} (all layers)" if num_hidden_layers else "")
-                         + f" x {top_k}" + (" (ambiguous)" if len(fits) > 1 else ""))
-    routes = moe_layers(decode_sglang(payload, fits[0], top_k), layer_ids, num_hidden_layers, "routed_experts")
-    return _fit(routes, seq_len, "SGLang routed_experts", "sequence")
+    A flat payload's layer count is found from its size: ``S - start - 1`` (or ``S - start``) rows of either
+    ``len(layer_ids)`` MoE layers or ``num_hidden_layers`` layers; a size that fits neither (or two ways) is refused,
+    naming ``num_hidden_layers``."""
+    routes = decode_routes(payload, "routed_experts")
+    if routes.dim() != 3:
+        n_ids = routes.numel()
+        layers = [len(layer_ids)] + ([num_hidden_layers] if num_hidden_layers else [])
+        fits = {(r, l) for l in layers for r in (seq_len - start - 1, seq_len - start) if n_ids == r * l * top_k}
+        if len(fits) != 1:
+            raise ValueError(
+                f"SGLang routed_experts holds {n_ids} ids; {seq_len} tokens from start={start} need (S - start - 1) "
+                f"x layers x top_k = {seq_len - start - 1} x {len(layer_ids)} (MoE layers)"
+                + (f" or x {num_hidden_layers} (num_hidden_layers)" if num_hidden_layers else
+                   " (pass num_hidden_layers=config.num_hidden_layers: SGLang returns every hidden layer)")
+                + f" x {top_k}" + (" (ambiguous)" if len(fits) > 1 else ""))
+        (_, n_layers), = fits
+        routes = rearrange(routes, "(n l k) -> n l k", l=n_layers, k=top_k)
+    routes = moe_layers(routes, layer_ids, num_hidden_layers, "routed_experts")
+    return place_rows(routes, seq_len, start, "SGLang routed_experts", "sequence")

@@ -194,32 +194,64 @@ class RouteTrace:
 
     @classmethod
     def from_vllm(cls, prompt_token_ids, completion_token_ids, routed_experts, prompt_routed_experts=None, *,
-                  num_experts: int, layer_ids: Sequence[int], num_hidden_layers: int | None = None
-                  ) -> "RouteTrace":
+                  num_experts: int, layer_ids: Sequence[int], num_hidden_layers: int | None = None, start: int = 0,
+                  previous: "RouteTrace | None" = None) -> "RouteTrace":
         """One vLLM completion as a ``[1, P + T]`` trace tied to its tokens (layouts: ``routing/engines.py``).
 
-        ``routed_experts``: the completion's ``[T or T - 1, L, K]`` (with ``prompt_routed_experts [P, L, K]``), or
-        the whole sequence's ``[S or S - 1, L, K]`` (older versions); ``L`` = MoE layers or ``num_hidden_layers``.
-        Negative ids and missing last positions are "not recorded". Concatenate completions with ``cat_traces``.
+        ``routed_experts``: vLLM >= 0.22's ``choices[i].routed_experts`` (base64 ``.npy``) or the ndarray of the
+        Python API, ``[S - 1 - start, L, K]`` with ``start`` = the request's ``routed_experts_prompt_start``; or
+        vLLM 0.21's completion part (``T`` or ``T - 1`` rows) with ``prompt_routed_experts [P, L, K]``. ``L`` = MoE
+        layers or ``num_hidden_layers`` (then reduced to ``layer_ids``). ``None`` (no routes) is refused.
+        Negative ids, rows before ``start`` and the never-fed last position are "not recorded"; ``previous`` (the
+        last turn's trace of this conversation) fills the rows before ``start``. Join completions with
+        ``cat_traces``.
         """
         prompt = engines.as_int_tensor(prompt_token_ids, "prompt_token_ids").reshape(-1)
         comp = engines.as_int_tensor(completion_token_ids, "completion_token_ids").reshape(-1)
         routes = engines.vllm_routes(prompt.numel(), comp.numel(), routed_experts, prompt_routed_experts,
-                                     tuple(layer_ids), num_hidden_layers)
+                                     tuple(layer_ids), num_hidden_layers, start)
         tokens = torch.cat([prompt, comp])[None]
-        return cls.from_ids(routes[None], num_experts, routes.shape[-1], layer_ids).with_tokens(tokens)
+        return cls._from_engine(routes, tokens, num_experts, layer_ids, start, previous)
 
     @classmethod
     def from_sglang(cls, token_ids, routed_experts, *, num_experts: int, top_k: int, layer_ids: Sequence[int],
-                    num_hidden_layers: int | None = None) -> "RouteTrace":
+                    num_hidden_layers: int | None = None, start: int = 0, previous: "RouteTrace | None" = None
+                    ) -> "RouteTrace":
         """One SGLang request (prompt + output ``token_ids``, ``S`` tokens) as a ``[1, S]`` trace tied to its tokens.
 
-        ``routed_experts``: ``meta_info["routed_experts"]`` (base64 of int32 ``[S - 1, L, K]``) or the decoded
-        array; position ``S - 1`` (never fed) is "not recorded" (layouts: ``routing/engines.py``).
+        ``routed_experts``: ``meta_info["routed_experts"]`` (base64 of int32 over all hidden layers, rows
+        ``[start, S - 1)`` with ``start`` = the request's ``routed_experts_start_len``) or the decoded array/tensor;
+        ``S - start`` rows are accepted too. Rows before ``start`` come from ``previous`` (the last turn's trace)
+        or are "not recorded"; position ``S - 1`` (never fed) is "not recorded" (layouts: ``routing/engines.py``).
         """
         tokens = engines.as_int_tensor(token_ids, "token_ids").reshape(1, -1)
-        routes = engines.sglang_routes(tokens.shape[1], routed_experts, top_k, tuple(layer_ids), num_hidden_layers)
-        return cls.from_ids(routes[None], num_experts, top_k, layer_ids).with_tokens(tokens)
+        routes = engines.sglang_routes(tokens.shape[1], routed_experts, top_k, tuple(layer_ids), num_hidden_layers,
+                                       start)
+        return cls._from_engine(routes, tokens, num_experts, layer_ids, start, previous)
+
+    @classmethod
+    def _from_engine(cls, routes: torch.Tensor, tokens: torch.Tensor, num_experts: int, layer_ids: Sequence[int],
+                     start: int, previous: "RouteTrace | None") -> "RouteTrace":
+        """``routes[S, L, K]`` of one sequence as a ``[1, S]`` trace tied to ``tokens[1, S]``; rows ``[0, start)``
+        from ``previous`` (its tokens must be the same there)."""
+        if previous is not None and start > 0:
+            if previous.batch_size != 1 or previous.seq_len < start:
+                raise ValueError(f"previous trace has [B, S] = {tuple(previous.ids.shape[:2])}; it must be one "
+                                 f"sequence of at least start={start} positions")
+            if (previous.num_experts, previous.layer_ids) != (num_experts, tuple(layer_ids)) \
+                    or previous.top_k != routes.shape[-1]:
+                raise ValueError(f"previous trace has (num_experts, top_k, layer_ids) = "
+                                 f"{(previous.num_experts, previous.top_k, previous.layer_ids)}, this turn "
+                                 f"{(num_experts, routes.shape[-1], tuple(layer_ids))}")
+            if previous.tokens is not None:
+                prev_tok = previous.tokens[0, :start].long()
+                known = prev_tok >= 0
+                if bool((prev_tok[known] != tokens[0, :start][known.to(tokens.device)]).any()):
+                    raise TraceValidationError("previous trace was recorded on other tokens than this turn's first "
+                                               f"{start} tokens: it is not this conversation's last turn")
+            routes = routes.clone()
+            routes[:start] = previous.long_ids()[0, :start].cpu()
+        return cls.from_ids(routes[None], num_experts, routes.shape[-1], layer_ids).with_tokens(tokens)
 
     @classmethod
     def empty(cls, batch: int, seq_len: int, num_layers: int, top_k: int, num_experts: int,
