@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from offpolicy_moe.config.load import load_config
-from offpolicy_moe.engine.callbacks import FunctionCallback
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.trainer.trainer import Trainer
 
 
 def _config(args, mode: str, run_dir: str):

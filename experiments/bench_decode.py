@@ -25,7 +25,7 @@ import torch
 
 from _bench_job import forbid_token
 from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-from offpolicy_moe.engine.rollout import HFRolloutEngine
+from offpolicy_moe.rollout.engine import HFRolloutEngine
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.tasks import make_task
 

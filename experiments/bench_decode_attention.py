@@ -1,4 +1,4 @@
-"""Decode-step attention: transformers' SDPA function against ``offpolicy_moe.engine.decode_attention`` (one query
+"""Decode-step attention: transformers' SDPA function against ``offpolicy_moe.rollout.decode_attention`` (one query
 per row as two batched float32 matmuls), on the anchor model's attention shape (8 query heads, 4 key/value heads,
 head size 16), for cached lengths L and decode batch sizes B, float32 and bfloat16.
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from offpolicy_moe.engine.decode_attention import single_query_attention
+from offpolicy_moe.rollout.decode_attention import single_query_attention
 
 
 def _module(heads: int, kv_heads: int) -> nn.Module:

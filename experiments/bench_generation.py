@@ -31,8 +31,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from offpolicy_moe.config.load import load_config
-    from offpolicy_moe.engine.sft import sft_warm_start
-    from offpolicy_moe.engine.trainer import Trainer
+    from offpolicy_moe.trainer.sft import sft_warm_start
+    from offpolicy_moe.trainer.trainer import Trainer
 
     preset = "preset=[grpo,r3]" if args.replay == "r3" else "preset=[grpo]"
     cfg = load_config(None, [preset, f"run_dir={tempfile.mkdtemp(prefix='bench_gen_')}",

@@ -37,7 +37,7 @@ def autograd_logprobs(logits, targets, block_elements: int):
 def cell(variant: str, dtype: str, args) -> dict:
     import torch
 
-    from offpolicy_moe.engine.token_logprobs import CPU_LOGPROB_BLOCK, token_logprobs
+    from offpolicy_moe.models.token_logprobs import CPU_LOGPROB_BLOCK, token_logprobs
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

@@ -30,8 +30,9 @@ def cell(rows: int, cap: int | None, args) -> dict:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from offpolicy_moe.engine.batch import MicroBatching, RolloutBatch
-    from offpolicy_moe.engine.forward import RoutedForward
+    from offpolicy_moe.rollout.batch import RolloutBatch
+    from offpolicy_moe.trainer.micro_batch import MicroBatching
+    from offpolicy_moe.trainer.forward import RoutedForward
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -64,7 +65,7 @@ def cell(rows: int, cap: int | None, args) -> dict:
 def blocks(args) -> None:
     import torch
 
-    from offpolicy_moe.engine.token_logprobs import token_logprobs
+    from offpolicy_moe.models.token_logprobs import token_logprobs
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Cost of the divergence guard (engine/step_guard.py) on the optimizer step: ``optimizer.step()`` alone vs
+"""Cost of the divergence guard (trainer/step_guard.py) on the optimizer step: ``optimizer.step()`` alone vs
 ``snapshot() + optimizer.step() + params_max_abs()`` (with its host sync), interleaved, median over ``--reps``.
 
     python experiments/bench_step_guard.py [--reps 50] [--threads 1]
@@ -15,8 +15,8 @@ import time
 import torch
 
 from offpolicy_moe.config.schema import ModelConfig
-from offpolicy_moe.engine.optim import adamw
-from offpolicy_moe.engine.step_guard import StepGuard
+from offpolicy_moe.trainer.optim import adamw
+from offpolicy_moe.trainer.step_guard import StepGuard
 from offpolicy_moe.models import load_policy
 
 

@@ -172,8 +172,8 @@ def run_ours(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from offpolicy_moe.config.load import load_config
-    from offpolicy_moe.engine.callbacks import FunctionCallback
-    from offpolicy_moe.engine.trainer import Trainer
+    from offpolicy_moe.trainer.callbacks import FunctionCallback
+    from offpolicy_moe.trainer.trainer import Trainer
 
     run_dir = tempfile.mkdtemp(prefix="ours_bench_")
     overrides = job_overrides(args, args.steps + 2) + [f"run_dir={run_dir}"] + LEAN + list(args.ours_set)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from offpolicy_moe.config.load import load_config, to_yaml
-from offpolicy_moe.engine.checkpoint import latest_checkpoint, load_checkpoint
+from offpolicy_moe.run.checkpoint import latest_checkpoint, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

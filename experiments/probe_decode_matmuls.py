@@ -1,5 +1,5 @@
 """Why single-query decode attention costs what it does on the CPU: the two batched matmuls of
-``engine/decode_attention.py`` (``q K^T`` then ``p V``, one ``[g, D] x [D, L]`` product per row and key/value head)
+``rollout/decode_attention.py`` (``q K^T`` then ``p V``, one ``[g, D] x [D, L]`` product per row and key/value head)
 against reading the keys alone, with the cache hot (one layer's buffers reused) or cold (``--layers`` layers' buffers
 cycled, more than the L3 cache at the default sizes), and against other ways of writing the same computation:
 keys stored transposed, ``K q^T``, broadcast multiply-and-sum, rows in chunks, and (``--compile``) a

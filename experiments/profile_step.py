@@ -37,8 +37,8 @@ def profile(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from offpolicy_moe.config.load import load_config
-    from offpolicy_moe.engine.callbacks import FunctionCallback
-    from offpolicy_moe.engine.trainer import Trainer
+    from offpolicy_moe.trainer.callbacks import FunctionCallback
+    from offpolicy_moe.trainer.trainer import Trainer
 
     run_dir = tempfile.mkdtemp(prefix="profile_step_")
     cfg = load_config(None, job_overrides(args, args.steps + 2) + [f"run_dir={run_dir}"] + list(args.set))

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from offpolicy_moe.config.schema import ModelConfig, TaskConfig  # noqa: E402
-from offpolicy_moe.engine.sft import sft_warm_start  # noqa: E402
+from offpolicy_moe.trainer.sft import sft_warm_start  # noqa: E402
 from offpolicy_moe.models import load_policy  # noqa: E402
 from offpolicy_moe.tasks import encode_prompts, evaluate_greedy, make_task  # noqa: E402
 

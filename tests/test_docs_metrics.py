@@ -1,7 +1,7 @@
-"""docs/metrics.md is generated from ``offpolicy_moe.engine.metrics`` and defines every documented key.
+"""docs/metrics.md is generated from ``offpolicy_moe.run.metrics`` and defines every documented key.
 
 The block between the ``BEGIN GENERATED`` and ``END GENERATED`` markers must equal :func:`render` of
-:data:`~offpolicy_moe.engine.metrics.DOCUMENTED_KEYS` and ``DOCUMENTED_PREFIXES`` (a new, renamed or re-described
+:data:`~offpolicy_moe.run.metrics.DOCUMENTED_KEYS` and ``DOCUMENTED_PREFIXES`` (a new, renamed or re-described
 key makes it stale); every documented key must also appear in the hand-written definitions below the block.
 ``python -m tests.test_docs_metrics --write`` rewrites the generated block.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from offpolicy_moe.engine.metrics import DOCUMENTED_KEYS, DOCUMENTED_PREFIXES
+from offpolicy_moe.run.metrics import DOCUMENTED_KEYS, DOCUMENTED_PREFIXES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 BEGIN = "<!-- BEGIN GENERATED: python -m tests.test_docs_metrics --write -->"

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from offpolicy_moe.cli import main as cli_main
 from offpolicy_moe.config.load import load_config
-from offpolicy_moe.engine.checkpoint import load_checkpoint
-from offpolicy_moe.engine.launch import train
+from offpolicy_moe.run.checkpoint import load_checkpoint
+from offpolicy_moe.trainer.launch import train
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.presets import tiny_qwen3_moe_config
 from offpolicy_moe.sweep.plan import load_experiment, plan_runs

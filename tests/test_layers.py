@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,61 @@ def test_import_linter_layers_contract_is_kept():
     out = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
                           "sys.exit(lint_imports_command())"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "1 kept, 0 broken" in out.stdout
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    assert len(contracts) >= 2
+    for c in contracts:
+        assert f"{c['name']} KEPT" in out.stdout, c["name"]
+    assert f"{len(contracts)} kept, 0 broken" in out.stdout
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(path: Path, tree: ast.AST) -> set[str]:
+    """Every module of the package ``path`` imports, at any depth (type-only imports under TYPE_CHECKING too)."""
+    me = _module_name(path).split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            if mod.split(".")[0] == "offpolicy_moe":
+                out.add(mod)
+                out.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "offpolicy_moe")
+    return out
+
+
+def test_no_import_cycles_between_modules():
+    """No two modules of the package import each other, directly or through others, counting imports inside
+    functions and under ``TYPE_CHECKING`` (a package's ``__init__`` re-exporting its modules is not a cycle)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        if path.name == "__init__.py":
+            continue
+        graph[name] = {t for t in _targets(path, ast.parse(path.read_text())) if t in paths and t != name
+                       and paths[t].name != "__init__.py"}
+    seen, stack, cycles = set(), [], []
+
+    def visit(n: str) -> None:
+        stack.append(n)
+        for m in graph.get(n, ()):
+            if m in stack:
+                cycles.append(stack[stack.index(m):] + [m])
+            elif m not in seen:
+                visit(m)
+        stack.pop()
+        seen.add(n)
+
+    for n in sorted(graph):
+        if n not in seen:
+            visit(n)
+    assert not cycles, f"import cycles: {cycles[:5]}"
 
 
 def test_no_function_local_imports_of_the_package():

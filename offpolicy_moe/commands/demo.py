@@ -83,7 +83,7 @@ def summarize(run_dir: str | Path) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     # the engine loads torch: imported when the demo runs, so `offpolicy-moe --help` stays fast
-    from offpolicy_moe.engine.launch import train
+    from offpolicy_moe.trainer.launch import train
 
     run_dir = args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = DEMO_OVERRIDES + [f"trainer.steps={args.steps}", f"seed={args.seed}"]

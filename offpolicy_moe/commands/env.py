@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from offpolicy_moe.engine.run_dir import environment_info
+from offpolicy_moe.run.run_dir import environment_info
 
 __all__ = ["environment_info", "add_arguments", "run"]
 

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     """Export through the one error path: a missing run folder or checkpoint step, or a non-empty ``OUT_DIR``, is a
     user mistake (rc 2); a damaged or unsafe checkpoint is a :class:`CheckpointError` (rc 1)."""
     # the engine loads torch: imported when the command runs, so `offpolicy-moe --help` stays fast
-    from offpolicy_moe.engine.export import export_run
+    from offpolicy_moe.run.export import export_run
 
     try:
         out = export_run(args.run_dir, args.out_dir, step=args.step, overwrite=args.force)

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 from offpolicy_moe.commands.errors import UsageError
 from offpolicy_moe.config.load import load_config, to_dict
 from offpolicy_moe.config.schema import TrainConfig
-from offpolicy_moe.engine.checkpoint import latest_checkpoint
+from offpolicy_moe.run.checkpoint import latest_checkpoint
 
 SEGMENTS_FILE = "segments.jsonl"
 

@@ -84,7 +84,7 @@ def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan]
         cfg = build_config(args.config, args.overrides, args.run_dir, presets)
     if args.dry_run:   # every check a real start makes before compute (files, tokenizer, shapes, buffer)
         from offpolicy_moe.config.preflight import preflight
-        from offpolicy_moe.engine.buffer import check_buffer_feasible
+        from offpolicy_moe.trainer.buffer import check_buffer_feasible
 
         warnings = preflight(cfg)
         check_buffer_feasible(cfg)
@@ -135,7 +135,7 @@ def train_segment(cfg: TrainConfig, plan: Optional[ResumePlan], choice: ThreadCh
     import torch
 
     from offpolicy_moe.commands.resume import prior_wall_time
-    from offpolicy_moe.engine.launch import train
+    from offpolicy_moe.trainer.launch import train
 
     torch.set_num_threads(choice.threads)
     prior = prior_wall_time(cfg.run_dir) if plan is not None else 0.0

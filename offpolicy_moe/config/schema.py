@@ -88,7 +88,7 @@ class RolloutConfig:
     # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
     sampler: str = ranged("native", choices=SAMPLERS)
     compact_finished: bool = True     # native sampler: finished sequences leave the decode batch
-    # native sampler on an "sdpa" model: single_query (decode steps as two batched matmuls, engine/decode_attention.py)
+    # native sampler on an "sdpa" model: single_query (decode steps as two batched matmuls, rollout/decode_attention.py)
     # | sdpa (transformers' kernel for every step)
     decode_attention: str = ranged("single_query", choices=DECODE_ATTENTION)
     # buffer.mode=async (docs/async.md): rollout worker processes per trainer process
@@ -185,7 +185,7 @@ class TrainerConfig:
     steps: int = ranged(100, ge=1)     # trained steps; a run needs at least one
     updates_per_step: int = ranged(1, ge=1)        # optimizer updates per consumed batch (mini-batches)
     grad_accum: int = ranged(1, ge=1)              # micro-batches per update (at least)
-    # more micro-batches when one would hold more padded token positions than this (null: no cap; engine/batch.py);
+    # more micro-batches when one would hold more padded token positions than this (null: no cap; rollout/batch.py);
     # the no-grad passes over a whole batch (old-logp, reference) run on the same micro-batches
     micro_batch_tokens: Optional[int] = ranged(16384, ge=1, optional=True)
     sft_warmup_steps: int = ranged(60, ge=0)       # SFT warm start -> partially solved default task (0 = none)

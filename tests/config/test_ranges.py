@@ -128,7 +128,7 @@ def test_one_resolve_dtype_in_the_package():
     root = Path(offpolicy_moe.__file__).parent
     defs = [p for p in root.rglob("*.py") if "def resolve_dtype" in p.read_text()]
     assert [p.relative_to(root).as_posix() for p in defs] == ["models/dtypes.py"]
-    from offpolicy_moe.engine.rollout import resolve_dtype as engine_copy
+    from offpolicy_moe.rollout.engine import resolve_dtype as engine_copy
     from offpolicy_moe.models import resolve_dtype
 
     assert engine_copy is resolve_dtype

@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from offpolicy_moe.config.load import to_yaml
-from offpolicy_moe.engine.callbacks import FunctionCallback
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.trainer.trainer import Trainer
 from tests.engine.tiny import tiny_config
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The async pipeline's scheduling rules (offpolicy_moe.engine.pipeline.schedule) on a simulated clock: the real
+"""The async pipeline's scheduling rules (offpolicy_moe.trainer.sources.schedule) on a simulated clock: the real
 Dispatcher drives workers and a trainer whose durations, worker deaths and in-flight updates hypothesis draws."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy_moe.engine.pipeline.schedule import Dispatcher, is_stale, issue_limit, min_version
+from offpolicy_moe.trainer.sources.schedule import Dispatcher, is_stale, issue_limit, min_version
 
 TOKENS = 3
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.pipeline.source import AsyncBatchSource, check_async_config
-from offpolicy_moe.engine.trainer import iteration_seed
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.trainer.sources.asynchronous import AsyncBatchSource, check_async_config
+from offpolicy_moe.trainer.trainer import iteration_seed
 from tests.engine.tiny import tiny_config
 
 

@@ -12,9 +12,9 @@ import psutil
 import pytest
 import torch
 
-from offpolicy_moe.engine.callbacks import FunctionCallback
-from offpolicy_moe.engine.pipeline.source import PipelineTimeout
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.trainer.sources.asynchronous import PipelineTimeout
+from offpolicy_moe.trainer.trainer import Trainer
 
 
 def _metrics(run_dir) -> list[dict]:

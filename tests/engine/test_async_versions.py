@@ -1,5 +1,5 @@
 """Per-token policy versions: weights updated in flight inside the engine's sampling loop, and old log-probs taken
-under the version that sampled each token (offpolicy_moe.engine.pipeline.loop.prepare_at_versions)."""
+under the version that sampled each token (offpolicy_moe.trainer.versions.prepare_at_versions)."""
 from __future__ import annotations
 
 import copy
@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from offpolicy_moe.engine.pipeline.loop import VersionRing, loaded_weights, prepare_at_versions, token_lag
-from offpolicy_moe.engine.pipeline.worker import build_engine, generate_iteration
-from offpolicy_moe.engine.trainer import Trainer, iteration_seed
+from offpolicy_moe.trainer.versions import VersionRing, loaded_weights, prepare_at_versions, token_lag
+from offpolicy_moe.rollout.worker import build_engine, generate_iteration
+from offpolicy_moe.trainer.trainer import Trainer, iteration_seed
 from tests.engine.tiny import tiny_config
 
 

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from offpolicy_moe.engine.pipeline.weights import WeightBoard, WeightWaitTimeout
+from offpolicy_moe.rollout.weights import WeightBoard, WeightWaitTimeout
 
 
 class _Engine:

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.buffer import StalenessBuffer
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.trainer.buffer import StalenessBuffer
 
 
 def fake_batch(version: int, generated_at: int) -> RolloutBatch:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offpolicy_moe.config import ConfigError, load_config
-from offpolicy_moe.engine.buffer import check_buffer_feasible, iteration_budget, steps_within_budget
+from offpolicy_moe.trainer.buffer import check_buffer_feasible, iteration_budget, steps_within_budget
 
 
 def reference_steps(k: int, max_delay: int, seed: int, steps: int) -> int:

@@ -8,10 +8,10 @@ import copy
 
 import torch
 
-from offpolicy_moe.engine.layout import CACHE_KWARGS, cache_kwarg
-from offpolicy_moe.engine.logprobs import _can_share
-from offpolicy_moe.engine.pipeline.worker import build_engine
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.models.layout import CACHE_KWARGS, cache_kwarg
+from offpolicy_moe.trainer.logprobs import _can_share
+from offpolicy_moe.rollout.worker import build_engine
+from offpolicy_moe.trainer.trainer import Trainer
 from tests.engine.tiny import tiny_config
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from offpolicy_moe.engine.checkpoint import (CheckpointError, clean_checkpoint_root, convert_legacy_checkpoint,
+from offpolicy_moe.run.checkpoint import (CheckpointError, clean_checkpoint_root, convert_legacy_checkpoint,
                                              latest_checkpoint, load_checkpoint, main, restore_metrics,
                                              resume_checkpoint, rng_state, save_checkpoint, set_rng_state,
                                              verify_checkpoint)

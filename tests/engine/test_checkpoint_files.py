@@ -12,8 +12,8 @@ import torch
 
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.config.validate import ConfigError
-from offpolicy_moe.engine.checkpoint import CheckpointError, restore_metrics
-from offpolicy_moe.engine.export import export_run
+from offpolicy_moe.run.checkpoint import CheckpointError, restore_metrics
+from offpolicy_moe.run.export import export_run
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.presets import tiny_qwen3_moe_config
 from offpolicy_moe.sweep.plan import load_experiment

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from offpolicy_moe.engine.checkpoint import gather_rng_states, load_checkpoint, save_checkpoint, set_rng_state
+from offpolicy_moe.run.checkpoint import gather_rng_states, load_checkpoint, save_checkpoint, set_rng_state
 
 REPO = Path(__file__).resolve().parents[2]
 

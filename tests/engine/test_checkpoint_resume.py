@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from offpolicy_moe.config.load import to_yaml
-from offpolicy_moe.engine.checkpoint import CheckpointError, load_checkpoint, main
-from offpolicy_moe.engine.launch import train
+from offpolicy_moe.run.checkpoint import CheckpointError, load_checkpoint, main
+from offpolicy_moe.trainer.launch import train
 
 from tests.engine.tiny import tiny_config
 

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from offpolicy_moe.engine.callbacks import Callback, CallbackList, FunctionCallback
-from offpolicy_moe.engine.launch import train
-from offpolicy_moe.engine.optim import lr_schedule
-from offpolicy_moe.engine.rollout import ENGINES, EngineCapabilities, HFRolloutEngine, make_engine
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.callbacks import Callback, CallbackList, FunctionCallback
+from offpolicy_moe.trainer.launch import train
+from offpolicy_moe.trainer.optim import lr_schedule
+from offpolicy_moe.rollout.engine import ENGINES, EngineCapabilities, HFRolloutEngine, make_engine
+from offpolicy_moe.trainer.trainer import Trainer
 from tests.engine.test_trainer import final_weights, read_metrics
 
 
@@ -117,7 +117,7 @@ def test_rollout_engines_are_chosen_by_name_and_capability(make_cfg):
 
 
 def test_the_engine_layer_never_imports_the_commands():
-    code = ("import sys, offpolicy_moe.engine.launch, offpolicy_moe.engine.run_dir; "
+    code = ("import sys, offpolicy_moe.trainer.launch, offpolicy_moe.run.run_dir; "
             "print(sorted(m for m in sys.modules if m.startswith('offpolicy_moe.commands')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -8,7 +8,7 @@ import torch
 
 def _engine(compact: bool, record: bool, dtype: str = "float32"):
     from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-    from offpolicy_moe.engine.rollout import HFRolloutEngine
+    from offpolicy_moe.rollout.engine import HFRolloutEngine
     from offpolicy_moe.models import load_policy
     from offpolicy_moe.tasks import make_task
 

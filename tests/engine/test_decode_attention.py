@@ -12,8 +12,8 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-from offpolicy_moe.engine.decode_attention import NAME, single_query_attention, use_single_query_decode
-from offpolicy_moe.engine.rollout import HFRolloutEngine
+from offpolicy_moe.rollout.decode_attention import NAME, single_query_attention, use_single_query_decode
+from offpolicy_moe.rollout.engine import HFRolloutEngine
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.tasks import make_task
 from tests.decode_steps import decode_logits

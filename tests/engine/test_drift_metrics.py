@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from offpolicy_moe.engine.metrics import is_documented
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.run.metrics import is_documented
+from offpolicy_moe.trainer.trainer import Trainer
 from tests.engine.tiny import tiny_config
 
 DRIFT = ("drift/zero_dev_layer", "drift/zero_dev_token", "drift/n_tokens")

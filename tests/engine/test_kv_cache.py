@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from offpolicy_moe.engine.kv_cache import PreallocatedLayer, preallocated_cache
+from offpolicy_moe.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 
 
 def test_preallocated_layer_equals_dynamic_layer():
@@ -59,7 +59,7 @@ def test_long_native_samples_equal_generate_with_compaction():
     """40 new tokens, early EOS on many rows (compaction drops them mid-way), fp32 and bf16: the tokens are
     generate's exactly, the behaviour log-probs to float rounding (prefill shared across a group)."""
     from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-    from offpolicy_moe.engine.rollout import HFRolloutEngine
+    from offpolicy_moe.rollout.engine import HFRolloutEngine
     from offpolicy_moe.models import load_policy
     from offpolicy_moe.tasks import make_task
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from offpolicy_moe.config.load import load_config
-from offpolicy_moe.engine.launch import train
+from offpolicy_moe.trainer.launch import train
 
 
 @pytest.mark.slow

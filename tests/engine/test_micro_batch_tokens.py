@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy_moe.engine.batch import micro_batch_count
-from offpolicy_moe.engine.launch import train
+from offpolicy_moe.trainer.micro_batch import micro_batch_count
+from offpolicy_moe.trainer.launch import train
 from tests.engine.test_trainer import final_weights, read_metrics, strip_perf
 
 

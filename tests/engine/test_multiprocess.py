@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from offpolicy_moe.engine.launch import cpu_launch_processes
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.launch import cpu_launch_processes
+from offpolicy_moe.trainer.trainer import Trainer
 from tests.engine.tiny import run_fused_or_not, tiny_config, tiny_policy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def _half(batch, rank, world):
 
 def worker(batch_path: str, out_path: str) -> None:
     """Run in each of the two processes (RANK / WORLD_SIZE / MASTER_* set by the test)."""
-    from offpolicy_moe.engine.batch import RolloutBatch
+    from offpolicy_moe.rollout.batch import RolloutBatch
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -218,7 +218,7 @@ def test_cpu_launch_detection(tmp_path):
 
 def test_native_sampler_matches_generate():
     from offpolicy_moe.config.schema import TaskConfig
-    from offpolicy_moe.engine.rollout import HFRolloutEngine
+    from offpolicy_moe.rollout.engine import HFRolloutEngine
     from offpolicy_moe.tasks import make_task
 
     torch.set_num_threads(1)

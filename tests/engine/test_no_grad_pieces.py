@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy_moe.engine.batch import MicroBatching, max_over_processes, micro_batch_count, update_cut
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes, micro_batch_count, update_cut
+from offpolicy_moe.trainer.trainer import Trainer
 from tests.engine.tiny import run_fused_or_not, tiny_config
 
 

@@ -19,15 +19,15 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from offpolicy_moe.config.load import to_yaml
-from offpolicy_moe.engine.callbacks import FunctionCallback
-from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError
-from offpolicy_moe.engine.launch import train
-from offpolicy_moe.engine.optim import adamw
-from offpolicy_moe.engine.run_lock import RunLock
-from offpolicy_moe.engine.sft import sft_warm_start
-from offpolicy_moe.engine.signals import RunInterrupted, graceful_stop
-from offpolicy_moe.engine.step_guard import StepGuard, max_abs
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.run.faults import NonFiniteLossError, RunDirError
+from offpolicy_moe.trainer.launch import train
+from offpolicy_moe.trainer.optim import adamw
+from offpolicy_moe.run.run_lock import RunLock
+from offpolicy_moe.trainer.sft import sft_warm_start
+from offpolicy_moe.run.signals import RunInterrupted, graceful_stop
+from offpolicy_moe.trainer.step_guard import StepGuard, max_abs
+from offpolicy_moe.trainer.trainer import Trainer
 from offpolicy_moe.tasks import make_task
 from tests.engine.test_trainer import final_weights, read_metrics, strip_perf
 from tests.engine.tiny import free_port, tiny_config, tiny_policy

@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from offpolicy_moe.config import load_config, validate
 from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-from offpolicy_moe.engine.callbacks import FunctionCallback
-from offpolicy_moe.engine.launch import train
-from offpolicy_moe.engine.pipeline.worker import build_engine
-from offpolicy_moe.engine.rollout import HFRolloutEngine, make_engine
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.trainer.launch import train
+from offpolicy_moe.rollout.worker import build_engine
+from offpolicy_moe.rollout.engine import HFRolloutEngine, make_engine
+from offpolicy_moe.trainer.trainer import Trainer
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, compare_traces,
                                    perturbation_seed, router_perturbation)

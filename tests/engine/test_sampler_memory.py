@@ -9,8 +9,8 @@ import weakref
 import torch
 
 from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-from offpolicy_moe.engine.token_logprobs import token_logprobs
-from offpolicy_moe.engine.rollout import HFRolloutEngine
+from offpolicy_moe.models.token_logprobs import token_logprobs
+from offpolicy_moe.rollout.engine import HFRolloutEngine
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.tasks import make_task
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.trainer import Trainer
 from tests.engine.tiny import tiny_config, tiny_policy
 
 
@@ -46,7 +46,7 @@ def _grads(model, fn):
 
 
 def test_prompt_groups_matches_brute_force():
-    from offpolicy_moe.engine.layout import prompt_groups
+    from offpolicy_moe.models.layout import prompt_groups
 
     ids, am, _ = _batch()
     P = 6
@@ -70,7 +70,7 @@ def test_prompt_groups_matches_brute_force():
 @pytest.mark.parametrize("mode", ["pack", "cache"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_shared_forward_equals_plain_values_and_gradients(mode, temperature):
-    from offpolicy_moe.engine.logprobs import response_logprobs
+    from offpolicy_moe.trainer.logprobs import response_logprobs
 
     torch.manual_seed(0)
     model, _ = _model()
@@ -103,7 +103,7 @@ def _count_tokens(model):
 
 
 def test_shared_forward_feeds_each_prompt_once():
-    from offpolicy_moe.engine.logprobs import response_logprobs
+    from offpolicy_moe.trainer.logprobs import response_logprobs
 
     model, _ = _model()
     ids, am, ram = _batch(U=5, G=4, P=6, T=5)
@@ -130,8 +130,8 @@ def test_shared_forward_feeds_each_prompt_once():
 
 
 def test_shared_forward_falls_back_when_it_cannot_apply():
-    from offpolicy_moe.engine.logprobs import response_logprobs
-    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.trainer.logprobs import response_logprobs
+    from offpolicy_moe.trainer.packing import plan_group_packing
 
     model, _ = _model()
     ids, am, ram = _batch(U=5, G=4)
@@ -165,8 +165,8 @@ def test_shared_forward_falls_back_when_it_cannot_apply():
 
 def test_two_groups_with_one_prompt_are_packed_as_two_rows():
     """Groups that happen to draw the same prompt must not make one row twice as long (that widens every row)."""
-    from offpolicy_moe.engine.logprobs import response_logprobs
-    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.trainer.logprobs import response_logprobs
+    from offpolicy_moe.trainer.packing import plan_group_packing
 
     ids, am, ram = _batch(U=5, G=4, P=6, T=5)
     plan = plan_group_packing(ids, am, 6)
@@ -186,7 +186,7 @@ def test_two_groups_with_one_prompt_are_packed_as_two_rows():
 
 
 def test_pack_trace_matches_brute_force_and_refuses_disagreeing_prompts():
-    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.trainer.packing import plan_group_packing
     from offpolicy_moe.routing import RouteTrace
 
     ids, am, _ = _batch(U=5, G=4, P=6, T=5)
@@ -287,7 +287,7 @@ def test_fast_completion_decoding_equals_tokenizer_decode():
 
 
 def test_engine_sync_copies_casts_and_refuses_mismatched_weights():
-    from offpolicy_moe.engine.rollout import HFRolloutEngine
+    from offpolicy_moe.rollout.engine import HFRolloutEngine
 
     model, tok = _model()
     eng = HFRolloutEngine(model, tok, dtype="bfloat16", max_new_tokens=2)
@@ -312,7 +312,7 @@ def test_recorded_routes_of_a_packed_forward_equal_a_plain_recording(tmp_path):
     """R2 records the trainer's own routes in the old-log-prob pass and routing/* compares them with the engine's:
     packed, the recording is unpacked to the plain layout and equals the plain forward's recording on every fed
     position (the last response position, never fed, holds the sentinel, as in the engine's traces)."""
-    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.trainer.packing import plan_group_packing
 
     torch.set_num_threads(1)
     common = ["preset=[grpo,r2]", "rollout.dtype=bfloat16", "algo.routing.metrics=true", "rollout.max_new_tokens=4",
@@ -351,7 +351,7 @@ def test_packing_only_for_full_attention_with_4d_masks():
     """Sliding-window / chunked layers build windowed masks from plain positions: not packed (cache way instead)."""
     from types import SimpleNamespace
 
-    from offpolicy_moe.engine.packing import takes_4d_mask
+    from offpolicy_moe.trainer.packing import takes_4d_mask
 
     def m(**cfg):
         return SimpleNamespace(config=SimpleNamespace(**cfg))
@@ -374,8 +374,8 @@ def test_packed_replay_equals_plain_replay_on_other_families(family):
     """R3 on a packed batch (trace re-laid out) gives the plain replayed forward's log-probs and gradients."""
     from tests.routing.routing_models import make_model
 
-    from offpolicy_moe.engine.logprobs import response_logprobs
-    from offpolicy_moe.engine.packing import plan_group_packing, takes_4d_mask
+    from offpolicy_moe.trainer.logprobs import response_logprobs
+    from offpolicy_moe.trainer.packing import plan_group_packing, takes_4d_mask
     from offpolicy_moe.routing import RoutingController
 
     model = make_model(family)
@@ -432,8 +432,8 @@ def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
 
 def test_bad_layouts_are_refused_by_name():
     """A trace, logits or packing that do not match the planned batch, and bad recorder row indices: clear errors."""
-    from offpolicy_moe.engine.logprobs import response_logprobs
-    from offpolicy_moe.engine.packing import plan_group_packing
+    from offpolicy_moe.trainer.logprobs import response_logprobs
+    from offpolicy_moe.trainer.packing import plan_group_packing
     from offpolicy_moe.routing import RouteTrace, RoutingController
 
     ids, am, ram = _batch(U=5, G=4, P=6, T=5)
@@ -467,8 +467,8 @@ def test_bad_layouts_are_refused_by_name():
 def test_packed_logprobs_equal_the_laid_out_logits(temperature):
     """``GroupPacking.response_logprobs`` (log-probs over the packed positions) against the log-probs of the
     logits laid out like the plain batch (``response_logits``): same values and gradients."""
-    from offpolicy_moe.engine.packing import plan_group_packing
-    from offpolicy_moe.engine.token_logprobs import token_logprobs
+    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.token_logprobs import token_logprobs
 
     ids, am, _ = _batch(U=5, G=4, P=6, T=5)
     plan = plan_group_packing(ids, am, 6)

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from offpolicy_moe.engine.checkpoint import CheckpointError
-from offpolicy_moe.engine.faults import NonFiniteLossError, RunDirError
-from offpolicy_moe.engine.metrics import DOCUMENTED_KEYS, is_documented
-from offpolicy_moe.engine.callbacks import FunctionCallback
-from offpolicy_moe.engine.launch import train
-from offpolicy_moe.engine.trainer import Trainer, TrainingStopped, iteration_seed
+from offpolicy_moe.run.checkpoint import CheckpointError
+from offpolicy_moe.run.faults import NonFiniteLossError, RunDirError
+from offpolicy_moe.run.metrics import DOCUMENTED_KEYS, is_documented
+from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.trainer.launch import train
+from offpolicy_moe.trainer.trainer import Trainer, TrainingStopped, iteration_seed
 from tests.engine.tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -288,7 +288,7 @@ def test_unusable_run_dir_fails_at_start(make_cfg, tmp_path, where, monkeypatch)
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the run folder was checked")
 
-    monkeypatch.setattr("offpolicy_moe.engine.trainer.load_policy", no_model)
+    monkeypatch.setattr("offpolicy_moe.trainer.trainer.load_policy", no_model)
     with pytest.raises(RunDirError, match="run folder"):   # before any model is built
         Trainer(cfg)
 

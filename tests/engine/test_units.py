@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from offpolicy_moe.engine.loggers import JsonlLogger, WandbLogger, clean_metrics
-from offpolicy_moe.engine.logprobs import response_logprobs
-from offpolicy_moe.engine.rollout import HFRolloutEngine, resolve_dtype
+from offpolicy_moe.run.loggers import JsonlLogger, WandbLogger, clean_metrics
+from offpolicy_moe.trainer.logprobs import response_logprobs
+from offpolicy_moe.rollout.engine import HFRolloutEngine, resolve_dtype
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +127,10 @@ def test_wandb_logger_is_lazy_and_offline_capable(tmp_path, monkeypatch):
     lg = WandbLogger(tmp_path, {"seed": 0}, project="test")
     lg.log(1, {"reward/mean": 0.5})
     lg.close()
-    import offpolicy_moe.engine.trainer  # noqa: F401  importing the trainer must not import wandb by itself
+    import offpolicy_moe.trainer.trainer  # noqa: F401  importing the trainer must not import wandb by itself
     import subprocess
     import sys
 
-    code = "import sys, offpolicy_moe.engine.trainer, offpolicy_moe.cli; print('wandb' in sys.modules)"
+    code = "import sys, offpolicy_moe.trainer.trainer, offpolicy_moe.cli; print('wandb' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"

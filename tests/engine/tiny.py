@@ -43,7 +43,7 @@ def free_port() -> int:
 def run_fused_or_not(cfg, fuse: bool):
     """Train ``cfg`` with ``trainer.fuse_old_logp=fuse`` (checking that the trainer fuses exactly then); returns
     the metric rows without ``perf/*`` and the final weights."""
-    from offpolicy_moe.engine.trainer import Trainer
+    from offpolicy_moe.trainer.trainer import Trainer
 
     cfg.trainer.fuse_old_logp = fuse
     tr = Trainer(cfg)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from offpolicy_moe.engine.decode_attention import NAME, use_single_query_decode
+from offpolicy_moe.rollout.decode_attention import NAME, use_single_query_decode
 from tests.decode_steps import decode_logits
 
 from family_models import VOCAB, make_family_model

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-from offpolicy_moe.engine.sft import answer_nll, build_sft_batch, sft_warm_start
+from offpolicy_moe.trainer.sft import answer_nll, build_sft_batch, sft_warm_start
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.tasks import make_task
 
@@ -61,7 +61,7 @@ def test_zero_steps_and_bad_arguments():
 
 
 def test_lr_schedule():
-    from offpolicy_moe.engine.sft import lr_factor
+    from offpolicy_moe.trainer.sft import lr_factor
 
     assert lr_factor(0, 10, "constant") == lr_factor(9, 10, "constant") == 1.0
     assert lr_factor(0, 10, "cosine") == pytest.approx(1.0)

@@ -17,9 +17,10 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.forward import REPLAY_ENGINE, RoutedForward, eval_mode
-from offpolicy_moe.engine.loggers import clean_metrics
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.rollout.engine import REPLAY_ENGINE
+from offpolicy_moe.trainer.forward import RoutedForward, eval_mode
+from offpolicy_moe.run.loggers import clean_metrics
 from offpolicy_moe.losses import mismatch_metrics
 from offpolicy_moe.routing import routing_metrics
 

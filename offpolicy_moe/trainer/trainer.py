@@ -5,11 +5,11 @@ One iteration ``i`` of :meth:`Trainer.run`:
 1. ``generate``: the engine (weights of policy version ``v``, its own precision) samples ``G`` responses for this
    process's share of ``rollout.prompts_per_step`` prompts (prompts and sampling seeded by ``(seed, i)``: a resumed
    run regenerates the same batch);
-2. ``prepare`` (:class:`~offpolicy_moe.engine.old_logp.OldLogpPass`): ``old_logp`` under the same weights θ_v
+2. ``prepare`` (:class:`~offpolicy_moe.trainer.old_logp.OldLogpPass`): ``old_logp`` under the same weights θ_v
    (R3/PR2: replaying the engine's routes; R2: recording its own routes), and the train/inference and routing
    mismatch measurements;
 3. the batch enters the staleness buffer, which releases the batch to train on (exact delay ``k`` or bounded);
-4. ``update`` (:class:`~offpolicy_moe.engine.update.PolicyUpdate`): rewards and group advantages of the released
+4. ``update`` (:class:`~offpolicy_moe.trainer.update.PolicyUpdate`): rewards and group advantages of the released
    batch; ``trainer.updates_per_step`` optimizer updates over contiguous mini-batches of ``trainer.grad_accum``
    micro-batches; global loss denominators; every forward replays routes as configured (PR2: predictor loss in
    its own parameter group); NaN/Inf → skip-and-count or stop (``trainer.on_nan``);
@@ -17,8 +17,8 @@ One iteration ``i`` of :meth:`Trainer.run`:
 
 ``trainer.steps`` counts TRAINED steps; with staleness ``k`` the first ``k`` iterations only generate.
 
-Faults: the run holds its folder's lock (:mod:`~offpolicy_moe.engine.run_lock`) while it lives; SIGINT / SIGTERM
-stop it at the next iteration boundary with a checkpoint there (:mod:`~offpolicy_moe.engine.signals`, status
+Faults: the run holds its folder's lock (:mod:`~offpolicy_moe.run.run_lock`) while it lives; SIGINT / SIGTERM
+stop it at the next iteration boundary with a checkpoint there (:mod:`~offpolicy_moe.run.signals`, status
 ``stopped``); ``trainer.on_nan=stop`` checkpoints the last good step boundary before failing (status ``failed``).
 """
 from __future__ import annotations
@@ -38,25 +38,26 @@ from accelerate.utils import DistributedDataParallelKwargs
 
 from offpolicy_moe.config.preflight import preflight
 from offpolicy_moe.config.validate import ConfigError
-from offpolicy_moe.engine.batch import MicroBatching, RolloutBatch, max_over_processes
-from offpolicy_moe.engine.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
-from offpolicy_moe.engine.callbacks import Callback, CallbackList
-from offpolicy_moe.engine.checkpoint import rng_state, set_rng_state
-from offpolicy_moe.engine.checkpoint_state import CheckpointState
-from offpolicy_moe.engine.export import export_final
-from offpolicy_moe.engine.full_state import full_model_state, is_sharded, load_full_optimizer_state
-from offpolicy_moe.engine.forward import REPLAY_ENGINE, RoutedForward
-from offpolicy_moe.engine.faults import NonFiniteLossError
-from offpolicy_moe.engine.loggers import ConsoleLogger, MultiLogger
-from offpolicy_moe.engine.old_logp import OldLogpPass
-from offpolicy_moe.engine.optim import adamw, lr_schedule
-from offpolicy_moe.engine.pipeline.loop import run_async
-from offpolicy_moe.engine.pipeline.source import AsyncBatchSource
-from offpolicy_moe.engine.rollout import make_engine
-from offpolicy_moe.engine.run_dir import RunDir
-from offpolicy_moe.engine.sft import sft_warm_start
-from offpolicy_moe.engine.signals import RunInterrupted, StopRequest, graceful_stop
-from offpolicy_moe.engine.update import PolicyUpdate, loss_setup
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes
+from offpolicy_moe.trainer.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
+from offpolicy_moe.trainer.callbacks import Callback, CallbackList
+from offpolicy_moe.run.checkpoint import rng_state, set_rng_state
+from offpolicy_moe.run.checkpoint_state import CheckpointState
+from offpolicy_moe.run.export import export_final
+from offpolicy_moe.run.full_state import full_model_state, is_sharded, load_full_optimizer_state
+from offpolicy_moe.trainer.forward import RoutedForward
+from offpolicy_moe.run.faults import NonFiniteLossError
+from offpolicy_moe.run.loggers import ConsoleLogger, MultiLogger
+from offpolicy_moe.trainer.old_logp import OldLogpPass
+from offpolicy_moe.trainer.optim import adamw, lr_schedule
+from offpolicy_moe.trainer.versions import run_async
+from offpolicy_moe.trainer.sources.asynchronous import AsyncBatchSource
+from offpolicy_moe.rollout.engine import REPLAY_ENGINE, make_engine
+from offpolicy_moe.run.run_dir import RunDir
+from offpolicy_moe.trainer.sft import sft_warm_start
+from offpolicy_moe.run.signals import RunInterrupted, StopRequest, graceful_stop
+from offpolicy_moe.trainer.update import PolicyUpdate, loss_setup
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
 from offpolicy_moe.tasks import evaluate_greedy, make_task
@@ -111,7 +112,7 @@ def _check_config(cfg: Any) -> None:
 class Trainer:
     """Builds everything a run needs from a :class:`~offpolicy_moe.config.schema.TrainConfig` and runs it.
 
-    ``callbacks``: :class:`~offpolicy_moe.engine.callbacks.Callback` observers (tests, experiments); they never
+    ``callbacks``: :class:`~offpolicy_moe.trainer.callbacks.Callback` observers (tests, experiments); they never
     change what is computed."""
 
     def __init__(self, cfg: Any, *, resume: bool = False, callbacks: Optional[Iterable[Callback]] = None):
@@ -339,7 +340,7 @@ class Trainer:
         """Train to ``trainer.steps`` trained steps; always writes ``summary.json``; returns the summary.
 
         A SIGINT / SIGTERM stops at the next iteration boundary with a checkpoint there and raises
-        :class:`~offpolicy_moe.engine.signals.RunInterrupted` (status ``stopped``); the folder lock is released
+        :class:`~offpolicy_moe.run.signals.RunInterrupted` (status ``stopped``); the folder lock is released
         on the way out, however the run ends."""
         with graceful_stop() as self.stop_request:
             try:

@@ -2,7 +2,7 @@
 
 A :class:`Callback` is told about the run; it never steers it: the trainer decides its computational path
 (fused old-logp pass, routing, update) from the config alone, so installing a callback leaves every weight bit for
-bit as it would be without it.  A callback may raise :class:`~offpolicy_moe.engine.trainer.TrainingStopped` from
+bit as it would be without it.  A callback may raise :class:`~offpolicy_moe.trainer.trainer.TrainingStopped` from
 :meth:`Callback.on_step_end` to stop the run after that step's checkpoint.
 
 Note for ``on_batch``: a batch whose ``old_logp`` is fused into the update (``batch.old_logp_fused``) has
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.rollout.batch import RolloutBatch
 
-Trainer = Any     # the :class:`~offpolicy_moe.engine.trainer.Trainer` (which imports this module)
+Trainer = Any     # the :class:`~offpolicy_moe.trainer.trainer.Trainer` (which imports this module)
 
 __all__ = ["Callback", "CallbackList", "FunctionCallback"]
 
@@ -53,7 +53,7 @@ class CallbackList(Callback):
         self.callbacks = list(callbacks or [])
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks must be offpolicy_moe.engine.callbacks.Callback instances, got "
+                raise TypeError(f"callbacks must be offpolicy_moe.trainer.callbacks.Callback instances, got "
                                 f"{type(cb).__name__}")
 
     def on_batch(self, trainer: Trainer, batch: RolloutBatch) -> None:

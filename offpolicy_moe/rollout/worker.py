@@ -1,10 +1,10 @@
 """The rollout worker process: its own engine copy, weights by version, one batch per work order.
 
-A worker is started by :class:`~offpolicy_moe.engine.pipeline.source.AsyncBatchSource` with
+A worker is started by :class:`~offpolicy_moe.trainer.sources.asynchronous.AsyncBatchSource` with
 ``multiprocessing``'s ``spawn`` method.  It builds the policy and rollout engine from the run's config exactly as
 the trainer builds its own engine, then serves :class:`Order` s: for each, it loads the newest published weights
 (waiting, if needed, for the order's minimum version), samples the iteration's prompts with the iteration's seed,
-and sends the :class:`~offpolicy_moe.engine.batch.RolloutBatch` back (``torch.save`` bytes over its own pipe, so a
+and sends the :class:`~offpolicy_moe.rollout.batch.RolloutBatch` back (``torch.save`` bytes over its own pipe, so a
 worker killed mid-send corrupts nothing shared).  With ``rollout.update_in_flight`` the engine loads newer weights
 between decode steps, and every token carries the version that sampled it (``RolloutBatch.token_versions``).
 
@@ -21,10 +21,10 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.pipeline.weights import WeightBoard
-from offpolicy_moe.engine.forward import REPLAY_ENGINE
-from offpolicy_moe.engine.rollout import RolloutEngine, make_engine
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.rollout.weights import WeightBoard
+from offpolicy_moe.rollout.engine import REPLAY_ENGINE
+from offpolicy_moe.rollout.engine import RolloutEngine, make_engine
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.tasks import make_task
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from offpolicy_moe.config.validate import ConfigError
-from offpolicy_moe.engine.batch import RolloutBatch
+from offpolicy_moe.rollout.batch import RolloutBatch
 
 __all__ = ["StalenessBuffer", "check_buffer_feasible", "iteration_budget", "steps_within_budget"]
 

@@ -6,7 +6,7 @@ Loss denominators are the GLOBAL token/sequence counts of the mini-batch (all mi
 the update does not depend on how the mini-batch is cut; a loss that selects tokens over the whole mini-batch
 (M2PO, arXiv 2510.01161) gets that selection from one no-grad pre-pass.  PR2 adds its predictor loss in the same
 backward; a non-finite loss or gradient norm, or parameters that the optimizer step made non-finite
-(:class:`~offpolicy_moe.engine.step_guard.StepGuard`), is skipped and counted or stops the run (``trainer.on_nan``).
+(:class:`~offpolicy_moe.trainer.step_guard.StepGuard`), is skipped and counted or stops the run (``trainer.on_nan``).
 ``skip`` restores the weights and optimizer state of before that optimizer step; ``stop`` restores those of the
 start of the policy update (the last good step boundary) and raises :class:`NonFiniteLossError`.
 """
@@ -19,12 +19,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.faults import NonFiniteLossError, is_finite
-from offpolicy_moe.engine.forward import RoutedForward
-from offpolicy_moe.engine.full_state import as_full_tensor
-from offpolicy_moe.engine.old_logp import FusedOldLogp, OldLogpPass, float_metrics
-from offpolicy_moe.engine.step_guard import StepGuard
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.run.faults import NonFiniteLossError, is_finite
+from offpolicy_moe.trainer.forward import RoutedForward
+from offpolicy_moe.run.full_state import as_full_tensor
+from offpolicy_moe.trainer.old_logp import FusedOldLogp, OldLogpPass, float_metrics
+from offpolicy_moe.trainer.step_guard import StepGuard
 from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_loss_spec, global_counts,
                                   group_advantages, kl_penalty, metrics_to_floats, resolve_loss_options)
 from offpolicy_moe.routing import compare_traces, pr2_predictor_loss

@@ -31,7 +31,7 @@ from transformers import GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from offpolicy_moe.config.load import load_config
-from offpolicy_moe.engine.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, verify_checkpoint
+from offpolicy_moe.run.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, verify_checkpoint
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.tasks import make_task
 

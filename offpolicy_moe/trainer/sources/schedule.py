@@ -12,7 +12,7 @@ publishes policy version ``t + 1``.  A token sampled by version ``v`` and traine
   step is dropped (counted) and the same iteration (same prompts, same seed) is generated again.
 
 :class:`Dispatcher` is the pipeline's bookkeeping on top of these rules, free of processes: the real pipeline
-(:mod:`~offpolicy_moe.engine.pipeline.source`) drives it with pipes, the property tests with a simulated clock, so
+(:mod:`~offpolicy_moe.trainer.sources.asynchronous`) drives it with pipes, the property tests with a simulated clock, so
 the tested rules are the running ones.
 """
 from __future__ import annotations

@@ -13,11 +13,11 @@ from typing import Any, Optional
 import torch
 
 from offpolicy_moe.config.load import to_dict, to_yaml
-from offpolicy_moe.engine.checkpoint import (clean_checkpoint_root, latest_checkpoint, restore_metrics,
+from offpolicy_moe.run.checkpoint import (clean_checkpoint_root, latest_checkpoint, restore_metrics,
                                              resume_checkpoint)
-from offpolicy_moe.engine.faults import RunDirError, check_run_dir
-from offpolicy_moe.engine.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger
-from offpolicy_moe.engine.run_lock import RunLock
+from offpolicy_moe.run.faults import RunDirError, check_run_dir
+from offpolicy_moe.run.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger
+from offpolicy_moe.run.run_lock import RunLock
 
 __all__ = ["RunDir", "environment_info"]
 
@@ -46,7 +46,7 @@ def environment_info() -> dict:
 
 class RunDir:
     """One run's folder, checked at construction: writable, ``min_free_mb`` free, not in use by another live
-    process (the main process takes the folder's :class:`~offpolicy_moe.engine.run_lock.RunLock` until
+    process (the main process takes the folder's :class:`~offpolicy_moe.run.run_lock.RunLock` until
     :meth:`close`), and (unless ``resume``) not already holding a run.  Only the main process (``is_main``) writes
     files."""
 

@@ -4,8 +4,8 @@
 ``load_state_dict`` / ``dropped`` / ``len`` surface, so the checkpoint code is unchanged).  It
 
 * starts ``rollout.workers`` worker processes (``forkserver``), each with its own pipe for orders and one for results,
-  and a shared :class:`~offpolicy_moe.engine.pipeline.weights.WeightBoard`;
-* hands out iterations in order as the bound allows (:func:`~offpolicy_moe.engine.pipeline.schedule.issue_limit`),
+  and a shared :class:`~offpolicy_moe.rollout.weights.WeightBoard`;
+* hands out iterations in order as the bound allows (:func:`~offpolicy_moe.trainer.sources.schedule.issue_limit`),
   each to the worker with the fewest orders in flight, with the iteration's deterministic seed;
 * receives batches, drops those that would exceed the bound (``buffer.on_stale=drop``; counted, re-issued), lets
   the caller prepare each kept batch at once (old log-probs under the generating weights), and releases iteration
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable, Optional
 
-from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.pipeline.schedule import STALE_POLICIES, Assignment, Dispatcher
-from offpolicy_moe.engine.pipeline.weights import WeightBoard
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.trainer.sources.schedule import STALE_POLICIES, Assignment, Dispatcher
+from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.config.validate import async_problems
-from offpolicy_moe.engine.pipeline.worker import Order, WorkerSpec, pack, pid_alive, unpack, worker_main
+from offpolicy_moe.rollout.worker import Order, WorkerSpec, pack, pid_alive, unpack, worker_main
 
 __all__ = ["AsyncBatchSource", "WorkerDied", "PipelineTimeout", "DEATH_POLICIES", "check_async_config"]
 
@@ -90,7 +90,7 @@ def _context() -> Any:
     package): later workers — restarts, the next run in the same Python process — start in a fraction of a second
     instead of re-importing everything (``spawn``); the server itself starts no threads, so forking it is safe."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["offpolicy_moe.engine.pipeline.worker", "transformers.modeling_utils",
+    ctx.set_forkserver_preload(["offpolicy_moe.rollout.worker", "transformers.modeling_utils",
                                 "transformers.generation.utils"])
     return ctx
 

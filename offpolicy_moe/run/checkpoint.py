@@ -37,7 +37,7 @@ are not supported by this format.
 Checkpoints of the previous format (``model.pt`` + ``state.pt`` pickles) are refused with the command that converts
 them once, which unpickles them and so must be asked for explicitly::
 
-    python -m offpolicy_moe.engine.checkpoint convert RUN_DIR/checkpoints/step_N --trust-pickle
+    python -m offpolicy_moe.run.checkpoint convert RUN_DIR/checkpoints/step_N --trust-pickle
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     if _is_legacy(p):
         raise CheckpointError(
             f"checkpoint {str(p)!r} is in the old pickle format, which can run code when read; if you trust it, "
-            f"convert it once with: python -m offpolicy_moe.engine.checkpoint convert {str(p)!r} --trust-pickle")
+            f"convert it once with: python -m offpolicy_moe.run.checkpoint convert {str(p)!r} --trust-pickle")
     manifest = _read_manifest(p)
     for name, rec in sorted(manifest["files"].items()):
         f = p / name
@@ -497,8 +497,8 @@ def convert_legacy_checkpoint(path: str | os.PathLike, *, trust_pickle: bool = F
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m offpolicy_moe.engine.checkpoint {verify,convert} PATH [--trust-pickle]``."""
-    ap = argparse.ArgumentParser(prog="python -m offpolicy_moe.engine.checkpoint")
+    """``python -m offpolicy_moe.run.checkpoint {verify,convert} PATH [--trust-pickle]``."""
+    ap = argparse.ArgumentParser(prog="python -m offpolicy_moe.run.checkpoint")
     ap.add_argument("action", choices=("verify", "convert"))
     ap.add_argument("path", help="a checkpoint folder (RUN_DIR/checkpoints/step_N)")
     ap.add_argument("--trust-pickle", action="store_true",

@@ -13,8 +13,8 @@ import psutil
 import yaml
 from accelerate.commands.launch import launch_command_parser
 
-from offpolicy_moe.engine.callbacks import Callback
-from offpolicy_moe.engine.trainer import Trainer
+from offpolicy_moe.trainer.callbacks import Callback
+from offpolicy_moe.trainer.trainer import Trainer
 
 __all__ = ["train", "cpu_launch_processes"]
 

@@ -1,5 +1,5 @@
 """What a trainer checkpoint holds, built and checked in one place (the storage, its safe formats and checksums
-live in :mod:`offpolicy_moe.engine.checkpoint`)."""
+live in :mod:`offpolicy_moe.run.checkpoint`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +7,9 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.engine.checkpoint import (CheckpointError, LoadedCheckpoint, gather_rng_states, load_checkpoint,
+from offpolicy_moe.run.checkpoint import (CheckpointError, LoadedCheckpoint, gather_rng_states, load_checkpoint,
                                              save_checkpoint)
-from offpolicy_moe.engine.full_state import full_model_state, full_optimizer_state, load_full_model_state
+from offpolicy_moe.run.full_state import full_model_state, full_optimizer_state, load_full_model_state
 from offpolicy_moe.models.moe_shape import moe_shape
 
 __all__ = ["FORMAT", "model_signature", "CheckpointState"]

@@ -2,7 +2,7 @@
 
 ``metrics.jsonl`` holds one JSON object per logged training step: an integer ``"step"`` (the number of trained
 steps so far = the policy version after the step; step 0 is the evaluation before RL) and namespaced float
-metrics (``reward/…``, ``actor/…``, …; see :data:`offpolicy_moe.engine.metrics.DOCUMENTED_KEYS`).
+metrics (``reward/…``, ``actor/…``, …; see :data:`offpolicy_moe.run.metrics.DOCUMENTED_KEYS`).
 wandb is imported lazily, runs offline unless told otherwise, and is never required.
 """
 from __future__ import annotations

@@ -11,15 +11,16 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from offpolicy_moe.engine.batch import MicroBatching, RolloutBatch
-from offpolicy_moe.engine.forward_plan import MODES as FORWARD_MODES
-from offpolicy_moe.engine.forward_plan import ForwardPlan
-from offpolicy_moe.engine.logprobs import plan_shared_forward, response_logprobs
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.rollout.engine import REPLAY_ENGINE
+from offpolicy_moe.trainer.micro_batch import MicroBatching
+from offpolicy_moe.trainer.forward_plan import MODES as FORWARD_MODES
+from offpolicy_moe.trainer.forward_plan import ForwardPlan
+from offpolicy_moe.trainer.logprobs import plan_shared_forward, response_logprobs
 from offpolicy_moe.routing import RoutingController, cat_traces
 
-__all__ = ["RoutedForward", "eval_mode", "REPLAY_ENGINE"]
+__all__ = ["RoutedForward", "eval_mode"]
 
-REPLAY_ENGINE = ("r3", "pr2")    # replay modes whose routes come from the rollout engine
 
 
 @contextlib.contextmanager
@@ -87,7 +88,7 @@ class RoutedForward:
         the routes the forward used (``record=True`` or ``"used"``) or the router's own top-k under the replay
         (``record="own"``): ``(logp, RouteTrace [B, S])``.
 
-        With ``share_prompt`` each group's prompt is run once (:mod:`offpolicy_moe.engine.packing`, or a shared KV
+        With ``share_prompt`` each group's prompt is run once (:mod:`offpolicy_moe.trainer.packing`, or a shared KV
         cache).  Replayed traces are re-laid out like the packed batch and recorded ones back like the plain batch;
         router-logit capture (PR2) needs the plain ``[B, S]`` forward, so nothing is shared while a routing context
         opened by the caller is active."""

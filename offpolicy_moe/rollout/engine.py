@@ -8,7 +8,7 @@ and samples ``G`` responses per prompt with its own KV-cache sampling loop (``sa
 forward, one forward per token, none of ``generate``'s per-step machinery) or with ``model.generate``
 (``sampler="hf"``); temperature, top-p, top-k disabled; both draw the same ``torch.multinomial`` samples from the
 same scores.  The native sampler's decode steps run attention through
-:mod:`offpolicy_moe.engine.decode_attention` (one query per row, float32 matmuls) unless
+:mod:`offpolicy_moe.rollout.decode_attention` (one query per row, float32 matmuls) unless
 ``rollout.decode_attention=sdpa``.
 
 Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
@@ -35,19 +35,21 @@ from typing import Any, ClassVar, Optional, Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from offpolicy_moe.engine.batch import RolloutBatch
-from offpolicy_moe.engine.decode_attention import use_single_query_decode
-from offpolicy_moe.engine.kv_cache import preallocated_cache
-from offpolicy_moe.engine.layout import accepts_kwarg, cache_kwarg
-from offpolicy_moe.engine.token_logprobs import token_logprobs
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.rollout.decode_attention import use_single_query_decode
+from offpolicy_moe.rollout.kv_cache import preallocated_cache
+from offpolicy_moe.models.layout import accepts_kwarg, cache_kwarg
+from offpolicy_moe.models.token_logprobs import token_logprobs
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, cat_features, cat_traces,
                                    router_perturbation)
 from offpolicy_moe.models import is_moe
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.tasks import decode_completions, encode_prompts
 
-__all__ = ["RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "make_engine",
+__all__ = ["REPLAY_ENGINE", "RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "make_engine",
            "resolve_dtype"]
+
+REPLAY_ENGINE = ("r3", "pr2")    # replay modes whose routes come from the rollout engine
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,7 @@ class HFRolloutEngine(RolloutEngine):
         perturb_seed)`` in every MoE layer, prefill and decode, selection and gating weights (composed with the PR2
         predictors' offsets when both are on).  Router noise and the perturbation do nothing on a dense model.
         ``decode_attention="single_query"``: the native sampler's engine copy runs its decode steps with
-        :func:`~offpolicy_moe.engine.decode_attention.single_query_attention` when its attention is SDPA
+        :func:`~offpolicy_moe.rollout.decode_attention.single_query_attention` when its attention is SDPA
         (``"sdpa"``: transformers' kernel throughout)."""
         if temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0, got {temperature}")
