@@ -10,6 +10,9 @@ Everything is a pure function on tensors ``[B, T]`` (response-aligned, with a re
 * :func:`m2po_mask`, :func:`m2po_adaptive_cap`: exact global M2PO selection (micro-batches, ranks);
 * :func:`correction_weights` (TIS / MIS / IcePop), :func:`mismatch_metrics`;
 * :func:`cispo_loss` (clipped, stop-gradient importance weight; every token keeps a gradient);
+* :func:`dppo_tv_loss`, :func:`dppo_kl_loss` (divergence trust-region mask), :func:`gmpo_loss`
+  (geometric mean), :func:`sapo_loss` (soft gate), :func:`vespo_loss` (sequence gamma kernel);
+* :mod:`.reference`: the plain-autograd body of every objective, checked against the fast path;
 * :func:`kl_penalty`; the registry :func:`register_policy_loss` / :func:`get_loss_spec` /
   :func:`resolve_loss_options` (each loss registers itself, with its options and capabilities).
 
@@ -35,6 +38,10 @@ from .registry import (
     unregister_policy_loss,
 )
 from .cispo import cispo_loss
+from .dppo import dppo_kl_loss, dppo_tv_loss
+from .gmpo import gmpo_loss
+from .sapo import sapo_loss
+from .vespo import vespo_loss
 
 __all__ = [
     "AGG_MODES",
@@ -43,6 +50,11 @@ __all__ = [
     "LossSpec",
     "aggregate",
     "cispo_loss",
+    "dppo_kl_loss",
+    "dppo_tv_loss",
+    "gmpo_loss",
+    "sapo_loss",
+    "vespo_loss",
     "get_loss_spec",
     "ratio_bound",
     "resolve_loss_options",

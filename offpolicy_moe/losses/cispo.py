@@ -12,6 +12,7 @@ import torch
 
 from ._common import Metrics, apply_weights, check_clip, frac, masked_max, masked_mean, prepare
 from .aggregation import Count, aggregate
+from .reference import reference_cispo
 from .registry import register_policy_loss
 
 CISPO_CLIP_HIGH = 4.0
@@ -26,7 +27,7 @@ def check_cispo_options(clip_low: Optional[float] = None, clip_high: Optional[fl
         check_clip("clip_high", clip_high)
 
 
-@register_policy_loss("cispo", clips=True, check_options=check_cispo_options)
+@register_policy_loss("cispo", clips=True, check_options=check_cispo_options, reference=reference_cispo)
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -32,6 +32,7 @@ from ._validate import (
     value_checks,
 )
 from .aggregation import Count, aggregate
+from .reference import reference_m2po
 from .registry import register_policy_loss
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -247,6 +248,7 @@ def m2po_global_pass(log_ratios, advantages, masks, options, process_group=None)
     global_pass=m2po_global_pass,
     global_pass_when=lambda options: options.get("scope", "global") == "global",
     check_options=check_m2po_options,
+    reference=reference_m2po,
 )
 def m2po_loss(
     logp: torch.Tensor,

@@ -22,6 +22,7 @@ import torch
 from ._closed_form import count_valid, finish_lean, prepare_lean, share
 from ._common import Metrics, apply_weights, check_clip, frac, masked_max, masked_mean, prepare
 from .aggregation import Count, aggregate
+from .reference import reference_grpo, reference_gspo, reference_unclipped
 from .registry import register_policy_loss
 
 GRPO_CLIP = (0.2, 0.2)
@@ -48,7 +49,7 @@ def check_gspo_options(clip_low: Optional[float] = None, clip_high: Optional[flo
     check_grpo_options(clip_low, clip_high)
 
 
-@register_policy_loss("grpo", clips=True, check_options=check_grpo_options)
+@register_policy_loss("grpo", clips=True, check_options=check_grpo_options, reference=reference_grpo)
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -114,7 +115,8 @@ def grpo_loss(
     return loss, metrics
 
 
-@register_policy_loss("gspo", clips=True, sequence_level=True, check_options=check_gspo_options)
+@register_policy_loss("gspo", clips=True, sequence_level=True, check_options=check_gspo_options,
+                      reference=reference_gspo)
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -184,7 +186,7 @@ def gspo_loss(
     return loss, metrics
 
 
-@register_policy_loss("unclipped")
+@register_policy_loss("unclipped", reference=reference_unclipped)
 def unclipped_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

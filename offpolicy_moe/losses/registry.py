@@ -52,7 +52,9 @@ class LossSpec:
     * ``global_pass``: a selection over the whole mini-batch that must run before the micro-batches
       (``None`` if the loss has none); ``global_pass_when(options)`` says whether these options ask
       for it (default: always);
-    * ``check_options``: ``check_options(**options)`` raises a one-line ValueError naming a bad value.
+    * ``check_options``: ``check_options(**options)`` raises a one-line ValueError naming a bad value;
+    * ``reference``: the plain-autograd body of the same loss (:mod:`offpolicy_moe.losses.reference`), the
+      paper's formula line by line; it returns the loss only and must agree with ``fn`` in value and gradient.
     """
 
     name: str
@@ -64,6 +66,7 @@ class LossSpec:
     global_pass_when: Optional[Callable[[Mapping[str, Any]], bool]] = None
     check_options: Optional[Callable[..., None]] = None
     option_defaults: Mapping[str, Any] = field(default_factory=dict)
+    reference: Optional[Callable[..., torch.Tensor]] = None
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -150,6 +153,7 @@ def register_policy_loss(
     global_pass: Optional[GlobalPass] = None,
     global_pass_when: Optional[Callable[[Mapping[str, Any]], bool]] = None,
     check_options: Optional[Callable[..., None]] = None,
+    reference: Optional[Callable[..., torch.Tensor]] = None,
 ) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator registering ``fn`` under ``name`` with its capabilities (see :class:`LossSpec`).
 
@@ -167,7 +171,7 @@ def register_policy_loss(
         _REGISTRY[name] = LossSpec(
             name=name, fn=fn, clips=clips, sequence_level=sequence_level, runtime=tuple(runtime),
             global_pass=global_pass, global_pass_when=global_pass_when, check_options=check_options,
-            option_defaults=_option_defaults(name, fn, tuple(runtime)),
+            option_defaults=_option_defaults(name, fn, tuple(runtime)), reference=reference,
         )
         return fn
 
