@@ -1,8 +1,15 @@
-"""Train/inference mismatch: correction weights (TIS, MIS, IcePop) and mismatch metrics.
+"""Train/inference mismatch and staleness: correction weights (TIS, MIS, IcePop, OPSM) and mismatch metrics.
 
 TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
 (truncated importance sampling); MIS: masked importance sampling (Liu, Li et al. 2025, "When Speed
-Kills Stability"); IcePop: arXiv 2510.18855 (token mask outside [0.5, 5]).
+Kills Stability"); IcePop: arXiv 2510.18855 (token mask outside [0.5, 5]); OPSM: off-policy sequence
+masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9).
+
+TRL 1.16's ``vllm_importance_sampling_mode`` maps onto (level, mode): ``token_truncate`` = (token,
+truncate), ``token_mask`` = (token, mask), ``sequence_truncate`` = (sequence, truncate) and its default
+``sequence_mask`` = (sequence, mask), with ``vllm_importance_sampling_clip_max`` = ``high`` and
+``_clip_min`` = ``low``: TRL's sequence ratio is ``exp(sum_t m (old - sampling))``, a product like our
+``sequence`` level (not the geometric mean).  TRL's ``off_policy_mask_threshold`` is ``opsm_delta``.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from ._common import Metrics, frac, masked_max, masked_mean, masked_min
 from ._validate import (
     as_bool_mask,
     check_2d,
+    check_advantages,
     check_choice,
     check_float,
     check_nonneg,
@@ -26,7 +34,9 @@ from ._validate import (
 )
 
 LEVELS = ("token", "sequence", "geometric")
-MODES = ("truncate", "mask")
+MODES = ("truncate", "mask", "opsm")
+OPSM_DELTA = 1e-4
+"""Default OPSM threshold on the mean per-token KL (Miles' ``--opsm-delta`` default; TRL has none: off)."""
 
 
 def _check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -49,6 +59,8 @@ def correction_weights(
     mode: str = "truncate",
     high: float = 2.0,
     low: Optional[float] = None,
+    advantages: Optional[torch.Tensor] = None,
+    opsm_delta: Optional[float] = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Detached per-token weights [B, T] from ``rho = exp(old_logp - behav_logp)``.
 
@@ -61,21 +73,39 @@ def correction_weights(
 
     Mode: ``truncate`` (TIS) ``w = min(rho, high)`` and ``max(w, low)`` if ``low`` is given;
     ``mask`` (MIS / IcePop) ``w = rho if low <= rho <= high else 0`` (``low=None`` means no lower
-    bound; IcePop uses ``low=0.5, high=5``).  Weights are 0 at masked positions.
+    bound; IcePop uses ``low=0.5, high=5``); ``opsm``: ``w = O`` alone (0 or 1, see below; ``level``,
+    ``high`` and ``low`` unused).  Weights are 0 at masked positions.
+
+    OPSM (DeepSeek-V3.2, arXiv 2512.02556, eq. 9), with ``mode="opsm"`` or, on top of truncate / mask,
+    with ``opsm_delta`` given: ``O = 0`` where ``A < 0`` and the sequence's mean KL
+    ``mean_t (behav_logp - old_logp) > delta``, else 1; the weights are multiplied by ``O``.  It needs
+    ``advantages`` ([B] or [B, T]).  ``delta = opsm_delta`` (default :data:`OPSM_DELTA`).  The paper and
+    TRL measure the KL against the policy being trained at this forward; here ``old_logp`` is the
+    trainer's policy when the batch is consumed (identical with one optimiser step per batch).
 
     Metrics (detached float32 0-d tensors over valid tokens): ``mismatch/is_mean``,
     ``mismatch/is_max``, ``mismatch/is_min`` (of the weights), ``mismatch/clipped_frac``
-    (truncate) or ``mismatch/masked_frac`` (mask), ``mismatch/ess`` = ``(sum w)^2 / (N sum w^2)``.
+    (truncate) or ``mismatch/masked_frac`` (mask, opsm: weights set to 0), ``mismatch/ess`` =
+    ``(sum w)^2 / (N sum w^2)``; with OPSM also ``mismatch/opsm_masked_frac`` (tokens) and
+    ``mismatch/opsm_seq_kl_mean`` (mean over non-empty sequences of their mean KL).
     """
     m = _check_pair("old_logp", old_logp, "behav_logp", behav_logp, mask)
     check_choice("level", level, LEVELS)
     check_choice("mode", mode, MODES)
     check_nonneg("high", high)
     check_nonneg("low", low)
+    check_nonneg("opsm_delta", opsm_delta)
     if high <= 0:
         raise ValueError(f"high must be > 0, got {high!r}")
     if low is not None and low > high:
         raise ValueError(f"low ({low!r}) must not exceed high ({high!r})")
+    use_opsm = mode == "opsm" or opsm_delta is not None
+    if use_opsm:
+        if advantages is None:
+            raise ValueError("OPSM (correction mode 'opsm' or opsm_delta) needs the advantages; pass advantages=")
+        check_tensor("advantages", advantages)
+        check_advantages(advantages, old_logp.shape, "old_logp")
+        check_values(mask, [("advantages", advantages)])
     dtype = torch.promote_types(old_logp.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=old_logp.device)
     log_rho = torch.where(m, old_logp.detach().to(dtype) - behav_logp.detach().to(dtype), zero)
@@ -92,10 +122,21 @@ def correction_weights(
     if mode == "truncate":
         w = rho.clamp(max=high) if low is None else rho.clamp(min=low, max=high)
         changed_key, changed = "mismatch/clipped_frac", too_high | too_low
-    else:
+    elif mode == "mask":
         outside = too_high | too_low
         w = torch.where(outside, zero, rho)
         changed_key, changed = "mismatch/masked_frac", outside
+    else:
+        w = torch.ones_like(rho)
+        changed_key, changed = "mismatch/masked_frac", torch.zeros_like(m)
+    extra: Metrics = {}
+    if use_opsm:
+        keep, seq_kl = opsm_keep(log_rho, advantages, m, OPSM_DELTA if opsm_delta is None else float(opsm_delta))
+        w = torch.where(keep, w, zero)
+        changed = changed | ~keep if mode == "opsm" else changed
+        has_tok = m.any(-1)
+        extra = {"mismatch/opsm_masked_frac": frac(~keep, m),
+                 "mismatch/opsm_seq_kl_mean": masked_mean(seq_kl.squeeze(-1), has_tok)}
     w = torch.where(m, w, zero).to(old_logp.dtype if torch.is_floating_point(old_logp) else dtype)
     wd = w.to(torch.float64)
     s1 = wd.sum()
@@ -108,8 +149,24 @@ def correction_weights(
         "mismatch/is_min": masked_min(w, m),
         changed_key: frac(changed, m),
         "mismatch/ess": ess.to(torch.float32),
+        **extra,
     }
     return w.detach(), metrics
+
+
+def opsm_keep(log_rho: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              delta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPSM keep mask [B, T] and per-sequence KL [B, 1] (DeepSeek-V3.2, arXiv 2512.02556, eq. 9).
+
+    ``log_rho = old_logp - behav_logp`` (0 at masked positions); ``KL_i = mean_t m (-log_rho)``, the
+    sequence-mean ``log(pi_behav / pi)``; keep unless ``A < 0 and KL_i > delta`` (as TRL's
+    ``get_off_policy_mask``: keep where ``A >= 0`` or ``KL <= delta``).
+    """
+    seq_kl = (-log_rho).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1).to(log_rho.dtype)
+    adv = advantages.detach()
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+    keep = (adv >= 0) | (seq_kl <= delta)
+    return keep.expand_as(log_rho), seq_kl
 
 
 def mismatch_metrics(train_logp: torch.Tensor, infer_logp: torch.Tensor, mask: torch.Tensor) -> Metrics:
@@ -141,4 +198,4 @@ def mismatch_metrics(train_logp: torch.Tensor, infer_logp: torch.Tensor, mask: t
     }
 
 
-__all__ = ["correction_weights", "mismatch_metrics", "LEVELS", "MODES"]
+__all__ = ["correction_weights", "mismatch_metrics", "opsm_keep", "LEVELS", "MODES", "OPSM_DELTA"]

@@ -258,3 +258,113 @@ def make_batch(B=5, T=7, seed=0, scale=0.3, p_valid=0.75, per_token_adv=False, e
         mask[1] = False
     weights = torch.rand(B, T, generator=g, dtype=torch.float64) * 2
     return logp, old, adv, mask, weights
+
+
+# ------------------------------------------------------------------------------------------------
+# 2026 objectives, token by token from the papers' formulas (arXiv 2602.04879, 2511.20347, 2507.20673,
+# 2602.10693) and DeepSeek-V3.2's OPSM (arXiv 2512.02556, eq. 9)
+
+def _w(weights, i, t):
+    return float(weights[i, t]) if weights is not None else 1.0
+
+
+def dppo_kept(kind, lp: float, old: float, a: float, lo: float, hi: float) -> bool:
+    """DPPO binary trust region of one token (math on floats)."""
+    p, q = math.exp(min(lp, 0.0)), math.exp(min(old, 0.0))
+    if kind == "tv":
+        return (p - q <= hi) if a > 0 else (p - q >= -lo)
+    kl = q * (math.log(q) - math.log(p)) if q > 0 else 0.0
+    if q < 1:
+        kl += (1 - q) * (math.log1p(-q) - (math.log1p(-p) if p < 1 else -math.inf))
+    return (kl <= hi or p <= q) if a > 0 else (kl <= lo or p >= q)
+
+
+def ref_dppo(kind, logp, old_logp, A, mask, *, agg="token-mean", weights=None, lo=0.2, hi=0.2, cap=None, **kw):
+    B, T = logp.shape
+    L = [[None] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            if mask[i, t]:
+                a = adv_at(A, i, t)
+                if dppo_kept(kind, val(logp[i, t]), float(old_logp[i, t]), a, lo, hi):
+                    r = _ratio(logp[i, t], float(old_logp[i, t]))
+                    if cap is not None and val(r) > cap:
+                        r = r * (cap / val(r))          # weight truncated, gradient direction kept
+                    x = -a * r
+                else:
+                    x = logp[i, t] * 0.0
+                L[i][t] = x * _w(weights, i, t)
+    return agg_loop(L, mask, agg, **kw)
+
+
+def ref_sapo(logp, old_logp, A, mask, *, agg="seq-mean-token-mean", weights=None, tau_pos=1.0, tau_neg=1.05, **kw):
+    B, T = logp.shape
+    L = [[None] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            if mask[i, t]:
+                a = adv_at(A, i, t)
+                tau = tau_pos if a > 0 else tau_neg
+                r = _ratio(logp[i, t], float(old_logp[i, t]))
+                L[i][t] = -a * torch.sigmoid(tau * (r - 1)) * (4.0 / tau) * _w(weights, i, t)
+    return agg_loop(L, mask, agg, **kw)
+
+
+def ref_gmpo_sequence(logp, old_logp, A, mask, *, lo=0.4, hi=0.4):
+    """GMPO as the paper states it (eq. 4): mean over non-empty sequences of
+    -A_i * prod_t (sign-aware clipped r_t)^(1/|o_i|), full autograd through the product."""
+    B, T = logp.shape
+    total, n = 0.0, 0
+    for i in range(B):
+        toks = [t for t in range(T) if mask[i, t]]
+        if not toks:
+            continue
+        a = sum(adv_at(A, i, t) for t in toks) / len(toks)
+        prod = 1.0
+        for t in toks:
+            lr = logp[i, t] - float(old_logp[i, t])
+            if a > 0:
+                c = lr if val(lr) <= hi else lr * 0 + hi
+            elif a < 0:
+                c = lr if val(lr) >= -lo else lr * 0 - lo
+            else:
+                c = lr * 0
+            prod = prod * torch.exp(c) ** (1.0 / len(toks))
+        total = total + (-a * prod)
+        n += 1
+    return total / max(n, 1)
+
+
+def ref_vespo(logp, old_logp, A, mask, *, agg="token-mean", weights=None, k_pos=2.0, lam_pos=3.0, k_neg=3.0,
+              lam_neg=2.0, fold=True, **kw):
+    """VESPO: phi(w) = w^k e^{lambda (1 - w)} on w = prod_t r_t (times the weights when folded); l = -phi A logp."""
+    B, T = logp.shape
+    L = [[None] * T for _ in range(B)]
+    lmin = math.log(1e-8)
+    for i in range(B):
+        toks = [t for t in range(T) if mask[i, t]]
+        log_w = sum(clampf(val(logp[i, t]) - float(old_logp[i, t]), -20.0, 20.0) for t in toks)
+        if fold and weights is not None:
+            log_w += sum(clampf(math.log(float(weights[i, t])) if float(weights[i, t]) > 0 else -math.inf, lmin, 20.0)
+                         for t in toks)
+        log_w = clampf(log_w, lmin, 20.0)
+        for t in toks:
+            a = adv_at(A, i, t)
+            k, lam = (k_pos, lam_pos) if a >= 0 else (k_neg, lam_neg)
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+            x = -phi * a * logp[i, t]
+            L[i][t] = x * (1.0 if fold else _w(weights, i, t))
+    return agg_loop(L, mask, agg, **kw)
+
+
+def ref_opsm(old, behav, A, mask, delta):
+    """OPSM keep mask: drop a sequence (its tokens) when A < 0 and mean_t (behav - old) > delta."""
+    B, T = old.shape
+    keep = torch.ones(B, T, dtype=torch.bool)
+    for i in range(B):
+        toks = [t for t in range(T) if mask[i, t]]
+        kl = sum(float(behav[i, t]) - float(old[i, t]) for t in toks) / max(len(toks), 1)
+        for t in range(T):
+            a = adv_at(A, i, t)
+            keep[i, t] = a >= 0 or kl <= delta
+    return keep
