@@ -20,6 +20,10 @@ reads them from ``config`` (attribute or mapping access):
 * verl's own clip keys feed the options of the same meaning when the loss has them:
   ``clip_ratio_low`` / ``clip_ratio_high`` (falling back to ``clip_ratio``) give ``clip_low`` /
   ``clip_high``, ``clip_ratio_c`` gives ``dual_clip``; a value under the loss's key wins;
+* ``loss_agg_mode`` is honoured for every loss; verl's own ``gspo`` and ``sapo`` ignore it and use
+  ``seq-mean-token-mean``, and ``geo_mean`` takes a plain mean over rows: pass
+  ``loss_agg_mode=seq-mean-token-mean`` to get their numbers (with global counts; verl's ``geo_mean``
+  averages each micro-batch locally);
 * verl calls the loss once per micro-batch, so a loss with a mini-batch-wide pass (M2PO's
   selection) selects over that call's tokens.  ``register(cross_rank=True)`` gives such a loss
   verl's default process group (when its options ask for the pass and torch.distributed is
@@ -48,8 +52,21 @@ VERL_KEYS: dict[str, tuple[str, ...]] = {
     "clip_low": ("clip_ratio_low", "clip_ratio"),
     "clip_high": ("clip_ratio_high", "clip_ratio"),
     "dual_clip": ("clip_ratio_c",),
+    # DPPO: verl reads its TV / KL thresholds from the clip keys and truncates the ratio at clip_ratio_c
+    "delta_low": ("clip_ratio_low", "clip_ratio"),
+    "delta_high": ("clip_ratio_high", "clip_ratio"),
+    "ratio_cap": ("clip_ratio_c",),
+    # SAPO: the gate temperatures sit at the actor's top level under the same names
+    "tau_pos": ("tau_pos",),
+    "tau_neg": ("tau_neg",),
 }
-"""Our option name -> verl's actor keys of the same meaning (first non-None wins)."""
+"""Our option name -> verl's actor keys of the same meaning (first non-None wins).
+
+verl 0.9 feeds these keys to every loss that has the option: GMPO's log-space ``clip_low``/``clip_high``
+come from ``clip_ratio_low``/``_high`` (verl's ``geo_mean`` does the same; default 0.2 there, 0.4 in the
+paper and in this library), DPPO's thresholds from the same keys and its ratio cap from ``clip_ratio_c``
+(3.0 in verl's ActorConfig).  VESPO has no verl keys (verl ships it as a recipe): its options live under
+``policy_loss.vespo``."""
 
 
 def _lookup(config: Any, key: str) -> Any:

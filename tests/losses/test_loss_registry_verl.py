@@ -143,3 +143,27 @@ def test_verl_missing_gives_install_hint(monkeypatch):
 
     with pytest.raises(ImportError, match="pip install verl"):
         opm_verl.register()
+
+
+def test_verl_adapter_feeds_the_2026_losses_from_verls_keys(fake_verl):
+    """DPPO's thresholds and ratio cap come from verl's clip keys, SAPO's temperatures from tau_pos/tau_neg,
+    GMPO's log-space clip from clip_ratio_low/high, VESPO's shape from its own section."""
+    from loss_refs import ref_dppo, ref_sapo, ref_vespo
+    from offpolicy_moe.integrations import verl as opm_verl
+
+    opm_verl.register()
+    assert {"offpolicy_moe/dppo_tv", "offpolicy_moe/dppo_kl", "offpolicy_moe/gmpo", "offpolicy_moe/sapo",
+            "offpolicy_moe/vespo"} <= set(fake_verl)
+    logp, old, adv, mask, w = make_batch(B=6, T=8, seed=4, scale=0.4)
+    adv_bt = adv[:, None].expand(6, 8)
+    cfg = _Cfg(clip_ratio=0.2, clip_ratio_low=0.05, clip_ratio_high=0.08, clip_ratio_c=1.5, tau_pos=2.0, tau_neg=3.0)
+    loss, m = fake_verl["offpolicy_moe/dppo_tv"](old, logp, adv_bt, mask, "token-mean", cfg, w)
+    torch.testing.assert_close(loss, ref_dppo("tv", logp, old, adv, mask, weights=w, lo=0.05, hi=0.08, cap=1.5))
+    assert "actor/pg_clipfrac" in m
+    loss, _ = fake_verl["offpolicy_moe/sapo"](old, logp, adv_bt, mask, "seq-mean-token-mean", cfg, None)
+    torch.testing.assert_close(loss, ref_sapo(logp, old, adv, mask, tau_pos=2.0, tau_neg=3.0))
+    cfg_v = _Cfg(policy_loss={"vespo": {"k_pos": 1.0, "fold_weights": False}})
+    loss, _ = fake_verl["offpolicy_moe/vespo"](old, logp, adv_bt, mask, "token-mean", cfg_v, w)
+    torch.testing.assert_close(loss, ref_vespo(logp, old, adv, mask, weights=w, k_pos=1.0, fold=False))
+    with pytest.raises(ValueError, match="loss 'vespo' has no option 'k'"):
+        fake_verl["offpolicy_moe/vespo"](old, logp, adv_bt, mask, "token-mean", _Cfg(vespo={"k": 1.0}), None)
