@@ -193,3 +193,23 @@ def test_bad_options_raise_one_line_errors(name, options, message):
     with pytest.raises(ValueError, match=message) as err:
         resolve_loss_options(name, options)
     assert "\n" not in str(err.value) and name in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl", "sapo", "gmpo", "vespo"])
+@pytest.mark.parametrize("agg", AGGS)
+def test_micro_batch_shares_with_global_counts_sum_to_the_whole(name, agg):
+    """None of these has a batch statistic: with the mini-batch's global counts, the micro-batch losses (and
+    gradients) of a gradient-accumulation split add up to the whole batch's."""
+    from offpolicy_moe.losses import get_policy_loss, global_counts
+
+    fn = get_policy_loss(name)
+    logp, old, adv, mask, w = _batch(12, B=9)
+    whole, _ = fn(logp, old, adv, mask, agg=agg, weights=w, norm_length=8.0)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    cuts = (slice(0, 2), slice(2, 5), slice(5, 9))
+    n_tok, n_seq = global_counts([mask[c] for c in cuts])
+    total = sum(fn(logp[c], old[c], adv[c], mask[c], agg=agg, weights=w[c], num_tokens=n_tok, num_seqs=n_seq,
+                   norm_length=8.0)[0] for c in cuts)
+    (g_parts,) = torch.autograd.grad(total, logp)
+    torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_parts, g_whole, rtol=1e-12, atol=1e-14)
