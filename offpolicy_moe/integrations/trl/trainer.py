@@ -289,7 +289,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         if mode != "train":
             n_tok, n_seq = global_counts([self._loss_mask(inputs)], pg)
             return n_tok, n_seq, {}
-        ga = self.current_gradient_accumulation_steps
+        ga = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         spg = self.args.steps_per_generation
         j = self._step % ga
         start = self._step - j
@@ -351,7 +351,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             loss = loss + self.beta * kl
             metrics["actor/kl_ref"] = kl.detach()
         if aux is not None:
-            ga = self.current_gradient_accumulation_steps if mode == "train" else 1
+            ga = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+            ga = ga if mode == "train" else 1
             loss = loss + self.router_aux_loss_coef * aux / ga
             metrics["aux_loss"] = aux.detach()
         m = mask.bool()
