@@ -143,6 +143,9 @@ REFUSED_ROUTERS: dict[str, str] = {
     "PhimoeTopKRouter": ("sparsemixer: experts are picked by a sequence of masked arg-maxes with a jitter threshold "
                          "and weighted by a straight-through estimator, not by a top-k over scores, so a forced "
                          "selection has no weight under the model's own rule"),
+    "DogeCDMoE": ("product-key routing through a view that mixes tokens: the block's plain linear `router_gate` "
+                  "logits [B, S, 2 * keys] are read as [2, B * S, keys], so a token's experts depend on other "
+                  "tokens and a full forward routes otherwise than generate (transformers notes it is not causal)"),
 }
 
 #: Attribute names that hold E (routed experts) and K (experts per token) on routers, blocks or configs.

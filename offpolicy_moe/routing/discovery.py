@@ -79,7 +79,9 @@ def hidden_size_of(model: nn.Module, router: nn.Module) -> int:
     raise UnsupportedRouterError(f"cannot tell the hidden size of router {type(router).__name__}")
 
 
-def discover_slots(model: nn.Module) -> list[Slot]:
+def discover_slots(model: nn.Module) -> tuple[list[Slot], tuple[tuple[str, str], ...]]:
+    """The replayable router slots of ``model`` (sorted by decoder layer) and the ``(module name, router class)`` of
+    the routers skipped as hash-routed (their experts are a function of the token id: nothing to replay)."""
     names = dict(model.named_modules())
     target = None
     rec = getattr(model, "_can_record_outputs", None) or {}
@@ -95,6 +97,7 @@ def discover_slots(model: nn.Module) -> list[Slot]:
                  and _ROUTER_NAME.search(type(m).__name__)]
         found += [(n, m) for n, m in names.items() if type(m).__name__ in ROUTER_ADAPTERS
                   and (n, m) not in found]
+    found += [(n, m) for n, m in names.items() if type(m).__name__ in REFUSED_ROUTERS and (n, m) not in found]
     if not found:
         raise ValueError(f"no MoE router found in {type(model).__name__}: a dense model has no routing to record "
                          f"or replay")
@@ -126,4 +129,4 @@ def discover_slots(model: nn.Module) -> list[Slot]:
     slots.sort(key=lambda s: s.layer_id)
     for i, s in enumerate(slots):
         s.index = i
-    return slots
+    return slots, tuple(refused)

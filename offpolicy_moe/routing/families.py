@@ -11,7 +11,8 @@ import inspect
 import re
 from dataclasses import dataclass
 
-from transformers.models.auto.configuration_auto import model_type_to_module_name
+import transformers
+
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .adapters import REFUSED_ROUTERS, ROUTER_ADAPTERS
@@ -44,29 +45,37 @@ def _router_classes(module) -> tuple[str, ...]:
             continue
         if name.endswith("Router") or re.search(r"topk|sparsemixer|tid2eid|top_k", src):
             out.append(name)
+    if not out:  # an MoE block that routes with a plain linear gate (no router class): the block is the router
+        out = [name for name, obj in vars(module).items() if isinstance(obj, type) and obj.__module__ ==
+               module.__name__ and name in REFUSED_ROUTERS]
     return tuple(sorted(out))
 
 
-def scan_moe_families() -> list[MoEFamily]:
-    """Every causal-LM ``model_type`` of the installed transformers whose modeling code defines a router class.
+def _modeling_module(causal_lm: str):
+    """The modeling module of a causal-LM class name (aliases such as ``sarvam_moe -> Glm4MoeForCausalLM`` resolve
+    to the class's own module); None when it cannot be imported here (an optional dependency)."""
+    try:
+        return importlib.import_module(getattr(transformers, causal_lm).__module__)
+    except Exception:
+        return None
 
-    Model types that share router classes (a multimodal type and its text type) are listed once, under the
-    text type when there is one."""
-    by_cls: dict[tuple[str, ...], MoEFamily] = {}
+
+def scan_moe_families() -> list[MoEFamily]:
+    """Every causal-LM ``model_type`` of the installed transformers whose modeling code defines a router class (or
+    an MoE block known to route without one).
+
+    A multimodal type ``X`` whose text type ``X_text`` is listed too, with the same routers, is one family, listed
+    under ``X_text``. Types that reuse another family's modeling code under their own config class
+    (``sarvam_moe``) are families of their own: their config defaults differ."""
+    found: dict[str, MoEFamily] = {}
     for mt, cls in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
-        sub = model_type_to_module_name(mt)
-        try:
-            mod = importlib.import_module(f"transformers.models.{sub}.modeling_{sub}")
-        except Exception:  # a modeling module that needs an optional dependency: not scannable here
-            continue
-        routers = _router_classes(mod)
-        if not routers:
-            continue
-        fam = MoEFamily(mt, cls, routers)
-        prev = by_cls.get(routers)
-        if prev is None or mt.endswith("_text"):
-            by_cls[routers] = fam
-    return sorted(by_cls.values(), key=lambda f: f.model_type)
+        mod = _modeling_module(cls)
+        routers = _router_classes(mod) if mod is not None else ()
+        if routers:
+            found[mt] = MoEFamily(mt, cls, routers)
+    return sorted((f for mt, f in found.items()
+                   if not (f"{mt}_text" in found and found[f"{mt}_text"].routers == f.routers)),
+                  key=lambda f: f.model_type)
 
 
 _BIAS = re.compile(r"e_score_correction_bias|expert_bias|balancing_biases")
@@ -102,8 +111,7 @@ def render_table() -> str:
     """The markdown table ``family -> router class -> rule`` of the installed transformers (docs/routing.md)."""
     lines = ["| family (`model_type`) | router class | rule |", "|---|---|---|"]
     for fam in scan_moe_families():
-        sub = model_type_to_module_name(fam.model_type)
-        mod = importlib.import_module(f"transformers.models.{sub}.modeling_{sub}")
+        mod = _modeling_module(fam.causal_lm)
         for cls in fam.routers:
             lines.append(f"| {fam.model_type} | `{cls}` | {describe_rule(cls, mod)} |")
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ VOCAB = 64
 _SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
               intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
               max_position_embeddings=128, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False)
+              tie_word_embeddings=False, unpadded_vocab_size=VOCAB)
 _EXPERTS = dict(num_experts=8, n_routed_experts=8, num_local_experts=8, moe_num_experts=8, num_experts_per_tok=2,
                 top_k=2, moe_topk=2, num_experts_per_token=2, n_shared_experts=1, num_shared_experts=1, n_group=2, num_expert_group=2, topk_group=1, first_k_dense_replace=1)
 _LORA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
@@ -22,7 +22,10 @@ _SPECIAL = {
                              mamba_d_state=8, mamba_n_groups=1, mamba_expand=2),
     "flint": dict(mlp_only_layers=[0]),
     "lfm2_moe": dict(num_hidden_layers=2, num_dense_layers=1, layer_types=["conv", "full_attention"]),
-    "qwen4_exp_text": dict(indexer_budget=16, indexer_compress_ratio=1, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, linear_key_head_dim=8,
+    "doge": dict(is_moe=True, num_experts=16),   # product keys: sqrt(16) = 4 keys per half
+    "mimo_v2_flash": dict(num_key_value_heads=2),   # its sliding layers double the KV heads: 2 x 2 <= 4 heads
+    "qwen4_exp_text": dict(head_dim=8, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                           indexer_budget=16, indexer_compress_ratio=1, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, linear_key_head_dim=8,
                            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4),
     "qwen3_next": dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
                        linear_num_value_heads=4),
