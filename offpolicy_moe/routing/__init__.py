@@ -12,7 +12,8 @@ from .adapters import (ROUTER_ADAPTERS, RouterAdapter, UnsupportedRouterError, g
                        register_router_adapter)
 from .capture import Recorder, RouterCapture
 from .controller import RouterBypassError, RoutingController, UnsupportedGenerationError
-from .metrics import RouteComparison, compare_traces, routing_metrics, zero_deviation
+from .metrics import (GUARDRAIL_METRICS, RouteComparison, compare_traces, replay_guardrails, routing_metrics,
+                      zero_deviation)
 from .perturb import perturbation_seed, router_perturbation
 from .pr2 import FeatureCache, PR2Features, PR2Predictors, cat_features, pr2_param_group, pr2_predictor_loss
 from .trace import (INT16_SENTINEL, UINT8_SENTINEL, RouteTrace, TraceValidationError, cat_traces, pack_tokens,
@@ -24,6 +25,6 @@ __all__ = [
     "RoutingController", "Recorder", "RouterCapture", "RouterBypassError", "UnsupportedGenerationError",
     "UnsupportedRouterError", "RouterAdapter", "ROUTER_ADAPTERS", "register_router_adapter", "get_router_adapter",
     "PR2Predictors", "FeatureCache", "PR2Features", "cat_features", "pr2_predictor_loss", "pr2_param_group",
-    "RouteComparison", "compare_traces", "routing_metrics", "zero_deviation", "router_perturbation",
+    "RouteComparison", "compare_traces", "routing_metrics", "zero_deviation", "replay_guardrails", "GUARDRAIL_METRICS", "router_perturbation",
     "perturbation_seed",
 ]

@@ -118,7 +118,10 @@ class RoutingController(GenericRuleHooks):
             raise UnsupportedRouterError(
                 "the model was kernelized (use_kernels=True): hub kernels replace MoE blocks and bypass the router, so "
                 "routes cannot be recorded or replayed; load the model without use_kernels")
-        self._slots = self._discover(model)
+        self._slots, skipped = self._discover(model)
+        #: routers left to themselves, never recorded or replayed: ``(module name, router class)`` (DeepSeek-V4's
+        #: hash-routed layers, whose experts are a function of the token id)
+        self.unreplayed: tuple[tuple[str, str], ...] = skipped
         a = self._slots[0]
         self.num_experts, self.top_k = a.num_experts, a.top_k
         for s in self._slots:

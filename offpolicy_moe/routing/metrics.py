@@ -8,6 +8,15 @@ Definitions (R3 paper, arXiv:2510.11370, section 2; PR2, arXiv:2606.00395, secti
   * zero deviation (PR2, arXiv:2606.00395, Fig. 1): the share of (token, layer) pairs whose sets are equal
     (``1 − decision mismatch``), and the share of tokens equal in every layer (``1 − token mismatch``).
 Only (token, layer) pairs recorded in both traces (and inside ``mask``) count.
+
+Replay guardrails (:func:`replay_guardrails`, R3, arXiv:2510.11370, section 3: replayed ids the trainer's router
+would not pick still get their weight from its full distribution, so a high share says the replay works against the
+trainer's router):
+  * ``routing/replay_fallback``: the share of (token, layer) decisions that fell back to the router's own choice
+    (row not recorded in the replayed trace, or a layer the controller does not replay, e.g. hash-routed);
+  * ``routing/replay_outside_topk``: the share of replayed (token, layer, slot) expert ids outside the trainer's own
+    top-k at that token and layer; ``routing/replay_outside_topk_decisions``: the share of replayed (token, layer)
+    decisions with at least one such id.
 """
 from __future__ import annotations
 
@@ -17,7 +26,12 @@ import torch
 
 from .trace import RouteTrace
 
-__all__ = ["RouteComparison", "compare_traces", "routing_metrics", "zero_deviation"]
+__all__ = ["GUARDRAIL_METRICS", "RouteComparison", "compare_traces", "replay_guardrails", "routing_metrics",
+           "zero_deviation"]
+
+#: stable names of the replay guardrail metrics (see :func:`replay_guardrails`)
+GUARDRAIL_METRICS = ("routing/replay_fallback", "routing/replay_outside_topk", "routing/replay_outside_topk_decisions",
+                     "routing/replay_decisions")
 
 
 def zero_deviation(same: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
@@ -121,3 +135,48 @@ def routing_metrics(trace_a: RouteTrace, trace_b: RouteTrace, mask: torch.Tensor
     ``routing/coverage_gap`` (with ``probs_b``), ``routing/n_tokens`` and, with ``per_layer``,
     ``routing/decision_mismatch/layer_{l}``. See :func:`compare_traces`."""
     return compare_traces(trace_a, trace_b, mask, probs_b).metrics(per_layer=per_layer, prefix=prefix)
+
+
+def replay_guardrails(replayed: RouteTrace, own: RouteTrace, mask: torch.Tensor | None = None,
+                      unreplayed_layers: int = 0) -> dict[str, float]:
+    """Guardrail metrics of one replayed forward (names in :data:`GUARDRAIL_METRICS`).
+
+    ``replayed``: the trace handed to ``RoutingController.replay``; ``own``: the trainer router's own top-k in that
+    forward (``with ctl.replay(trace), ctl.record("own") as rec: ...; own = rec.trace()``); ``mask[B, S]``: the tokens
+    that count (e.g. the response mask); ``unreplayed_layers``: routers the controller leaves to themselves
+    (``len(ctl.unreplayed)``), counted as fallbacks at every token.
+
+    With ``D`` the (token, layer) decisions inside ``mask`` over the ``L + unreplayed_layers`` routed layers, ``F``
+    those whose row is not recorded in ``replayed`` (or in an unreplayed layer) and, over the ``R = D - F`` replayed
+    decisions with ids ``A`` and own top-k ``B``:
+    ``replay_fallback = F / D``, ``replay_outside_topk = sum |A \\ B| / (K R)``,
+    ``replay_outside_topk_decisions = #{A ⊄ B} / R``, ``replay_decisions = R``. No decision -> zeros.
+    """
+    if replayed.ids.shape != own.ids.shape:
+        raise ValueError(f"replayed trace {tuple(replayed.ids.shape)} and own trace {tuple(own.ids.shape)} differ in "
+                         f"shape: record the own routes in the replayed forward")
+    if unreplayed_layers < 0:
+        raise ValueError(f"unreplayed_layers must be >= 0, got {unreplayed_layers}")
+    b, s, n_layers, k = replayed.ids.shape
+    own_ok = own.recorded_mask()
+    m = own_ok if mask is None else own_ok & _mask_like(mask, b, s, own_ok.device)
+    rec = replayed.recorded_mask().to(m.device) & m
+    n_tok, n_rec = int(m.sum()), int(rec.sum())
+    decisions = n_tok * (n_layers + unreplayed_layers)
+    replayed_decisions = n_rec * n_layers
+    if decisions == 0 or replayed_decisions == 0:
+        return {"routing/replay_fallback": 0.0 if decisions == 0 else 1.0, "routing/replay_outside_topk": 0.0,
+                "routing/replay_outside_topk_decisions": 0.0, "routing/replay_decisions": float(replayed_decisions)}
+    a = replayed.long_ids().to(m.device)[rec]          # [R_tok, L, K]
+    o = own.long_ids().to(m.device)[rec]
+    outside = ~(a[..., :, None] == o[..., None, :]).any(-1)   # [R_tok, L, K]
+    return {"routing/replay_fallback": (decisions - replayed_decisions) / decisions,
+            "routing/replay_outside_topk": float(outside.float().mean()),
+            "routing/replay_outside_topk_decisions": float(outside.any(-1).float().mean()),
+            "routing/replay_decisions": float(replayed_decisions)}
+
+
+def _mask_like(mask: torch.Tensor, b: int, s: int, device) -> torch.Tensor:
+    if tuple(mask.shape) != (b, s):
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match the traces' [B, S] = {(b, s)}")
+    return mask.to(device).bool()
