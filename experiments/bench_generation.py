@@ -41,7 +41,7 @@ def main() -> None:
     tr = Trainer(cfg)
     sft_warm_start(tr.unwrapped, tr.tok, tr.task, steps=args.sft_steps, lr=cfg.trainer.sft_lr,
                    batch_size=cfg.trainer.sft_batch_size, seed=cfg.seed, progress=False)
-    tr.sync_engine(0)
+    tr.publish(0)
     times: dict[bool, list[float]] = {False: [], True: []}
     lengths = []
     for _ in range(args.rounds):
@@ -49,7 +49,7 @@ def main() -> None:
             tr.engine.compact_finished = compact
             t0 = time.process_time()
             for i in range(args.calls):
-                batch = tr.generate(i)
+                batch = tr.source.generate(i)
                 lengths.append(float(batch.response_mask.sum(1).float().mean()))
             times[compact].append((time.process_time() - t0) / args.calls)
     off, on = statistics.median(times[False]), statistics.median(times[True])

@@ -1,4 +1,6 @@
-"""The presets are package data: a built wheel carries them, and an installed (non-editable) copy finds them."""
+"""The presets are package data: the mechanism fragments (offpolicy_moe/mechanisms/) and the shelf of named
+algorithms (the top-level algorithms/, shipped as offpolicy_moe.algorithms); a built wheel carries them, and an
+installed (non-editable) copy finds them.  The package list in pyproject.toml holds every package on disk."""
 from __future__ import annotations
 
 import json
@@ -10,19 +12,31 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import setuptools
+import tomllib
 
 from offpolicy_moe.config import available_presets
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_PRESETS = sorted(p.name for p in (REPO / "offpolicy_moe" / "presets").glob("*.yaml"))
+MECHANISMS = sorted(p.name for p in (REPO / "offpolicy_moe" / "mechanisms").glob("*.yaml"))
+ALGORITHMS = sorted(p.name for p in (REPO / "algorithms").glob("*.yaml"))
+# a name that is both (grpo, gspo, m2po, cispo) resolves to the mechanism: the algorithm of that name is it alone
+SOURCE_PRESETS = sorted(set(MECHANISMS) | set(ALGORITHMS))
 
 
-def test_presets_are_found_in_the_package_folder():
+def test_presets_are_found_in_the_package_folders():
     found = available_presets()
-    assert SOURCE_PRESETS, "no presets in offpolicy_moe/presets"
+    assert MECHANISMS and ALGORITHMS
     assert sorted(f"{n}.yaml" for n in found) == SOURCE_PRESETS
-    for path in found.values():
-        assert path.parent == REPO / "offpolicy_moe" / "presets"
+    for name, path in found.items():
+        folder = REPO / "offpolicy_moe" / "mechanisms" if f"{name}.yaml" in MECHANISMS else REPO / "algorithms"
+        assert path.parent == folder, (name, path)
+
+
+def test_the_package_list_holds_every_package_on_disk():
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    on_disk = setuptools.find_packages(str(REPO), include=["offpolicy_moe*"]) + ["offpolicy_moe.algorithms"]
+    assert sorted(listed) == sorted(on_disk)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +44,8 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")       # a copy: the build's build/ and egg-info stay out of the checkout
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    shutil.copytree(REPO / "offpolicy_moe", src / "offpolicy_moe", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("offpolicy_moe", "algorithms"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
@@ -46,8 +61,9 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_contains_every_preset(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    inside = sorted(Path(n).name for n in names if n.startswith("offpolicy_moe/presets/") and n.endswith(".yaml"))
-    assert inside == SOURCE_PRESETS
+    for folder, expected in (("offpolicy_moe/mechanisms/", MECHANISMS), ("offpolicy_moe/algorithms/", ALGORITHMS)):
+        inside = sorted(Path(n).name for n in names if n.startswith(folder) and n.endswith(".yaml"))
+        assert inside == expected, folder
 
 
 def test_installed_wheel_finds_its_presets(wheel, tmp_path):

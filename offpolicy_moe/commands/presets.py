@@ -1,9 +1,11 @@
-"""``offpolicy-moe presets [NAME ...]``: list the algorithm presets, or print NAMEs composed and resolved."""
+"""``offpolicy-moe presets [NAME ...]``: list the named algorithms (``algorithms/``) and the mechanisms they compose
+(``offpolicy_moe/mechanisms/``), or print NAMEs composed and resolved."""
 from __future__ import annotations
 
 import argparse
 
 from offpolicy_moe.config import available_presets, load_config, preset_description, to_dict, to_yaml
+from offpolicy_moe.config.load import algorithms_dir, mechanisms_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,10 +30,20 @@ def run(args: argparse.Namespace) -> int:
     if not args.names:
         presets = available_presets()
         width = max((len(n) for n in presets), default=0)
-        for name, path in presets.items():
-            print(f"{name:<{width}}  {preset_description(path)}")
-        print(f"\n{len(presets)} presets; compose them with `preset: [m2po, tis, r3]` in a config, "
-              "or `offpolicy-moe presets m2po tis r3` to see the result.")
+        algorithms = {p.stem: p for p in sorted(algorithms_dir().glob("*.yaml"))}
+        shelves = [(f"algorithms ({algorithms_dir()}): train one with `offpolicy-moe train --preset NAME` (or the file itself)",
+                    algorithms),
+                   ("mechanisms (single-mechanism fragments the algorithms compose)",
+                    {n: p for n, p in presets.items() if p.parent == mechanisms_dir()}),
+                   ("your own (from $OFFPOLICY_MOE_PRESETS)",
+                    {n: p for n, p in presets.items() if p.parent not in (mechanisms_dir(), algorithms_dir())})]
+        for title, shelf in shelves:
+            if shelf:
+                print(title)
+                for name, path in shelf.items():
+                    print(f"  {name:<{width}}  {preset_description(path)}")
+        print("\ncompose presets with `preset: [m2po, tis, r3]` in a config, or `offpolicy-moe presets m2po tis r3` "
+              "to see the result")
         return 0
     cfg = load_config(presets=args.names)          # an unknown preset: ConfigError, one line from the CLI
     if args.changed:

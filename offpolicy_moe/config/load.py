@@ -37,15 +37,24 @@ _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 # ----------------------------------------------------------------------------------------------- presets
-def preset_dirs() -> list[Path]:
-    """Folders searched for ``<name>.yaml`` presets: ``$OFFPOLICY_MOE_PRESETS`` entries, then the package's own.
+def mechanisms_dir() -> Path:
+    """The single-mechanism fragments (``grpo``, ``tis``, ``r3``, ...): package data in ``offpolicy_moe/mechanisms/``."""
+    return Path(str(importlib.resources.files("offpolicy_moe") / "mechanisms"))
 
-    The package's presets are package data (``offpolicy_moe/presets/*.yaml``), located through
-    :mod:`importlib.resources`, so editable installs, wheels and ``pip install git+...`` find the same files.
-    """
+
+def algorithms_dir() -> Path:
+    """The named combinations (``grpo_tis_r3``, ``m2po_r3``, ...): the repository's top-level ``algorithms/``, shipped
+    in the wheel as the package ``offpolicy_moe.algorithms``."""
+    return Path(str(importlib.resources.files("offpolicy_moe.algorithms")))
+
+
+def preset_dirs() -> list[Path]:
+    """Folders searched for ``<name>.yaml`` presets: ``$OFFPOLICY_MOE_PRESETS`` entries, then the package's
+    mechanisms, then its algorithms (a name that is both, e.g. ``grpo``, is the mechanism: the algorithm of that
+    name is the mechanism alone).  Both are located through :mod:`importlib.resources`, so editable installs, wheels
+    and ``pip install git+...`` find the same files."""
     dirs = [Path(p) for p in os.environ.get(PRESETS_ENV, "").split(os.pathsep) if p]
-    dirs.append(Path(str(importlib.resources.files("offpolicy_moe") / "presets")))
-    return dirs
+    return dirs + [mechanisms_dir(), algorithms_dir()]
 
 
 def available_presets() -> dict[str, Path]:

@@ -14,7 +14,7 @@ from offpolicy_moe.models.moe_shape import moe_shape
 
 __all__ = ["FORMAT", "model_signature", "CheckpointState"]
 
-FORMAT = "offpolicy_moe.trainer/1"
+FORMAT = "offpolicy_moe.trainer/2"      # 2: the batch source's state under "source"
 
 
 def model_signature(model: torch.nn.Module) -> dict:
@@ -38,11 +38,10 @@ class CheckpointState:
         self.keep = int(keep)
         self.accelerator = accelerator
 
-    def build(self, *, counters: dict, buffer: Any, engine_version: int, metrics_offset: int,
-              last_metrics: dict) -> dict:
-        """The checkpointed counters and queue (weights, optimizer, scheduler and RNG are stored apart);
-        ``counters``: iteration, step, updates, nan_skipped, sft_done."""
-        return {"format": FORMAT, **counters, "buffer": buffer.state_dict(), "engine_version": engine_version,
+    def build(self, *, counters: dict, source: Any, metrics_offset: int, last_metrics: dict) -> dict:
+        """The checkpointed counters and the batch source's state (weights, optimizer, scheduler and RNG are
+        stored apart); ``counters``: step, updates, nan_skipped, sft_done."""
+        return {"format": FORMAT, **counters, "source": source.state_dict(),
                 "metrics_offset": metrics_offset, "last_metrics": last_metrics,
                 "model_signature": model_signature(self.model), "world_size": self.world}
 
@@ -64,6 +63,9 @@ class CheckpointState:
         model."""
         ck = load_checkpoint(path, rank=rank)
         st = ck.state
+        if st.get("format") == "offpolicy_moe.trainer/1":
+            raise CheckpointError(f"{str(path)!r} was written before the batch sources (trainer format 1); "
+                                  "resume it with offpolicy_moe 0.1's engine layout, or start the run again")
         if st.get("format") != FORMAT:
             raise CheckpointError(f"{str(path)!r} is not an offpolicy_moe trainer checkpoint")
         mine, theirs = model_signature(self.model), st.get("model_signature", {})

@@ -40,7 +40,7 @@ from offpolicy_moe.config.preflight import preflight
 from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes
-from offpolicy_moe.trainer.buffer import StalenessBuffer, check_buffer_feasible, iteration_budget
+from offpolicy_moe.trainer.buffer import check_buffer_feasible
 from offpolicy_moe.trainer.callbacks import Callback, CallbackList
 from offpolicy_moe.run.checkpoint import rng_state, set_rng_state
 from offpolicy_moe.run.checkpoint_state import CheckpointState
@@ -51,8 +51,10 @@ from offpolicy_moe.run.faults import NonFiniteLossError
 from offpolicy_moe.run.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.trainer.old_logp import OldLogpPass
 from offpolicy_moe.trainer.optim import adamw, lr_schedule
-from offpolicy_moe.trainer.versions import run_async
 from offpolicy_moe.trainer.sources.asynchronous import AsyncBatchSource
+from offpolicy_moe.trainer.sources.base import BatchSource, SourceStopped
+from offpolicy_moe.trainer.sources.sync import SyncBatchSource
+from offpolicy_moe.trainer.versions import token_lag
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE, make_engine
 from offpolicy_moe.run.run_dir import RunDir
 from offpolicy_moe.trainer.sft import sft_warm_start
@@ -62,13 +64,7 @@ from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
 from offpolicy_moe.tasks import evaluate_greedy, make_task
 
-__all__ = ["Trainer", "TrainingStopped", "iteration_seed"]
-
-
-def iteration_seed(seed: int, iteration: int, rank: int = 0, salt: int = 0) -> int:
-    """Sampling seed of generation iteration ``iteration`` on process ``rank``: a pure function of its arguments,
-    so a resumed run regenerates exactly the batch an uninterrupted run would have generated."""
-    return int(np.random.SeedSequence([seed, iteration, rank, salt]).generate_state(1)[0])
+__all__ = ["Trainer", "TrainingStopped"]
 
 
 class TrainingStopped(RuntimeError):
@@ -143,14 +139,13 @@ class Trainer:
         if self.predictors is not None:
             self.predictors.to(self.accelerator.device)
         self.unwrapped = model
-        self.engine = self._build_engine()     # its own copy of the bare model, before FSDP can shard it
+        # the synchronous source's engine: its own copy of the bare model, before FSDP can shard it (the
+        # asynchronous source's workers build theirs from the config)
+        self.engine = self._build_engine() if cfg.buffer.mode != "async" else None
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         self.unwrapped = self.accelerator.unwrap_model(self.model)     # the bare model (no DDP wrapper)
-        self.buffer = AsyncBatchSource(cfg, rank=self.rank, world=self.world, seed_fn=iteration_seed) \
-            if cfg.buffer.mode == "async" else \
-            StalenessBuffer(cfg.buffer.staleness, cfg.buffer.mode, max_delay=cfg.buffer.max_delay, seed=cfg.seed)
         self.forward = RoutedForward(device=self.accelerator.device, controller=self.controller, replay=rt.replay,
-                                     share_prompt=getattr(tc, "share_prompt", True),
+                                     share_prompt=tc.share_prompt,
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size,
                                      micro_batching=MicroBatching.from_trainer(
                                          tc, max_over_processes(self.accelerator.device) if self.world > 1 else None))
@@ -162,10 +157,10 @@ class Trainer:
                                           model=self.model, bare_model=self.unwrapped, optimizer=self.optimizer,
                                           scheduler=self.scheduler, accelerator=self.accelerator, task=self.task,
                                           predictors=self.predictors)
+        self.source = self._build_source()
         self.checkpoints = CheckpointState(self.run_dir.ckpt_root, model=self.unwrapped, world=self.world,
                                            keep=tc.keep_checkpoints, accelerator=self.accelerator)
-        # counters (all checkpointed; updates / nan_skipped live in the policy update)
-        self.iteration = 0          # generation iterations done
+        # counters (all checkpointed; updates / nan_skipped live in the policy update, iterations in the source)
         self.step = 0               # trained steps done = policy version
         self.sft_done = False
         self.last_metrics: dict[str, float] = {}
@@ -210,6 +205,14 @@ class Trainer:
         return make_engine(self.unwrapped, self.tok, self.cfg.rollout, record_routes=record, router_offsets=offsets,
                            device=self.accelerator.device, seed=self.cfg.seed)
 
+    def _build_source(self) -> BatchSource:
+        """The batch source of ``buffer.mode``: workers for ``async``, this process's engine otherwise."""
+        if self.cfg.buffer.mode == "async":
+            return AsyncBatchSource(self.cfg, model=self.unwrapped, prepare=self.prepare, rank=self.rank,
+                                    world=self.world)
+        return SyncBatchSource(self.cfg, engine=self.engine, task=self.task, prepare=self.prepare, rank=self.rank,
+                               world=self.world)
+
     def make_ref_model(self, state: Optional[dict] = None) -> None:
         """The frozen reference policy for the KL penalty (a copy of the current weights, or ``state``); the
         routed forward gives it its own routing controller (it replays the actor's routes under R3/R2)."""
@@ -234,6 +237,11 @@ class Trainer:
         return self.accelerator.is_main_process
 
     @property
+    def iteration(self) -> int:
+        """Generation iterations completed (the batch source's counter)."""
+        return self.source.iteration
+
+    @property
     def updates(self) -> int:
         """Optimizer updates applied."""
         return self.policy_update.updates
@@ -244,21 +252,6 @@ class Trainer:
         return self.policy_update.nan_skipped
 
     # ------------------------------------------------------------------ the steps of an iteration
-    def generate(self, iteration: int) -> RolloutBatch:
-        """Step 1: this process's share of the iteration's prompts, ``group_size`` responses each."""
-        ro = self.cfg.rollout
-        rows = self.task.sample_prompts(iteration, ro.prompts_per_step)
-        mine = list(range(self.rank, ro.prompts_per_step, self.world))
-        if not mine:
-            raise ValueError(f"rollout.prompts_per_step={ro.prompts_per_step} < number of processes {self.world}")
-        batch = self.engine.generate([rows[j]["prompt"] for j in mine], [rows[j]["answer"] for j in mine],
-                                     group_size=ro.group_size, seed=iteration_seed(self.cfg.seed, iteration, self.rank),
-                                     iteration=iteration)
-        # globally unique group ids: (iteration, prompt index within the step)
-        batch.group_ids = (iteration * ro.prompts_per_step
-                           + torch.tensor(mine, dtype=torch.long).repeat_interleave(ro.group_size))
-        return batch
-
     def prepare(self, batch: RolloutBatch) -> None:
         """Step 2: ``old_logp`` and the mismatch / routing measurements (:class:`OldLogpPass`)."""
         self.old_logp.prepare(batch)
@@ -269,10 +262,10 @@ class Trainer:
         (or ``algo.old_logp_source=proximal``), e.g. a fixed batch loaded from disk."""
         return self.policy_update(batch, step=self.step, iteration=self.iteration)
 
-    def sync_engine(self, version: int) -> None:
-        """Step 5: the engine gets the current weights (and PR2 predictors) as policy version ``version``."""
-        self.engine.sync(full_model_state(self.unwrapped), version,
-                         self.predictors.state_dict() if self.predictors is not None else None)
+    def publish(self, version: int) -> None:
+        """Step 5: the batch source gets the current weights (and PR2 predictors) as policy version ``version``."""
+        self.source.publish(full_model_state(self.unwrapped), version,
+                            self.predictors.state_dict() if self.predictors is not None else None)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split (``eval/accuracy``, ``eval/partial``) and on as many training
@@ -289,10 +282,9 @@ class Trainer:
         """Checkpoint ``step_<step>`` (main process writes; every process gives its RNG states; all wait)."""
         self.accelerator.wait_for_everyone()
         state = self.checkpoints.build(
-            counters={"iteration": self.iteration, "step": self.step, "updates": self.updates,
-                      "nan_skipped": self.nan_skipped, "sft_done": self.sft_done},
-            buffer=self.buffer, engine_version=self.engine.version,
-            metrics_offset=self.run_dir.metrics_offset(), last_metrics=self.last_metrics) if self.is_main else None
+            counters={"step": self.step, "updates": self.updates, "nan_skipped": self.nan_skipped,
+                      "sft_done": self.sft_done},
+            source=self.source, metrics_offset=self.run_dir.metrics_offset(), last_metrics=self.last_metrics) if self.is_main else None
         path = self.checkpoints.save(self.step, state, optimizer=self.optimizer, scheduler=self.scheduler,
                                      modules={"ref_model": self.ref_model, "predictors": self.predictors},
                                      is_main=self.is_main)
@@ -306,16 +298,16 @@ class Trainer:
         st = ck.state
         load_full_optimizer_state(self.unwrapped, self.optimizer, st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
-        self.buffer.load_state_dict(st["buffer"])
+        self.source.load_state_dict(st["source"])
         if self.predictors is not None and "predictors" in ck.modules:
             self.predictors.load_state_dict(ck.modules["predictors"])
         if "ref_model" in ck.modules:
             self.make_ref_model(ck.modules["ref_model"])
-        self.iteration, self.step = st["iteration"], st["step"]
+        self.step = st["step"]
         self.policy_update.updates, self.policy_update.nan_skipped = st["updates"], st["nan_skipped"]
         self.sft_done = st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
-        self.sync_engine(st["engine_version"])
+        self.publish(self.step)
         set_rng_state(ck.rng)
         self.run_dir.restore_metrics(st["metrics_offset"], path)
         self.saved_at = (self.step, self.iteration)
@@ -408,7 +400,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)     # gradients never cross from one phase into the next
         if cfg.algo.kl.coef > 0:
             self.make_ref_model()
-        self.sync_engine(0)
+        self.publish(0)
         t0 = time.perf_counter()
         ev = self.evaluate()
         ev["perf/time_eval_s"] = time.perf_counter() - t0
@@ -417,50 +409,48 @@ class Trainer:
             self.save()
 
     def loop(self) -> None:
-        """Iterations until ``trainer.steps`` steps are trained (module docstring, steps 1-5)."""
-        cfg, tc = self.cfg, self.cfg.trainer
-        if cfg.buffer.mode == "async":     # rollout worker processes (docs/async.md)
-            return run_async(self, stopped=TrainingStopped)
-        max_iterations = iteration_budget(tc.steps, cfg.buffer.staleness, cfg.buffer.mode)
-        while self.step < tc.steps:
-            self.stop_if_requested()
-            if self.iteration >= max_iterations:
-                raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {self.step} "
-                                   "trained steps (every batch dropped?)")
-            boundary = self._boundary() if tc.on_nan == "stop" else None
-            t_it = time.perf_counter()
-            batch = self.generate(self.iteration)
-            t_gen = time.perf_counter() - t_it
-            t0 = time.perf_counter()
-            self.prepare(batch)
-            t_old = time.perf_counter() - t0
-            self.buffer.push(batch, self.iteration)
-            consumed, _ = self.buffer.pop(self.iteration, self.step)
-            if consumed is None:   # warm-up (fixed) or nothing arrived yet (bounded)
-                self.iteration += 1
-                continue
-            self.callbacks.on_batch(self, consumed)
-            t0 = time.perf_counter()
-            try:
-                m = self.update(consumed)
-            except NonFiniteLossError as exc:     # on_nan=stop: the update put the weights back; checkpoint them
-                path = self._save_boundary(boundary)
-                raise NonFiniteLossError(f"{exc} The last good state (step {self.step}) is checkpointed in "
-                                         f"{path}.") from exc
-            t_upd = time.perf_counter() - t0
-            m.update(self._step_metrics(consumed, m.pop("_tokens"), batch.num_tokens(), t_gen, t_old, t_upd))
-            self.step += 1
-            self.iteration += 1
-            self.sync_engine(self.step)
-            if (tc.eval_every > 0 and self.step % tc.eval_every == 0) or self.step == tc.steps:
+        """Steps until ``trainer.steps`` are trained (module docstring, steps 1-5): the batch source gives each
+        step's prepared batch, whatever its staleness; the update trains on it; the new weights are published."""
+        tc = self.cfg.trainer
+        try:
+            while self.step < tc.steps:
+                self.stop_if_requested()
+                boundary = self._boundary() if tc.on_nan == "stop" else None
+                t_step = time.perf_counter()
+                try:
+                    batch, source_metrics = self.source.next(self.step)
+                except SourceStopped as exc:
+                    self.save()
+                    raise TrainingStopped(f"{exc}; checkpoint written at step {self.step}") from exc
+                self.callbacks.on_batch(self, batch)
                 t0 = time.perf_counter()
-                m.update(self.evaluate())
-                m["perf/time_eval_s"] = time.perf_counter() - t0
-            m["perf/time_step_s"] = time.perf_counter() - t_it
-            self.log(self.step, m)
-            if (tc.checkpoint_every > 0 and self.step % tc.checkpoint_every == 0) or self.step == tc.steps:
-                self.save()
-            self.callbacks.on_step_end(self, self.step, m)
+                try:
+                    m = self.update(batch)
+                except NonFiniteLossError as exc:     # on_nan=stop: the update put the weights back; checkpoint them
+                    path = self._save_boundary(boundary)
+                    raise NonFiniteLossError(f"{exc} The last good state (step {self.step}) is checkpointed in "
+                                             f"{path}.") from exc
+                t_update = time.perf_counter() - t0
+                m.update(source_metrics)
+                m.update(self._offpolicy_metrics(batch, m.pop("_tokens"), t_update))
+                self.step += 1
+                self.publish(self.step)
+                self._end_step(m, t_step)
+        finally:
+            self.source.close()
+
+    def _end_step(self, m: dict[str, float], t_step: float) -> None:
+        """Evaluate when due, log, checkpoint when due, call back."""
+        tc = self.cfg.trainer
+        if (tc.eval_every > 0 and self.step % tc.eval_every == 0) or self.step == tc.steps:
+            t0 = time.perf_counter()
+            m.update(self.evaluate())
+            m["perf/time_eval_s"] = time.perf_counter() - t0
+        m["perf/time_step_s"] = time.perf_counter() - t_step
+        self.log(self.step, m)
+        if (tc.checkpoint_every > 0 and self.step % tc.checkpoint_every == 0) or self.step == tc.steps:
+            self.save()
+        self.callbacks.on_step_end(self, self.step, m)
 
     # ------------------------------------------------------------------ stopping
     def stop_if_requested(self) -> None:
@@ -479,28 +469,26 @@ class Trainer:
         raise RunInterrupted(signum, self.step, str(path) if path is not None else None)
 
     def _boundary(self) -> dict:
-        """What an iteration changes before its update besides weights and optimizer (cheap: counters, RNG
-        states, the buffer's queue of batch references)."""
-        return {"iteration": self.iteration, "rng": rng_state(), "buffer": self.buffer.state_dict()}
+        """What a step changes before its update besides weights and optimizer (the RNG states, the batch
+        source's counters and queue)."""
+        return {"rng": rng_state(), "source": self.source.state_dict()}
 
     def _save_boundary(self, boundary: dict) -> Optional[Path]:
         """Checkpoint the iteration boundary ``boundary`` (with the weights and optimizer the policy update put
         back): the last good state before a non-finite update stopped the run."""
-        self.iteration = boundary["iteration"]
-        self.buffer.load_state_dict(boundary["buffer"])
+        self.source.load_state_dict(boundary["source"])
         set_rng_state(boundary["rng"])
         return self.save()
 
-    def _step_metrics(self, consumed: RolloutBatch, tokens: float, n_gen: int, t_gen: float, t_old: float,
-                      t_upd: float) -> dict[str, float]:
-        lag = self.step - consumed.version
-        return {**consumed.extras,
-                "offpolicy/staleness_steps": float(lag), "offpolicy/staleness_max": float(lag),
-                "offpolicy/staleness_updates": float(lag * self.cfg.trainer.updates_per_step),
-                "offpolicy/batch_version": float(consumed.version),
-                "offpolicy/generated_at": float(consumed.generated_at),
-                "offpolicy/dropped": float(self.buffer.dropped),
-                "offpolicy/buffer_size": float(len(self.buffer)),
-                "perf/gen_tokens_per_s": n_gen / max(t_gen, 1e-9),
-                "perf/update_tokens_per_s": tokens / max(t_upd, 1e-9),
-                "perf/time_generate_s": t_gen, "perf/time_old_logp_s": t_old, "perf/time_update_s": t_upd}
+    def _offpolicy_metrics(self, batch: RolloutBatch, tokens: float, t_update: float) -> dict[str, float]:
+        """How stale the trained batch was (over its response tokens' versions), what the source dropped and
+        holds, and the update's throughput."""
+        mean_lag, max_lag = token_lag(self.step, batch)
+        return {**batch.extras,
+                "offpolicy/staleness_steps": mean_lag, "offpolicy/staleness_max": max_lag,
+                "offpolicy/staleness_updates": mean_lag * self.cfg.trainer.updates_per_step,
+                "offpolicy/batch_version": float(batch.version),
+                "offpolicy/generated_at": float(batch.generated_at),
+                "offpolicy/dropped": float(self.source.dropped),
+                "offpolicy/buffer_size": float(len(self.source)),
+                "perf/update_tokens_per_s": tokens / max(t_update, 1e-9), "perf/time_update_s": t_update}

@@ -79,7 +79,7 @@ def test_sigkill_of_a_worker_under_stop_checkpoints_names_it_and_resumes(make_cf
 
     def kill(trainer, step, m):
         if step == 2 and not killed:
-            killed.append(trainer.buffer.worker_pids()[0])
+            killed.append(trainer.source.worker_pids()[0])
             os.kill(killed[0], signal.SIGKILL)
 
     summary = Trainer(cfg, callbacks=[FunctionCallback(on_step_end=kill)]).run()

@@ -6,7 +6,6 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.trainer.sources.asynchronous import AsyncBatchSource, check_async_config
-from offpolicy_moe.trainer.trainer import iteration_seed
 from tests.engine.tiny import tiny_config
 
 
@@ -22,7 +21,7 @@ def _batch(iteration: int, version: int) -> RolloutBatch:
 
 def _source(tmp_path, world=1, *overrides) -> AsyncBatchSource:
     cfg = tiny_config(tmp_path / "run", "buffer.mode=async", "buffer.staleness=2", "trainer.steps=10", *overrides)
-    return AsyncBatchSource(cfg, rank=0, world=world, seed_fn=iteration_seed)
+    return AsyncBatchSource(cfg, model=torch.nn.Linear(1, 1), prepare=lambda batch: None, rank=0, world=world)
 
 
 def test_the_checkpoint_keeps_received_batches_with_their_versions(tmp_path):
@@ -52,7 +51,7 @@ def test_with_several_trainer_processes_received_batches_are_generated_again(tmp
 def test_a_checkpoint_of_another_staleness_is_refused(tmp_path):
     state = _source(tmp_path).state_dict()
     other = AsyncBatchSource(tiny_config(tmp_path / "o", "buffer.mode=async", "buffer.staleness=1"),
-                             seed_fn=iteration_seed)
+                             model=torch.nn.Linear(1, 1), prepare=lambda batch: None)
     with pytest.raises(ValueError, match="staleness=2 mode='async', but the config asks for staleness=1"):
         other.load_state_dict(state)
 

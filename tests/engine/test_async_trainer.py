@@ -52,7 +52,7 @@ def test_a_killed_worker_is_named_restarted_and_nothing_is_lost(make_cfg, capfd)
 
     def kill(trainer, step, m):
         if step == 1:
-            pid = trainer.buffer.worker_pids()[0]
+            pid = trainer.source.worker_pids()[0]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
@@ -82,7 +82,7 @@ def test_a_worker_that_stops_answering_makes_a_timeout_that_names_it(make_cfg):
 
     def freeze(trainer, step, m):
         if step == 1:
-            stopped.append(trainer.buffer.worker_pids()[0])
+            stopped.append(trainer.source.worker_pids()[0])
             os.kill(stopped[0], signal.SIGSTOP)
 
     try:
@@ -113,7 +113,7 @@ def test_two_workers_stay_within_the_bound_and_in_order(make_cfg):
     cfg = make_cfg("buffer.mode=async", "buffer.staleness=2", "trainer.steps=5", "rollout.workers=2",
                    "rollout.update_in_flight=true")
     pids = []
-    summary, _ = _train(cfg, on_step_end=lambda tr, step, m: pids.append(tuple(tr.buffer.worker_pids())))
+    summary, _ = _train(cfg, on_step_end=lambda tr, step, m: pids.append(tuple(tr.source.worker_pids())))
     assert summary["status"] == "completed", summary.get("error")
     assert len(set(pids)) == 1 and len(pids[0]) == 2
     rows = [m for m in _metrics(cfg.run_dir) if m["step"] > 0]

@@ -9,7 +9,8 @@ import torch
 
 from offpolicy_moe.trainer.versions import VersionRing, loaded_weights, prepare_at_versions, token_lag
 from offpolicy_moe.rollout.worker import build_engine, generate_iteration
-from offpolicy_moe.trainer.trainer import Trainer, iteration_seed
+from offpolicy_moe.rollout.seeds import iteration_seed
+from offpolicy_moe.trainer.trainer import Trainer
 from tests.engine.tiny import tiny_config
 
 
@@ -94,11 +95,8 @@ def test_old_logp_of_each_token_comes_from_its_own_version(parts):
     ring.add(0, v0)
     ring.add(1, v1)
     own = {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}
-    trainer.step = 2                                    # neither version is the trainer's current one
-    try:
-        prepare_at_versions(trainer, batch, ring)
-    finally:
-        trainer.step = 0
+    # current=2: neither version is the trainer's current one
+    prepare_at_versions(batch, ring, current=2, model=trainer.unwrapped, prepare=trainer.prepare)
     expect = torch.where(batch.token_versions == 1, refs[1], refs[0])
     assert torch.equal(batch.old_logp, expect)
     assert all(torch.equal(v, own[k]) for k, v in trainer.unwrapped.state_dict().items())   # weights restored

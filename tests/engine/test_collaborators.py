@@ -86,7 +86,7 @@ def test_a_micro_batch_forward_equals_the_uncut_batch_bit_for_bit(make_cfg):
     """A micro-batch holding part of a prompt group packs rows as wide as the whole group's, so its log-probs are
     bit for bit the whole batch's (before, a half group packed a narrower row: different float rounding)."""
     tr = Trainer(make_cfg("rollout.dtype=float32", "algo.routing.metrics=false"))
-    batch = tr.generate(0)
+    batch = tr.source.generate(0)
     with torch.no_grad():
         whole = tr.forward.logp(tr.unwrapped, batch)
         for rows in (torch.arange(2), torch.arange(1, 7), torch.arange(batch.size - 3, batch.size)):
@@ -116,13 +116,13 @@ def test_rollout_engines_are_chosen_by_name_and_capability(make_cfg):
         del ENGINES["plain"]
 
 
-def test_the_engine_layer_never_imports_the_commands():
+def test_the_trainer_and_run_rooms_never_import_the_commands():
     code = ("import sys, offpolicy_moe.trainer.launch, offpolicy_moe.run.run_dir; "
             "print(sorted(m for m in sys.modules if m.startswith('offpolicy_moe.commands')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     from offpolicy_moe.commands import env
-    from offpolicy_moe.engine import run_dir
+    from offpolicy_moe.run import run_dir
 
     assert env.environment_info is run_dir.environment_info
     assert {"python", "torch", "transformers"} <= set(run_dir.environment_info())

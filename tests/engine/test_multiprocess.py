@@ -90,7 +90,7 @@ def _fixed_batches(tmp_path):
 
     tr = Trainer(_cfg(tmp_path / "gen", ALGOS["grpo_tis"]))
     init = {k: v.detach().clone() for k, v in tr.unwrapped.state_dict().items()}
-    batch = tr.generate(0)
+    batch = tr.source.generate(0)
     tr.prepare(batch)
     assert batch.routes is not None and batch.old_logp is not None
     # rewards that vary within groups (an untrained model earns none): every other sequence "answers" its own text

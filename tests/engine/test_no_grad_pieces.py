@@ -94,7 +94,7 @@ def test_pieces_equal_the_whole_batch_forward(tmp_path):
     cfg = tiny_config(tmp_path / "r", "rollout.dtype=float32", "trainer.micro_batch_tokens=1",
                       "algo.routing.metrics=true", "trainer.share_prompt=false")
     tr = Trainer(cfg)
-    batch = tr.generate(0)
+    batch = tr.source.generate(0)
     whole = MicroBatching()
     pieces = tr.forward.micro_batching
     assert len(pieces.pieces(batch.size, int(batch.input_ids.shape[1]))) == batch.size

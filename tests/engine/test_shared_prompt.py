@@ -251,8 +251,8 @@ def test_trainer_update_with_and_without_shared_prompt(tmp_path):
         tr = Trainer(tiny_config(tmp_path / f"r3{share}", *common, "preset=[grpo,r3]",
                                  f"trainer.share_prompt={str(share).lower()}"))
         tr.unwrapped.load_state_dict(init)
-        tr.sync_engine(0)
-        b = tr.generate(0)
+        tr.publish(0)
+        b = tr.source.generate(0)
         b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
         seen, h = _count_tokens(tr.unwrapped)
         try:
@@ -320,7 +320,7 @@ def test_recorded_routes_of_a_packed_forward_equal_a_plain_recording(tmp_path):
     got = {}
     for share in (True, False):
         tr = Trainer(tiny_config(tmp_path / f"s{share}", *common, f"trainer.share_prompt={str(share).lower()}"))
-        b = tr.generate(0)
+        b = tr.source.generate(0)
         seen, h = _count_tokens(tr.unwrapped)
         try:
             tr.prepare(b)
@@ -421,7 +421,7 @@ def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
         assert tr.ref_model is not None and tr.ref_controller is not None
         if not replay_ref:
             tr.forward.ref_controller = None
-        b = tr.generate(0)
+        b = tr.source.generate(0)
         b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
         tr.prepare(b)
         kl[replay_ref] = tr.update(b)["actor/kl_ref"]

@@ -19,7 +19,8 @@ from offpolicy_moe.run.faults import NonFiniteLossError, RunDirError
 from offpolicy_moe.run.metrics import DOCUMENTED_KEYS, is_documented
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.launch import train
-from offpolicy_moe.trainer.trainer import Trainer, TrainingStopped, iteration_seed
+from offpolicy_moe.rollout.seeds import iteration_seed
+from offpolicy_moe.trainer.trainer import Trainer, TrainingStopped
 from tests.engine.tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

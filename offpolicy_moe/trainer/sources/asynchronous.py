@@ -27,21 +27,25 @@ import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
+import torch
+
+from offpolicy_moe.config.validate import ConfigError, async_problems
 from offpolicy_moe.rollout.batch import RolloutBatch
-from offpolicy_moe.trainer.sources.schedule import STALE_POLICIES, Assignment, Dispatcher
+from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.weights import WeightBoard
-from offpolicy_moe.config.validate import async_problems
 from offpolicy_moe.rollout.worker import Order, WorkerSpec, pack, pid_alive, unpack, worker_main
+from offpolicy_moe.run.full_state import is_sharded
+from offpolicy_moe.trainer.sources.base import BatchSource, SourceStopped
+from offpolicy_moe.trainer.sources.schedule import Assignment, Dispatcher
+from offpolicy_moe.trainer.versions import VersionRing, prepare_at_versions
 
-__all__ = ["AsyncBatchSource", "WorkerDied", "PipelineTimeout", "DEATH_POLICIES", "check_async_config"]
-
-DEATH_POLICIES = ("restart", "stop")
+__all__ = ["AsyncBatchSource", "WorkerDied", "PipelineTimeout", "check_async_config"]
 _MAX_RESTARTS = 3          # per worker; then the run stops with a checkpoint
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(SourceStopped):
     """A rollout worker died (or reported an error) and the configuration says stop."""
 
 
@@ -95,42 +99,50 @@ def _context() -> Any:
     return ctx
 
 
-class AsyncBatchSource:
+class AsyncBatchSource(BatchSource):
     """Rollout workers generating ahead of the trainer within ``buffer.staleness`` versions (see module
-    docstring).  ``seed_fn(seed, iteration, rank)`` gives an iteration's sampling seed (the trainer's
-    ``iteration_seed``, so async and sync runs sample the same streams)."""
+    docstring).  ``model``: the trainer's bare policy (old log-probs of older versions are taken with their weights
+    loaded into it); ``prepare(batch)``: the trainer's old-logp pass.  The workers start on the first :meth:`next`,
+    with the weights last published."""
 
     mode = "async"
 
-    def __init__(self, cfg: Any, *, rank: int = 0, world: int = 1, seed_fn: Callable[[int, int, int], int]):
+    def __init__(self, cfg: Any, *, model: torch.nn.Module, prepare: Callable[[RolloutBatch], None],
+                 rank: int = 0, world: int = 1):
         check_async_config(cfg)
+        if is_sharded(model):
+            raise ConfigError("buffer.mode=async with a sharded (FSDP) policy: the workers' weights and the "
+                              "per-version old log-probs need full copies of the policy; use DDP or "
+                              "buffer.mode=fixed/bounded")
         b, ro = cfg.buffer, cfg.rollout
-        self.cfg, self.rank, self.world, self.seed_fn = cfg, int(rank), int(world), seed_fn
+        self.cfg, self.rank, self.world = cfg, int(rank), int(world)
+        self.model, self._prepare_pass = model, prepare
         self.k = int(b.staleness)
-        self.policy = getattr(b, "on_stale", "wait")
-        if self.policy not in STALE_POLICIES:
-            raise ValueError(f"buffer.on_stale must be one of {STALE_POLICIES}, got {self.policy!r}")
-        self.n_workers = int(getattr(ro, "workers", 1))
-        if self.n_workers < 1:
-            raise ValueError(f"rollout.workers must be >= 1 with buffer.mode=async, got {self.n_workers}")
-        ahead = getattr(b, "max_ahead", None)
-        self.ahead = self.n_workers if ahead is None else int(ahead)
-        self.on_death = getattr(ro, "on_worker_death", "restart")
-        if self.on_death not in DEATH_POLICIES:
-            raise ValueError(f"rollout.on_worker_death must be one of {DEATH_POLICIES}, got {self.on_death!r}")
-        self.timeout = float(getattr(ro, "worker_timeout_s", 600.0))
+        self.policy = b.on_stale
+        self.n_workers = int(ro.workers)
+        self.ahead = self.n_workers if b.max_ahead is None else int(b.max_ahead)
+        self.on_death = ro.on_worker_death
+        self.timeout = float(ro.worker_timeout_s)
         self.dispatch = Dispatcher(staleness=self.k, policy=self.policy, ahead=self.ahead,
                                    total=int(cfg.trainer.steps), workers=self.n_workers)
+        self.ring = VersionRing(keep=self.k + 1)
+        self.version = 0                # the newest published version
+        self._before = dict()
         self.ready: dict[int, RolloutBatch] = {}
         self.restarts = 0
         self.timing = {"trainer_wait_s": 0.0, "prepare_s": 0.0, "weight_sync_s": 0.0, "worker_wait_s": 0.0, "worker_sync_s": 0.0,
                        "worker_generate_s": 0.0, "worker_cpu_s": 0.0}
+        self._before = dict(self.timing)
         self._workers: dict[int, _Worker] = {}
         self._board: Optional[WeightBoard] = None
         self._ctx = _context()
-        self._prepare: Callable[[RolloutBatch], None] = lambda batch: None
 
-    # ------------------------------------------------------------------ StalenessBuffer surface
+    # ------------------------------------------------------------------ the BatchSource seam
+    @property
+    def iteration(self) -> int:
+        """Iterations completed: the newest published version (step ``t`` trains on iteration ``t``)."""
+        return self.version
+
     @property
     def cursor(self) -> int:
         """The next iteration the trainer takes (= its step)."""
@@ -165,23 +177,52 @@ class AsyncBatchSource:
         self.dispatch.restore(state["cursor"], list(self.ready))
         self.dispatch.dropped, self.restarts = state["dropped"], state["restarts"]
 
+    def next(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The prepared batch of iteration ``step`` (starting the workers on the first call) and where the time
+        went since the previous call (``async/*``: waits, weight publishing, the workers' generation)."""
+        if self._board is None:
+            self._start(step)
+        batch, waited = self.take(step)
+        delta = {k: self.timing[k] - self._before[k] for k in self.timing}
+        self._before = dict(self.timing)
+        return batch, {"async/trainer_wait_s": waited, "async/weight_sync_s": delta["weight_sync_s"],
+                       "perf/time_old_logp_s": delta["prepare_s"], "async/worker_wait_s": delta["worker_wait_s"],
+                       "async/worker_generate_s": delta["worker_generate_s"],
+                       "async/worker_cpu_s": delta["worker_cpu_s"], "async/worker_restarts": float(self.restarts),
+                       "async/trained_tokens": float(batch.num_tokens())}
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int,
+                predictors: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        """Make ``weights`` policy version ``version`` for the workers (the shared board, once they run) and for the
+        old-logp pass of the batches it generates (the ring of the last ``k + 1`` versions)."""
+        self.ring.add(version, weights)
+        self.version = int(version)
+        if self._board is not None:
+            self.timing["weight_sync_s"] += self._board.publish(weights, version)
+            self._issue(version)
+
+    def _prepare(self, batch: RolloutBatch) -> None:
+        prepare_at_versions(batch, self.ring, current=self.version, model=self.model, prepare=self._prepare_pass)
+
     # ------------------------------------------------------------------ workers
-    def start(self, state_dict: dict, version: int, prepare: Callable[[RolloutBatch], None]) -> None:
-        """Publish ``state_dict`` as ``version``, start the workers and hand out the first orders; ``prepare`` is
-        called on every kept batch as it arrives (old log-probs, measurements)."""
-        self._prepare = prepare
-        self._board = WeightBoard(state_dict, self._ctx)
-        self._board.publish(state_dict, version)
+    def _start(self, step: int) -> None:
+        """Start the workers with the newest published weights and hand out the first orders."""
+        if step != self.cursor:
+            raise RuntimeError(f"async pipeline: trainer step {step} but the pipeline's next iteration is "
+                               f"{self.cursor} (a checkpoint from another buffer mode?)")
+        weights = self.ring[self.version]
+        self._board = WeightBoard(weights, self._ctx)
+        self._board.publish(weights, self.version)
         self._workers = {i: self._spawn(i) for i in range(self.n_workers)}
-        self._issue(version)
+        self._issue(self.version)
 
     def _spawn(self, index: int, restarts: int = 0) -> _Worker:
         o_recv, o_send = self._ctx.Pipe(duplex=False)
         r_recv, r_send = self._ctx.Pipe(duplex=False)
         ro = self.cfg.rollout
         spec = WorkerSpec(cfg=self.cfg, index=index, rank=self.rank, world=self.world, parent_pid=os.getpid(),
-                          threads=int(getattr(ro, "worker_threads", 1)), weight_timeout_s=self.timeout,
-                          update_in_flight=bool(getattr(ro, "update_in_flight", False)))
+                          threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
+                          update_in_flight=bool(ro.update_in_flight))
         proc = self._ctx.Process(target=worker_main, args=(spec, self._board, o_recv, r_send),
                                  name=f"offpolicy-moe-rollout-{self.rank}-{index}", daemon=True)
         proc.start()
@@ -193,17 +234,12 @@ class AsyncBatchSource:
         """Process ids of the live workers (index order)."""
         return [self._workers[i].proc.pid for i in sorted(self._workers)]
 
-    def publish(self, state_dict: dict, version: int) -> None:
-        """Make ``state_dict`` policy version ``version`` for the workers and hand out the orders it allows."""
-        self.timing["weight_sync_s"] += self._board.publish(state_dict, version)
-        self._issue(version)
-
     def _issue(self, published: int) -> None:
         for a in self.dispatch.issue(published):
             self._send(a)
 
     def _send(self, a: Assignment) -> None:
-        order = Order(iteration=a.iteration, seed=self.seed_fn(self.cfg.seed, a.iteration, self.rank),
+        order = Order(iteration=a.iteration, seed=iteration_seed(self.cfg.seed, a.iteration, self.rank),
                       min_version=a.min_version, attempt=a.attempt)
         try:
             self._workers[a.worker].orders.send(order)

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["STALE_POLICIES", "issue_limit", "min_version", "lag", "is_stale", "Assignment", "Dispatcher"]
+from offpolicy_moe.config.schema import STALE_POLICIES
 
-STALE_POLICIES = ("wait", "drop")
+__all__ = ["issue_limit", "min_version", "lag", "is_stale", "Assignment", "Dispatcher"]
+
 
 
 def issue_limit(published: int, staleness: int, policy: str = "wait", ahead: int = 0) -> int:

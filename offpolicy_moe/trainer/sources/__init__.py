@@ -1,0 +1,1 @@
+"""Batch sources: where the training loop gets each step's batch (see :mod:`.base`)."""
