@@ -26,6 +26,18 @@ def tiny_moe(tok, seed: int = 0, **kw):
     return model
 
 
+def expressive_moe(tok, seed: int = 0):
+    """:func:`tiny_moe` with larger expert and output weights, so that which experts run changes the next-token
+    distribution visibly (a random init at std 0.02 gives almost uniform logits whatever the routes)."""
+    model = tiny_moe(tok, seed)
+    g = torch.Generator().manual_seed(seed + 5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name == "lm_head.weight" or "mlp.experts" in name:
+                p.normal_(0, 0.5, generator=g)
+    return model
+
+
 def config(tmp_path, **overrides) -> OffPolicyGRPOConfig:
     kw = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
               max_completion_length=6, max_steps=1, logging_steps=1, report_to="none", use_cpu=True,
