@@ -27,6 +27,12 @@ ROUTERS = {f.model_type: f.routers for f in FAMILIES}
 #: families whose tiny model is slow on one CPU core (reference linear-attention / mamba kernels, a 262k per-layer
 #: embedding): checked in the slow suite
 SLOW = {"bailing_hybrid", "kimi_linear", "gemma4_text", "nemotron_h"}
+#: families refused for a registered design limit of their routing (reason in REFUSED_ROUTERS)
+REFUSED = {"doge", "phimoe"}
+SUPPORTED = [f.model_type for f in FAMILIES if f.model_type not in REFUSED]
+#: families whose own cached forward differs from their full forward on left-padded rows (DeepSeek-V4's compressed
+#: attention in this tiny config: logits differ by ~0.1 without any routing control)
+CACHE_DIFFERS = {"deepseek_v4"}
 CASES = [pytest.param(f.model_type, marks=pytest.mark.slow) if f.model_type in SLOW else f.model_type
          for f in FAMILIES]
 
@@ -215,11 +221,11 @@ def test_at_least_57_of_61_families_supported():
         ctl = _controller_or_refusal(f.model_type, make_family_model(f.model_type))
         (supported if ctl is not None else refused).append(f.model_type)
     assert len(supported) >= 57 and len(supported) + len(refused) == len(FAMILIES), (supported, refused)
-    assert sorted(refused) == ["doge", "phimoe"]
+    assert set(refused) == REFUSED
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f.model_type for f in FAMILIES if f.model_type not in ("doge", "phimoe")])
+@pytest.mark.parametrize("family", SUPPORTED)
 def test_family_gradient_checkpointing(family):
     """Gradients under a forced trace are the same with gradient checkpointing (recompute uses the forward's
     routes)."""
