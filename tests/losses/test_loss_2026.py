@@ -213,3 +213,43 @@ def test_micro_batch_shares_with_global_counts_sum_to_the_whole(name, agg):
     (g_parts,) = torch.autograd.grad(total, logp)
     torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(g_parts, g_whole, rtol=1e-12, atol=1e-14)
+
+
+EXTREMES = [-65504.0, -30.0, -12.0, -1.0, -1e-6, 0.0, 1e-3, 12.0, 30.0, 65504.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl", "sapo", "gmpo", "vespo"])
+def test_finite_for_extreme_finite_inputs_in_every_dtype(name, dtype):
+    """Every pair of extreme log-probs (including log-probs above 0, which the DPPO masks read as 0), with unit and
+    float16-max advantages, weights including 0: finite loss, finite or non-NaN gradient, finite metrics."""
+    from offpolicy_moe.losses import AGG_MODES, get_policy_loss
+
+    fn = get_policy_loss(name)
+    grid = torch.tensor([(a, b) for a in EXTREMES for b in EXTREMES])
+    logp = grid[:, 0].view(10, 10).to(dtype)
+    old = grid[:, 1].view(10, 10).to(dtype)
+    mask = torch.ones(10, 10, dtype=torch.bool)
+    mask[3, 4:] = False
+    w = torch.linspace(0, 2, 100).view(10, 10).to(dtype)
+    for adv, nan_only in ((torch.linspace(-1, 1, 10), False), (torch.tensor([65504.0, -65504.0] * 5), True)):
+        for agg in AGG_MODES:
+            leaf = logp.clone().requires_grad_(True)
+            loss, m = fn(leaf, old, adv.to(dtype), mask, agg=agg, weights=w)
+            (g,) = torch.autograd.grad(loss, leaf)
+            assert torch.isfinite(loss), (name, dtype, agg, float(loss))
+            assert not torch.isnan(g).any() if nan_only else torch.isfinite(g).all(), (name, dtype, agg)
+            assert all(math.isfinite(v) for v in metrics_to_floats(m).values()), (name, dtype, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_opsm_finite_for_extreme_inputs_in_every_dtype(dtype):
+    grid = torch.tensor([(a, b) for a in EXTREMES for b in EXTREMES])
+    old, behav = grid[:, 0].view(10, 10).to(dtype), grid[:, 1].view(10, 10).to(dtype)
+    adv = torch.tensor([65504.0, -65504.0, 0.0, -1.0, 1.0] * 2).to(dtype)
+    for mode in ("opsm", "truncate", "mask"):
+        w, m = correction_weights(old, behav, torch.ones(10, 10, dtype=torch.bool), mode=mode, advantages=adv,
+                                  opsm_delta=0.0, high=3.0)
+        assert torch.isfinite(w).all() and all(math.isfinite(v) for v in metrics_to_floats(m).values())
+        dropped = (w == 0).all(-1)
+        assert dropped[1] and not dropped[0]           # A < 0 with a huge KL is dropped, A > 0 never by OPSM
