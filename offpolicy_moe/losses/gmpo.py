@@ -77,7 +77,8 @@ def gmpo_loss(
         a_seq = adv.sum(-1, keepdim=True) / n                       # [B, 1]
         clipped_high = (a_seq > 0) & (x.raw > hi)
         clipped_low = (a_seq < 0) & (x.raw < -lo)
-        c = torch.where(clipped_high, torch.full_like(x.raw, hi), torch.where(clipped_low, torch.full_like(x.raw, -lo), x.raw))
+        c = torch.where(clipped_high, torch.full_like(x.raw, hi),
+                        torch.where(clipped_low, torch.full_like(x.raw, -lo), x.raw))
         mean_log = torch.where(x.mask, c, zero).sum(-1, keepdim=True) / n
         inside = mean_log.abs() <= x.bound
         seq_r = torch.exp(mean_log.clamp(-x.bound, x.bound))
