@@ -19,6 +19,7 @@ from offpolicy_moe.losses.correction import LEVELS as CORRECTION_LEVELS
 from offpolicy_moe.losses.correction import MODES as CORRECTION_MODES
 from offpolicy_moe.losses.kl import KL_KINDS
 from offpolicy_moe.models.dtypes import DTYPE_NAMES
+from offpolicy_moe.tasks import ANSWER_FORMATS, CHAT_TEMPLATE_MODES, ON_REWARD_ERROR
 from offpolicy_moe.tasks.rewards import REWARD_KINDS
 
 # Vocabularies this package's config owns (no other module defines them).
@@ -40,16 +41,30 @@ LOGGERS = ("console", "jsonl", "wandb")
 class TaskConfig:
     """The procedural arithmetic task (or a local dataset on disk)."""
 
-    name: str = "arithmetic"          # arithmetic | reverse (digit strings, long answers) | jsonl:<path>
+    # arithmetic | reverse (digit strings, long answers) | dataset:<folder or file> | jsonl:<path> (docs/tasks.md)
+    name: str = "arithmetic"
     min_digits: int = ranged(1, ge=1)
     max_digits: int = ranged(1, ge=1)
     # operands per problem (1-digit, 3 terms: 1,000 problems, SFT generalises)
     num_terms: int = ranged(3, ge=2)
     operators: str = "+"              # subset of "+-*"
-    reward: str = ranged("exact", choices=REWARD_KINDS)            # exact | partial (per-digit credit)
+    reward: str = ranged("exact", choices=REWARD_KINDS)            # exact | partial (per-digit credit) | math
     train_size: int = ranged(4096, ge=1)
     eval_size: int = ranged(128, ge=1)
     seed: int = 1234
+    # reward functions summed with weights, replacing `reward`: [{fn: "pkg.module:function" | "file.py:function" |
+    # exact | partial | math, weight: 1.0, name: optional}, ...]; each logged as reward/<name>
+    rewards: list = ranged(default_factory=list)
+    on_reward_error: str = ranged("stop", choices=ON_REWARD_ERROR)  # stop (checkpoint, stop) | zero (score 0, count)
+    math_timeout_s: float = ranged(5.0, gt=0)      # per-pair deadline of the `math` reward's math-verify process
+    chat_template: str = ranged("auto", choices=CHAT_TEMPLATE_MODES)  # auto (if the tokenizer has one) | none
+    # dataset:/jsonl: tasks
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    answer_format: str = ranged("plain", choices=ANSWER_FORMATS)   # plain | gsm8k (reference = text after ####)
+    split: str = "train"
+    eval_split: Optional[str] = ranged(None, optional=True)        # a named held-out split, else held out from split
+    eval_fraction: float = ranged(0.0, ge=0, lt=1)  # > 0: hold out this fraction of the prompts (else eval_size)
 
 
 @dataclass

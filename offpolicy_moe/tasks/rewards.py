@@ -12,6 +12,9 @@ model emitted before its eos (``"1<pad>9"``, ``"7<pad>"``) makes the answer wron
            r = 1 exactly when c == a; extra or missing digits are penalised through the
            denominator; an empty completion gets 0.  A dense shaping of the exact reward that
            keeps the optimum unchanged, useful when exact match is too sparse for a tiny model.
+* math:    r = 1 if the final answers are mathematically equivalent (``0.5 = 1/2 = \\frac{1}{2}``), checked by
+           math-verify in a killable child process: see :mod:`offpolicy_moe.tasks.math_answer` (scored through
+           :class:`offpolicy_moe.tasks.custom_rewards.RewardSet`, not by :func:`compute_rewards`).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Callable, Sequence
 
 from .tokenizer import EOS
 
-REWARD_KINDS = ("exact", "partial")
+REWARD_KINDS = ("exact", "partial", "math")
 
 
 def clean_completion(text: str, eos: str = EOS) -> str:
@@ -51,6 +54,9 @@ def get_reward_fn(kind: str) -> Callable[[str, str], float]:
         return exact_match_reward
     if kind == "partial":
         return partial_credit_reward
+    if kind == "math":
+        raise ValueError("reward 'math' runs math-verify in a child process: score it with "
+                         "offpolicy_moe.tasks.math_answer.MathVerifier (or a task's score()), not get_reward_fn")
     raise ValueError(f"unknown reward {kind!r}; expected one of {REWARD_KINDS}")
 
 
