@@ -1,16 +1,13 @@
-"""What a forward's routers did, collected by :class:`~offpolicy_moe.routing.controller.RoutingController`'s hooks:
-:class:`Recorder` (the experts each token was routed to, stacked into a :class:`RouteTrace`) and
-:class:`RouterCapture` (router logits and the router's own top-k at chosen tokens, PR2's targets)."""
+"""What a forward's routers did, collected by the routing rules' hooks: :class:`Recorder` (the experts each token was
+routed to, stacked into a :class:`RouteTrace`) and :class:`RouterCapture` (router logits and the router's own top-k
+at chosen tokens, PR2's targets). Both know the model only through its frozen :class:`ModelShape`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from einops import rearrange
 
+from .state import ModelShape
 from .trace import RouteTrace, sentinel_for, storage_dtype
-
-if TYPE_CHECKING:       # the controller builds these; only its attributes are read here
-    from .controller import RoutingController
 
 __all__ = ["Recorder", "RouterCapture"]
 
@@ -18,8 +15,10 @@ __all__ = ["Recorder", "RouterCapture"]
 class Recorder:
     """Routes collected by ``RoutingController.record()``; call :meth:`trace` after the model ran."""
 
-    def __init__(self, ctl: "RoutingController", which: str):
-        self._ctl = ctl
+    def __init__(self, shape: ModelShape, which: str):
+        if not isinstance(shape, ModelShape):
+            raise TypeError(f"Recorder takes the model's ModelShape, got {type(shape).__name__}")
+        self.shape = shape
         self.which = which
         self._chunks: dict[int, list[torch.Tensor]] = {}
         self._shapes: dict[int, list[tuple[int, int]]] = {}
@@ -28,7 +27,12 @@ class Recorder:
         self._tokens_ok = True  # False once the calls' token ids cannot be laid out like the routes
         self._scatter: tuple[torch.Tensor, int] | None = None   # (rows, batch): later calls feed only these rows
 
-    def _add_tokens(self, ids: torch.Tensor) -> None:
+    def untie_tokens(self) -> None:
+        """The forward's token ids are unknown (``inputs_embeds``): the trace will not be tied to tokens."""
+        self._tokens_ok = False
+
+    def add_tokens(self, ids: torch.Tensor) -> None:
+        """The token ids ``[B, s]`` of one forward call, in call order (called by the controller's model hook)."""
         if self._scatter is not None or (self._tokens and self._tokens[0].shape[0] != ids.shape[0]):
             self._tokens_ok = False
         if self._tokens_ok:
@@ -48,9 +52,10 @@ class Recorder:
     def num_calls(self) -> int:
         return max((len(v) for v in self._chunks.values()), default=0)
 
-    def _add(self, layer: int, idx: torch.Tensor, b: int, s: int) -> None:
-        dt = storage_dtype(self._ctl.num_experts)
-        chunk = idx.detach().reshape(b, s, -1).to(dt)
+    def add(self, layer: int, idx: torch.Tensor, b: int, s: int) -> None:
+        """One router call's ids ``[b*s, K]`` of MoE layer ``layer`` (called by the routing rules)."""
+        dt = storage_dtype(self.shape.num_experts)
+        chunk = rearrange(idx.detach(), "(b s) k -> b s k", b=b, s=s).to(dt)
         if self._scatter is not None:
             rows, batch = self._scatter
             if b != rows.numel():
@@ -96,12 +101,12 @@ class Recorder:
         ``generate`` the trace is padded with "not recorded" rows to the length of ``sequences`` (the final sampled
         token is never fed to the model). Raises ValueError when layers disagree or the batch size changed.
         """
-        ctl = self._ctl
+        shape = self.shape
         if not self._chunks:
             raise ValueError("nothing was recorded: run the model inside `with ctl.record() as rec:`")
         layers = sorted(self._chunks)
-        if layers != list(range(ctl.num_moe_layers)):
-            raise ValueError(f"routes recorded for MoE layers {layers}, expected all of 0..{ctl.num_moe_layers - 1}")
+        if layers != list(range(shape.num_moe_layers)):
+            raise ValueError(f"routes recorded for MoE layers {layers}, expected all of 0..{shape.num_moe_layers - 1}")
         shapes = self._shapes[0]
         for l in layers:
             if self._shapes[l] != shapes:
@@ -110,8 +115,8 @@ class Recorder:
         if len(bs) != 1:
             raise ValueError(f"the batch size changed between recorded calls ({[b for b, _ in shapes]}): "
                              f"beam search / assisted decoding cannot be recorded")
-        ids = torch.stack([torch.cat(self._chunks[l], 1) for l in layers], 2)
-        t = RouteTrace(ids, ctl.num_experts, ctl.top_k, ctl.layer_ids)
+        ids = torch.stack([torch.cat(self._chunks[l], 1) for l in layers], 2)  # [B, S, L, K]: calls along S
+        t = RouteTrace(ids, shape.num_experts, shape.top_k, shape.layer_ids)
         if self.final_len is not None:
             if t.seq_len > self.final_len:
                 raise ValueError(f"recorded {t.seq_len} positions but generate returned sequences of length "
@@ -123,11 +128,13 @@ class Recorder:
 class RouterCapture:
     """Router logits and the router's own top-k at chosen tokens, captured during a forward."""
 
-    def __init__(self, ctl: "RoutingController", batch_index: torch.Tensor, position: torch.Tensor):
+    def __init__(self, shape: ModelShape, batch_index: torch.Tensor, position: torch.Tensor):
         if batch_index.shape != position.shape or batch_index.dim() != 1:
             raise ValueError(f"batch_index {tuple(batch_index.shape)} and position {tuple(position.shape)} must be "
                              f"equal 1-D shapes")
-        self._ctl = ctl
+        if not isinstance(shape, ModelShape):
+            raise TypeError(f"RouterCapture takes the model's ModelShape, got {type(shape).__name__}")
+        self.shape = shape
         self.batch_index = batch_index.long()
         self.position = position.long()
         self._logits: dict[int, torch.Tensor] = {}
@@ -135,7 +142,9 @@ class RouterCapture:
         self._seen: dict[int, torch.Tensor] = {}
         self._pos: dict[int, int] = {}
 
-    def _add(self, layer: int, logits: torch.Tensor, own: torch.Tensor, b: int, s: int) -> None:
+    def add(self, layer: int, logits: torch.Tensor, own: torch.Tensor, b: int, s: int) -> None:
+        """One router call's logits ``[b*s, E]`` and own ids ``[b*s, K]`` of MoE layer ``layer`` (called by the
+        routing rules); the chosen tokens among them are kept."""
         dev = logits.device
         bi, pos = self.batch_index.to(dev), self.position.to(dev)
         m = bi.numel()
@@ -148,15 +157,15 @@ class RouterCapture:
         if m and int(bi.max()) >= b:
             raise ValueError(f"capture batch index {int(bi.max())} out of range for a batch of {b}")
         sel = (pos >= off) & (pos < off + s)
-        lg = logits.detach().reshape(b, s, -1)
-        ow = own.detach().reshape(b, s, -1)
+        lg = rearrange(logits.detach(), "(b s) e -> b s e", b=b, s=s)
+        ow = rearrange(own.detach(), "(b s) k -> b s k", b=b, s=s)
         self._logits[layer][sel] = lg[bi[sel], pos[sel] - off]
         self._ids[layer][sel] = ow[bi[sel], pos[sel] - off].long()
         self._seen[layer] |= sel
 
     def _check(self) -> list[int]:
         layers = sorted(self._logits)
-        if layers != list(range(self._ctl.num_moe_layers)):
+        if layers != list(range(self.shape.num_moe_layers)):
             raise ValueError(f"router logits captured for MoE layers {layers}; run the forward inside the block")
         for l in layers:
             if not bool(self._seen[l].all()):

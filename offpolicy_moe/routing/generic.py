@@ -1,102 +1,90 @@
-"""Hooks of the generic routing rule: each router call runs inside a :class:`TopKIntercept`.
+"""Generic routing rule: each router call runs inside a :class:`TopKIntercept`, planned from the routing state.
 
-Mixed into :class:`RoutingController` (which owns the state these methods read: ``_replay``, ``_offsets``,
-``_noise``, ``_recorders``, ``_captures``, ``_tape``/``_tape_replay``, ``_aux``, ``_shape``, ``_last_shape``,
-``_modes``, ``_fired``). Per call: the pre-hook plans the call (checkpoint recompute tape, PR2 offsets, noise,
-replayed ids; a no-grad probe pass when the selection and the weights see different logits, or when the router's
-own choice is wanted under a shift) and opens the intercept; the post-hook (always called) closes it, records the
-routes and swaps the unshifted logits back into the router's outputs.
+For every router without an adapter. :class:`GenericRule` receives the controller's :class:`RoutingState`. Per
+call: the pre-hook plans the call (checkpoint recompute tape, PR2 offsets, noise, replayed ids; a no-grad probe pass
+when the selection and the weights see different logits, or when the router's own choice is wanted under a shift)
+and opens the intercept; the post-hook (always called) closes it, records the routes and swaps the unshifted logits
+back into the router's outputs.
 """
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 
 from .discovery import Slot
 from .intercept import TopKIntercept
+from .state import OWN_CHOICE, RouterBypassError, RoutingState
 
-__all__ = ["GenericRuleHooks", "RouterBypassError"]
-
-_OWN = object()  # recompute marker shared with the controller: every router uses its own choice
-
-
-class RouterBypassError(RuntimeError):
-    """An MoE block ran without calling its router (hub kernel / ``use_kernels``): hooks cannot see the routing."""
+__all__ = ["GenericRule", "RouterBypassError"]
 
 
-class GenericRuleHooks:
-    """Router hooks of the generic rule (see module docstring)."""
+class GenericRule:
+    """Router hooks of the generic rule (see module docstring), reading one :class:`RoutingState`."""
 
-    def _make_fired(self, i: int):
+    def __init__(self, state: RoutingState):
+        self.state = state
+        self.modes: dict[int, TopKIntercept | None] = {}   # the intercept open for each MoE layer's current call
+
+    def install(self, s: Slot) -> list:
+        """Hook handles for slot ``s``: a pre-hook on the router (it fired) and pre/post hooks on its scope."""
+        return [s.router.register_forward_pre_hook(self._fired(s.index)),
+                s.scope.register_forward_pre_hook(self._scope_pre(s), with_kwargs=True),
+                s.scope.register_forward_hook(self._scope_post(s), always_call=True)]
+
+    def close(self) -> None:
+        """Exit every intercept still open (hooks removed mid-forward, e.g. on an exception)."""
+        for mode in self.modes.values():
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        self.modes.clear()
+
+    def _fired(self, i: int):
         def pre(module, args):
-            self._fired[i] = True
+            self.state.fired[i] = True
         return pre
 
-    def _make_scope_pre(self, s: Slot):
-        """Open a :class:`TopKIntercept` for this call with the route to force and the logit shift to apply."""
-        i = s.index
-
+    def _scope_pre(self, s: Slot):
         def pre(module, args, kwargs):
             h = args[0] if args else kwargs.get("hidden_states")
             n = h.numel() // h.shape[-1]
-            b, sl = self._call_shape(i, h, n)
+            b, sl = self.state.call_shape(s.index, h, n)
             if b * sl != n:
-                raise ValueError(f"router of MoE layer {i} saw {n} tokens but its block saw [B, s] = {(b, sl)}")
-            mode = self._plan_call(s, module, args, kwargs, h, n, b, sl)
-            self._modes[i] = mode
+                raise ValueError(f"router of MoE layer {s.index} saw {n} tokens but its block saw [B, s] = "
+                                 f"{(b, sl)}")
+            mode = self._plan(s, module, args, kwargs, h, n, b, sl)
+            self.modes[s.index] = mode
             if mode is not None:
                 mode.__enter__()
         return pre
 
-    def _call_shape(self, i: int, h: torch.Tensor, n: int) -> tuple[int, int]:
-        """``[B, s]`` of this router call: the router input's own when 3-D, else its block's, else the forward's."""
-        if h.dim() == 3:
-            return int(h.shape[0]), int(h.shape[1])
-        for shape in (self._shape.get(i), self._last_shape):
-            if shape is not None and shape[0] * shape[1] == n:
-                return shape
-        return 1, n
-
-    def _tape_next(self):
-        """The next forward-time route of a checkpointed layer's recompute (gradient checkpointing replays exactly
-        what the forward used); more router calls than the forward made is an error."""
-        if self._tape_pos >= len(self._tape_replay):
-            raise RuntimeError("gradient-checkpoint recompute called more routers than the forward did")
-        entry = self._tape_replay[self._tape_pos]
-        self._tape_pos += 1
-        return entry
-
-    def _plan_call(self, s: Slot, module, args, kwargs, h, n: int, b: int, sl: int) -> TopKIntercept | None:
-        i, e, k = s.index, s.num_experts, s.top_k
-        if self._tape_replay is _OWN:
+    def _plan(self, s: Slot, module, args, kwargs, h, n: int, b: int, sl: int) -> TopKIntercept | None:
+        """The intercept of one call: the ids to force (tape, probe under a selection-only shift, replay) and the
+        weights' logit shift."""
+        st, e, k = self.state, s.num_experts, s.top_k
+        if st.tape_replay is OWN_CHOICE:
             return None
-        if self._tape_replay is not None:
-            entry = self._tape_next()
+        if st.recomputing:
+            entry = st.tape_next()
             if entry is None:
                 return TopKIntercept(n, e, k)
             idx, dw = entry
             return TopKIntercept(n, e, k, forced=idx, shift=dw)
-        d_sel = d_w = None
-        if self._offsets is not None:
-            d_sel, d_w, _ = self._offsets.shifts(i, h.reshape(n, -1))
-        if self._noise is not None:
-            z = torch.randn((n, e), generator=self._noise.generator, dtype=torch.float32,
-                            device=h.device if self._noise.generator is None else self._noise.generator.device)
-            z = z.to(h.device) * self._noise.sigma
-            d_sel = z if d_sel is None else d_sel + z
-            d_w = z if d_w is None else d_w + z
+        h2 = rearrange(h, "... h -> (...) h") if st.offsets is not None else None
+        d_sel, d_w, _ = st.offset_shifts(s.index, h2)
+        d_sel, d_w = st.with_noise(d_sel, d_w, n, e, h.device)
         forced = rows = None
         if d_sel is not None and d_sel is not d_w:  # selection and weights see different logits: probe first
             forced = self._probe(s, module, args, kwargs, n, d_sel).used
-        if self._replay is not None:
-            rep, rec = self._replay.layer(i, b, sl, h.device)
+        rep = st.replayed(s.index, b, sl, h.device)
+        if rep is not None:
+            ids, rec = rep
             if forced is not None and rec is not None:
-                forced = torch.where(rec[:, None], rep, forced)
+                forced = torch.where(rec[:, None], ids, forced)
             else:
-                forced, rows = rep, rec
+                forced, rows = ids, rec
         mode = TopKIntercept(n, e, k, forced=forced, forced_rows=rows, shift=d_w)
         mode.bs = (b, sl)
-        if mode.modified and (
-                self._captures or any(r.which == "own" for r in self._recorders)):
+        if mode.modified and (st.captures or any(r.which == "own" for r in st.recorders)):
             mode.own_probe = self._probe(s, module, args, kwargs, n, None)
         return mode
 
@@ -109,37 +97,39 @@ class GenericRuleHooks:
             raise RouterBypassError(f"{type(module).__name__} ran no top-k over {s.num_experts} experts")
         return probe
 
-    def _make_scope_post(self, s: Slot):
-        i = s.index
-
+    def _scope_post(self, s: Slot):
         def post(module, args, output):
-            mode = self._modes.pop(i, None)
-            if mode is None:
-                return None
-            mode.__exit__(None, None, None)
-            if mode.used is None:
-                raise RouterBypassError(f"{type(module).__name__} of MoE layer {i} ran no top-k over "
-                                        f"{s.num_experts} experts with k={s.top_k}: its selection cannot be seen")
-            if self._tape_replay is not None:
-                return self._swap_logits(output, mode)
-            b, sl = mode.bs
-            own = mode.own if getattr(mode, "own_probe", None) is None else mode.own_probe.own
-            for r in self._recorders:
-                r._add(i, mode.used if r.which == "used" else own, b, sl)
-            if self._aux is not None and mode.logits is not None:
-                self._aux.append((mode.logits.reshape(mode.n, -1), mode.used))
-            for c in self._captures:
-                probe = mode.own_probe or mode
-                c._add(i, probe.logits.reshape(mode.n, -1), own, b, sl)
-            if self._tape is not None:
-                self._tape.append((mode.used.detach(), None if mode.shift is None else mode.shift.detach())
-                                  if mode.modified else None)
-            return self._swap_logits(output, mode)
+            return self._finish(s, module, output)
         return post
 
-    @staticmethod
-    def _swap_logits(output, mode: TopKIntercept):
-        """Hand back the unshifted router logits where the router returned the shifted ones."""
-        if mode.shifted is None or not isinstance(output, tuple):
+    def _finish(self, s: Slot, module, output):
+        """Close the call's intercept, hand its ids on, and restore the unshifted logits in the outputs."""
+        st, i = self.state, s.index
+        mode = self.modes.pop(i, None)
+        if mode is None:
             return None
-        return tuple(mode.logits if o is mode.shifted else o for o in output)
+        mode.__exit__(None, None, None)
+        if mode.used is None:
+            raise RouterBypassError(f"{type(module).__name__} of MoE layer {i} ran no top-k over "
+                                    f"{s.num_experts} experts with k={s.top_k}: its selection cannot be seen")
+        if st.recomputing:
+            return _swap_logits(output, mode)
+        b, sl = mode.bs
+        own = mode.own if mode.own_probe is None else mode.own_probe.own
+        st.record(i, mode.used, own, b, sl)
+        if st.aux is not None and mode.logits is not None:
+            st.aux.append((rearrange(mode.logits, "... e -> (...) e"), mode.used))
+        for c in st.captures:
+            probe = mode.own_probe or mode
+            c.add(i, rearrange(probe.logits, "... e -> (...) e"), own, b, sl)
+        if st.tape is not None:
+            st.tape.append((mode.used.detach(), None if mode.shift is None else mode.shift.detach())
+                           if mode.modified else None)
+        return _swap_logits(output, mode)
+
+
+def _swap_logits(output, mode: TopKIntercept):
+    """Hand back the unshifted router logits where the router returned the shifted ones."""
+    if mode.shifted is None or not isinstance(output, tuple):
+        return None
+    return tuple(mode.logits if o is mode.shifted else o for o in output)

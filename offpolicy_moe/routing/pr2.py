@@ -326,36 +326,45 @@ def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current
     per_layer = kl.mean(0)
     loss = per_layer.sum()
     with torch.no_grad():
-        k = (current_ids.shape[-1] if current_ids is not None else
-             replayed_ids.shape[-1] if replayed_ids is not None else top_k)
-        if k is None:
-            raise ValueError("pass current_ids, replayed_ids or top_k so that K is known")
-        i_cur = current_ids.to(dev).long() if current_ids is not None else torch.topk(cur, k, -1)[1]
-        i_rep = replayed_ids.to(dev).long() if replayed_ids is not None else torch.topk(logq, k, -1)[1]
-        if i_cur.shape != (m, nl, k) or i_rep.shape != (m, nl, k):
-            raise ValueError(f"current_ids {tuple(i_cur.shape)} and replayed_ids {tuple(i_rep.shape)} must both be "
-                             f"{(m, nl, k)}")
-        i_unb = torch.topk(logits_old, k, -1)[1]      # the unbiased route: what R3 would have replayed
-        base_kl = float((neg_ent - rho * F.log_softmax(logits_old, dim=-1)).sum(-1).mean())
-        valid = (i_rep >= 0).all(-1)  # [M, L]: recorded
-        overlap = _set_overlap(i_rep, i_cur).float()
-        vf = valid.float()
-        nvalid = vf.sum().clamp_min(1.0)
-        agree = float((overlap / k * vf).sum() / nvalid)
-        cover = rho.gather(-1, i_rep.clamp_min(0)).sum(-1)
-        gap = float(((1.0 - cover) * vf).sum() / nvalid)
-        zd = zero_deviation(overlap == k, valid)
-        zd_r3 = zero_deviation(_set_overlap(i_unb, i_cur) == k, valid)
-        changed = float(((_set_overlap(i_rep, i_unb) < k).float() * vf).sum() / nvalid)
+        route = _route_metrics(cur, rho, neg_ent, logq, logits_old, current_ids, replayed_ids, top_k)
         ratio = float(bias.abs().mean() / logits_old.abs().mean().clamp_min(1e-12))
     pred_kl = float(per_layer.mean().detach())
-    metrics = {"pr2/loss": float(loss.detach()), "pr2/pred_kl": pred_kl, "pr2/base_kl": base_kl,
-               "pr2/topk_agreement": agree, "pr2/coverage_gap": gap,
-               "pr2/zero_dev_layer": zd[0], "pr2/zero_dev_token": zd[1],
-               "pr2/zero_dev_layer_r3": zd_r3[0], "pr2/zero_dev_token_r3": zd_r3[1],
-               "pr2/bias_route_change": changed, "pr2/bias_ratio": ratio, "pr2/num_tokens": float(m)}
+    base_kl = route.pop("pr2/base_kl")
+    metrics = {"pr2/loss": float(loss.detach()), "pr2/pred_kl": pred_kl, "pr2/base_kl": base_kl, **route,
+               "pr2/bias_ratio": ratio, "pr2/num_tokens": float(m)}
     if base_kl > SKILL_MIN_BASE_KL:     # below it the ratio is float rounding over float rounding
         metrics["pr2/skill_ratio"] = pred_kl / base_kl
     if not math.isfinite(metrics["pr2/loss"]):
         raise ValueError("PR2 predictor loss is not finite (non-finite features or logits?)")
     return loss, metrics
+
+
+def _route_metrics(cur, rho, neg_ent, logq, logits_old, current_ids, replayed_ids, top_k) -> dict[str, float]:
+    """The route metrics of :func:`pr2_predictor_loss` (``[M, L, E]`` inputs, no gradient): ``pr2/base_kl``,
+    ``pr2/topk_agreement``, ``pr2/coverage_gap``, ``pr2/zero_dev_*`` (with the R3 counterfactual) and
+    ``pr2/bias_route_change``."""
+    m, nl, _ = cur.shape
+    dev = cur.device
+    k = (current_ids.shape[-1] if current_ids is not None else
+         replayed_ids.shape[-1] if replayed_ids is not None else top_k)
+    if k is None:
+        raise ValueError("pass current_ids, replayed_ids or top_k so that K is known")
+    i_cur = current_ids.to(dev).long() if current_ids is not None else torch.topk(cur, k, -1)[1]
+    i_rep = replayed_ids.to(dev).long() if replayed_ids is not None else torch.topk(logq, k, -1)[1]
+    if i_cur.shape != (m, nl, k) or i_rep.shape != (m, nl, k):
+        raise ValueError(f"current_ids {tuple(i_cur.shape)} and replayed_ids {tuple(i_rep.shape)} must both be "
+                         f"{(m, nl, k)}")
+    i_unb = torch.topk(logits_old, k, -1)[1]      # the unbiased route: what R3 would have replayed
+    base_kl = float((neg_ent - rho * F.log_softmax(logits_old, dim=-1)).sum(-1).mean())
+    valid = (i_rep >= 0).all(-1)  # [M, L]: recorded
+    overlap = _set_overlap(i_rep, i_cur).float()
+    vf = valid.float()
+    nvalid = vf.sum().clamp_min(1.0)
+    cover = rho.gather(-1, i_rep.clamp_min(0)).sum(-1)
+    zd = zero_deviation(overlap == k, valid)
+    zd_r3 = zero_deviation(_set_overlap(i_unb, i_cur) == k, valid)
+    return {"pr2/base_kl": base_kl, "pr2/topk_agreement": float((overlap / k * vf).sum() / nvalid),
+            "pr2/coverage_gap": float(((1.0 - cover) * vf).sum() / nvalid),
+            "pr2/zero_dev_layer": zd[0], "pr2/zero_dev_token": zd[1],
+            "pr2/zero_dev_layer_r3": zd_r3[0], "pr2/zero_dev_token_r3": zd_r3[1],
+            "pr2/bias_route_change": float(((_set_overlap(i_rep, i_unb) < k).float() * vf).sum() / nvalid)}

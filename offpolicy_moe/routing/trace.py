@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from einops import rearrange, reduce, repeat
 
 from . import engines
 
@@ -84,7 +85,7 @@ def repad(x: torch.Tensor, mask: torch.Tensor, side: str, fill) -> tuple[torch.T
     rank = torch.cumsum(m.long(), 1) - 1  # position of each valid entry among the valid ones
     dst = rank if side == "right" else rank + (s - n)[:, None]
     out = torch.full_like(x, fill)
-    rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
+    rows = repeat(torch.arange(b, device=x.device), "b -> b s", s=s)
     out[rows[m], dst[m]] = x[m]
     cols = torch.arange(s, device=x.device)[None, :]
     new_mask = cols < n[:, None] if side == "right" else cols >= (s - n)[:, None]
@@ -102,7 +103,7 @@ def pack_tokens(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
     lens = m.sum(1)
     cu = torch.zeros(b + 1, dtype=torch.int32, device=x.device)
     cu[1:] = torch.cumsum(lens, 0)
-    return x[m].unsqueeze(0), cu
+    return rearrange(x[m], "n ... -> 1 n ..."), cu
 
 
 def unpack_tokens(packed: torch.Tensor, cu_seqlens: torch.Tensor, fill, side: str = "right",
@@ -206,11 +207,11 @@ class RouteTrace:
         last turn's trace of this conversation) fills the rows before ``start``. Join completions with
         ``cat_traces``.
         """
-        prompt = engines.as_int_tensor(prompt_token_ids, "prompt_token_ids").reshape(-1)
-        comp = engines.as_int_tensor(completion_token_ids, "completion_token_ids").reshape(-1)
+        prompt = rearrange(engines.as_int_tensor(prompt_token_ids, "prompt_token_ids"), "... -> (...)")
+        comp = rearrange(engines.as_int_tensor(completion_token_ids, "completion_token_ids"), "... -> (...)")
         routes = engines.vllm_routes(prompt.numel(), comp.numel(), routed_experts, prompt_routed_experts,
                                      tuple(layer_ids), num_hidden_layers, start)
-        tokens = torch.cat([prompt, comp])[None]
+        tokens = rearrange(torch.cat([prompt, comp]), "s -> 1 s")
         return cls._from_engine(routes, tokens, num_experts, layer_ids, start, previous)
 
     @classmethod
@@ -224,7 +225,7 @@ class RouteTrace:
         ``S - start`` rows are accepted too. Rows before ``start`` come from ``previous`` (the last turn's trace)
         or are "not recorded"; position ``S - 1`` (never fed) is "not recorded" (layouts: ``routing/engines.py``).
         """
-        tokens = engines.as_int_tensor(token_ids, "token_ids").reshape(1, -1)
+        tokens = rearrange(engines.as_int_tensor(token_ids, "token_ids"), "... -> 1 (...)")
         routes = engines.sglang_routes(tokens.shape[1], routed_experts, top_k, tuple(layer_ids), num_hidden_layers,
                                        start)
         return cls._from_engine(routes, tokens, num_experts, layer_ids, start, previous)
@@ -251,7 +252,8 @@ class RouteTrace:
                                                f"{start} tokens: it is not this conversation's last turn")
             routes = routes.clone()
             routes[:start] = previous.long_ids()[0, :start].cpu()
-        return cls.from_ids(routes[None], num_experts, routes.shape[-1], layer_ids).with_tokens(tokens)
+        ids = rearrange(routes, "s l k -> 1 s l k")
+        return cls.from_ids(ids, num_experts, routes.shape[-1], layer_ids).with_tokens(tokens)
 
     @classmethod
     def empty(cls, batch: int, seq_len: int, num_layers: int, top_k: int, num_experts: int,
@@ -297,7 +299,7 @@ class RouteTrace:
 
     def recorded_mask(self) -> torch.Tensor:
         """Bool ``[B, S]``: rows recorded in every MoE layer (all K ids present)."""
-        return ~self.missing().flatten(2).any(-1)
+        return ~reduce(self.missing(), "b s l k -> b s", "max")
 
     def long_ids(self) -> torch.Tensor:
         """ids as int64 with -1 for "not recorded"."""
@@ -356,8 +358,8 @@ class RouteTrace:
             where = bad.nonzero()[0].tolist()
             raise TraceValidationError(f"expert id {int(ids[tuple(where)])} at [b, s, layer, k] = {where} is out of "
                                        f"range for num_experts={self.num_experts}")
-        row_any = miss.flatten(2).any(-1)
-        row_all = miss.flatten(2).all(-1)
+        row_any = reduce(miss, "b s l k -> b s", "max")
+        row_all = reduce(miss, "b s l k -> b s", "min")
         partial = row_any & ~row_all
         if bool(partial.any()):
             where = partial.nonzero()[0].tolist()

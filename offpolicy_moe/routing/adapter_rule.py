@@ -1,0 +1,94 @@
+"""Adapter rule: a router forward hook that rewrites ``(logits, weights, indices)`` with the family adapter.
+
+For routers with a :class:`~offpolicy_moe.routing.adapters.RouterAdapter` (Qwen-MoE, OLMoE, Mixtral, MiniMax,
+DeepSeek-V3, GPT-OSS, registered classes). Per call the hook reads the :class:`RoutingState` it was given: the
+selection is the router's own top-k, or re-derived on shifted logits (PR2 offsets, noise: ``adapter.select``), then
+forced to the replayed ids where recorded; the weights are recomputed from the (shifted) logits at the ids used with
+``adapter.weights``, gathered from the full distribution (R3, arXiv:2510.11370, section 3). Recorders, captures, the
+aux-loss store and the checkpoint tape get the call's ids.
+"""
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+from .adapters import UnsupportedRouterError
+from .discovery import Slot
+from .state import OWN_CHOICE, RoutingState
+
+__all__ = ["AdapterRule"]
+
+
+class AdapterRule:
+    """The router hook of adapter families, reading one :class:`RoutingState`."""
+
+    def __init__(self, state: RoutingState):
+        self.state = state
+
+    def install(self, s: Slot) -> list:
+        """Hook handles for slot ``s``: one forward hook on its router."""
+        return [s.router.register_forward_hook(self._hook(s))]
+
+    def close(self) -> None:
+        """Nothing stays open between calls."""
+
+    def _hook(self, s: Slot):
+        def hook(module, args, output):
+            return self.call(s, args, output)
+        return hook
+
+    def call(self, s: Slot, args, output):
+        """The rewritten router output of one call, or None to keep the router's own."""
+        st = self.state
+        st.fired[s.index] = True
+        if not isinstance(output, tuple) or len(output) < 3:
+            raise UnsupportedRouterError(f"router {type(s.router).__name__} did not return (logits, weights, "
+                                         f"indices)")
+        logits, own = output[0], output[2]
+        n = logits.shape[0]
+        b, sl = st.block_shape.get(s.index, (1, n))
+        if b * sl != n:
+            raise ValueError(f"router of MoE layer {s.index} saw {n} tokens but its block saw [B, s] = {(b, sl)}")
+        if st.tape_replay is OWN_CHOICE:
+            return None
+        if st.recomputing:
+            return self._recompute(s, logits, output)
+        h = rearrange(args[0], "... h -> (...) h") if args and st.offsets is not None else None
+        d_sel, d_w, f = st.offset_shifts(s.index, h)
+        if st.offsets is not None and st.offsets.feature_cache is not None:   # the engine's logits: with the fixed shift
+            lf = logits if f is None else (logits.detach().float() + f).to(logits.dtype)
+            st.offsets.feature_cache.add(s.index, h, lf, b, sl)
+        d_sel, d_w = st.with_noise(d_sel, d_w, n, logits.shape[-1], logits.device)
+        idx = own
+        if d_sel is not None:
+            idx = s.adapter.select(s.router, (logits.detach().float() + d_sel).to(logits.dtype))
+        rep = st.replayed(s.index, b, sl, logits.device)
+        if rep is not None:
+            ids, rec = rep
+            idx = ids if rec is None else torch.where(rec[:, None], ids, idx)
+        modified = d_sel is not None or rep is not None
+        self._observe(s, logits, own, idx, d_w, modified, b, sl)
+        if not modified:
+            return None
+        lw = logits if d_w is None else (logits.float() + d_w).to(logits.dtype)
+        return (logits, s.adapter.weights(s.router, lw, idx), idx) + tuple(output[3:])
+
+    def _recompute(self, s: Slot, logits: torch.Tensor, output):
+        """Recompute of a checkpointed layer: exactly the forward-time route (None: the router's own)."""
+        entry = self.state.tape_next()
+        if entry is None:
+            return None
+        idx, dw = entry
+        lw = logits if dw is None else (logits.float() + dw).to(logits.dtype)
+        return (logits, s.adapter.weights(s.router, lw, idx), idx) + tuple(output[3:])
+
+    def _observe(self, s: Slot, logits, own, idx, d_w, modified: bool, b: int, sl: int) -> None:
+        """Hand the call's ids to the recorders, captures, aux store and checkpoint tape."""
+        st = self.state
+        st.record(s.index, idx, own, b, sl)
+        if st.aux is not None:
+            st.aux.append((logits, idx))
+        for c in st.captures:
+            c.add(s.index, logits, own, b, sl)
+        if st.tape is not None:
+            st.tape.append((idx.detach(), None if d_w is None else d_w.detach()) if modified else None)
