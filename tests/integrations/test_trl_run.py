@@ -2,6 +2,7 @@
 with the library's metrics, the behaviour log-probs are the sampling distribution's, bad input fails in one line."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -71,11 +72,18 @@ def test_run_with_activation_checkpointing_and_reference_model(tmp_path):
     tiny_moe(tok).save_pretrained(tmp_path / "tiny")       # TRL loads the reference model from the policy's path
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
     tr = trainer(tmp_path, model=model, routing_replay="r3", router_perturb=1.0, beta=0.1,
-                 gradient_checkpointing=True)
+                 gradient_checkpointing=True, save_strategy="steps", save_steps=1)
     assert tr.args.activation_checkpointing
     tr.train()
     assert tr.model.is_activation_checkpointing
     assert math.isfinite(tr.state.log_history[0]["actor/kl_ref"])
+    # the args that carry the replaying context_fn still serialise: JSON, deep copy, the checkpoint's pickle
+    assert "offpolicy_moe.ReplayCheckpointContext" in tr.args.to_json_string()
+    ctx = tr.args.activation_checkpointing_kwargs["context_fn"]
+    assert copy.deepcopy(ctx).controller is tr.controller
+    saved = torch.load(tmp_path / "out" / "checkpoint-1" / "training_args.bin", weights_only=False)
+    with pytest.raises(RuntimeError, match="unpickled: build OffPolicyGRPOTrainer again"):
+        saved.activation_checkpointing_kwargs["context_fn"]()
 
 
 def test_behaviour_logprobs_are_the_processed_distribution():

@@ -42,14 +42,19 @@ for _name in _OVERRIDDEN:
                           "offpolicy_moe.integrations.trl (see docs/trl.md)")
 
 
-class ReplayCheckpointContext:
+class ReplayCheckpointContext(str):
     """``context_fn`` of ``torch.utils.checkpoint`` for TRL's activation checkpointing under replay: the recompute in
-    backward uses the routes the forward used (:meth:`RoutingController.checkpoint_context_fn`).  It sits in
-    ``args.activation_checkpointing_kwargs``, which TRL re-applies after each no-grad pass; pickling the args (a
-    checkpoint's ``training_args.bin``) keeps only a marker, never the model."""
+    backward uses the routes the forward used (:meth:`RoutingController.checkpoint_context_fn`).
 
-    def __init__(self, controller: Optional[RoutingController]):
-        self.controller = controller
+    It sits in ``args.activation_checkpointing_kwargs``, which TRL re-applies after each no-grad pass, so it must
+    survive what is done to training args: it is a ``str`` (its name), so ``args.to_json_string()`` works; a deep
+    copy shares the controller; a pickle (a checkpoint's ``training_args.bin``) keeps only the name, never the
+    model, and calling the unpickled one says to rebuild the trainer."""
+
+    def __new__(cls, controller: Optional[RoutingController] = None):
+        obj = super().__new__(cls, "offpolicy_moe.ReplayCheckpointContext")
+        obj.controller = controller
+        return obj
 
     def __call__(self):
         if self.controller is None:
@@ -58,10 +63,13 @@ class ReplayCheckpointContext:
         return self.controller.checkpoint_context_fn()
 
     def __reduce__(self):
-        return (ReplayCheckpointContext, (None,))
+        return (ReplayCheckpointContext, ())
 
-    def __repr__(self) -> str:
-        return "ReplayCheckpointContext()"
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
 
 
 class OffPolicyGRPOTrainer(GRPOTrainer):
