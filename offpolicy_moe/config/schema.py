@@ -33,6 +33,8 @@ SAMPLERS = ("native", "hf")
 DECODE_ATTENTION = ("single_query", "sdpa")
 SCHEDULERS = ("constant", "cosine", "linear")
 ON_NAN = ("skip", "stop")
+DYNAMIC_SAMPLING = ("none", "drop")       # DAPO's dynamic sampling: drop groups whose rewards do not vary
+PROXIMAL_LOGP = ("exact", "loglinear")    # decoupled PPO's proximal log-probs: a pass, or AReaL's approximation
 WANDB_MODES = ("offline", "online", "disabled")
 LOGGERS = ("console", "jsonl", "wandb")
 
@@ -115,6 +117,9 @@ class RolloutConfig:
     on_worker_death: str = ranged("restart", choices=WORKER_DEATH)
     # the longest wait for a batch / a policy version before a timeout that names it
     worker_timeout_s: float = ranged(600.0, gt=0)
+    # the trainer publishes its weights to generation every n trained steps (1 = every step); between
+    # publications generation keeps the last published version, so batches are up to n - 1 versions staler
+    publish_every: int = ranged(1, ge=1)
 
 
 @dataclass
@@ -183,6 +188,13 @@ class AlgoConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     old_logp_source: str = ranged("trainer", choices=OLD_LOGP_SOURCES) # trainer | engine (bypass) | proximal
     router_aux_loss_coef: float = ranged(0.0, ge=0)
+    # DAPO (arXiv 2503.14476): rows of groups whose rewards are all equal (zero advantage) leave the batch, and
+    # the loss's token and sequence counts (drop); none keeps them
+    dynamic_sampling: str = ranged("none", choices=DYNAMIC_SAMPLING)
+    # old_logp_source=proximal: the proximal log-probs from a no-grad pass under the weights at consumption
+    # (exact), or AReaL's log-linear interpolation between behaviour and current log-probs by version
+    # (loglinear, arXiv 2505.24298), which needs no pass and is exact on the first update of a batch
+    proximal_logp: str = ranged("exact", choices=PROXIMAL_LOGP)
 
 
 @dataclass
@@ -213,6 +225,9 @@ class TrainerConfig:
     deterministic: bool = True
     threads: int = ranged(0, ge=0)                 # 0 = auto (commands/threads.py: 1 per process on <= 2 cores)
     fuse_old_logp: bool = True        # on-policy single update: take old_logp from the update forward (no extra pass)
+    # rows whose advantage is 0 (and no KL, PR2 or fused old-logp term) skip the update's forward and backward:
+    # their policy gradient is exactly zero; token counts keep them (docs/config.md: exact up to float summation order)
+    skip_zero_advantage: bool = False
     share_prompt: bool = True         # trainer forwards run each distinct prompt once (no route replay/recording)
     keep_checkpoints: int = ranged(2, ge=0)        # newest checkpoints kept (0 = all)
     min_free_mb: float = ranged(50.0, ge=0)        # free disk space required in the run folder at start

@@ -35,10 +35,12 @@ from typing import Any, Optional
 
 from offpolicy_moe.config.ranges import Rule, declared_rules, field_problems
 from offpolicy_moe.config.schema import LOGGERS, TrainConfig
-from offpolicy_moe.losses import AGG_MODES, get_loss_spec, list_policy_losses, loss_options_problem
+from offpolicy_moe.losses import (AGG_MODES, get_loss_spec, list_policy_losses, loss_options_problem,
+                                  resolve_loss_options)
 from offpolicy_moe.models.experts import experts_implementations
 from offpolicy_moe.models.moe_shape import declares_moe
 from offpolicy_moe.models.presets import HEAD_DIM, PRESETS
+from offpolicy_moe.tasks import parse_reward_specs
 
 # Ranges of the loss keys (their dataclass belongs to the losses; the generic walk applies these).
 LOSS_RULES: dict[str, Rule] = {
@@ -137,6 +139,25 @@ def check_correction(cfg: Any, found: Findings) -> None:
     if corr.mode == "truncate" and 0 < corr.high < 1:
         found.warn(f"algo.correction.high={corr.high} < 1 with correction.mode=truncate: every TIS weight is capped "
                    "below 1")
+    check_proximal(cfg, found)
+
+
+def check_proximal(cfg: Any, found: Findings) -> None:
+    """``algo.proximal_logp=loglinear`` belongs to decoupled PPO (``old_logp_source=proximal``), and takes each
+    micro-batch's proximal log-probs from its own update forward, which a loss that selects over the whole
+    mini-batch before that forward (M2PO's global pass) cannot wait for."""
+    algo = cfg.algo
+    if algo.proximal_logp != "loglinear":
+        return
+    if algo.old_logp_source != "proximal":
+        found.error(f"algo.proximal_logp=loglinear approximates decoupled PPO's proximal log-probs, but "
+                    f"algo.old_logp_source={algo.old_logp_source}; set algo.old_logp_source=proximal")
+    elif algo.loss.name in list_policy_losses() and get_loss_spec(algo.loss.name).wants_global_pass(
+            resolve_loss_options(algo.loss.name, algo.loss.options) if not loss_options_problem(
+                algo.loss.name, algo.loss.options) else {}):
+        found.error(f"algo.proximal_logp=loglinear with algo.loss.name={algo.loss.name}: its selection over the "
+                    "whole mini-batch needs the proximal log-probs before the update forward; use "
+                    "algo.proximal_logp=exact")
 
 
 def check_routing(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
@@ -181,6 +202,10 @@ def async_problems(cfg: Any) -> list[str]:
     if rt.replay == "r2" and ro.update_in_flight:
         out.append("algo.routing.replay=r2 with rollout.update_in_flight=true: the trainer would record one "
                    "version's routes for tokens sampled by several; use r3 or turn update_in_flight off")
+    if ro.publish_every > cfg.buffer.staleness + 1:
+        out.append(f"rollout.publish_every={ro.publish_every} with buffer.mode=async and buffer.staleness="
+                   f"{cfg.buffer.staleness}: iteration t needs a published version >= t - k, which publishing every "
+                   f"n versions gives only when n <= k + 1; raise buffer.staleness or lower rollout.publish_every")
     return out
 
 
@@ -268,8 +293,23 @@ def check_task(cfg: Any, found: Findings) -> None:
         if t.min_digits > t.max_digits:
             found.error(f"task.min_digits/task.max_digits: need min_digits <= max_digits, got {t.min_digits}, "
                         f"{t.max_digits}")
-    elif not t.name.startswith("jsonl:") or t.name == "jsonl:":
-        found.error(f"task.name: unknown task {t.name!r}; expected arithmetic, reverse or jsonl:<path>")
+    elif t.name in ("jsonl:", "dataset:") or not t.name.startswith(("jsonl:", "dataset:")):
+        found.error(f"task.name: unknown task {t.name!r}; expected arithmetic, reverse, dataset:<folder or file> "
+                    "or jsonl:<path>")
+    check_task_rewards(cfg, found)
+
+
+def check_task_rewards(cfg: Any, found: Findings) -> None:
+    """``task.rewards``: a list of ``{fn, weight, name}`` entries (shape only; import paths are resolved by the
+    preflight, which builds the task); ``task.prompt_column`` / ``task.answer_column`` non-empty."""
+    t = cfg.task
+    try:
+        parse_reward_specs(t.rewards)
+    except ValueError as exc:
+        found.error(str(exc))
+    for key in ("prompt_column", "answer_column", "split"):
+        if not isinstance(getattr(t, key), str) or not getattr(t, key):
+            found.error(f"task.{key}: must be a non-empty string, got {getattr(t, key)!r}")
 
 
 def check_logging(cfg: Any, found: Findings) -> None:

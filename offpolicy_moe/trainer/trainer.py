@@ -262,10 +262,11 @@ class Trainer:
         (or ``algo.old_logp_source=proximal``), e.g. a fixed batch loaded from disk."""
         return self.policy_update(batch, step=self.step, iteration=self.iteration)
 
-    def publish(self, version: int) -> None:
-        """Step 5: the batch source gets the current weights (and PR2 predictors) as policy version ``version``."""
+    def publish(self, version: int, *, force: bool = False) -> None:
+        """Step 5: the batch source gets the current weights (and PR2 predictors) as policy version ``version``
+        (generation takes them every ``rollout.publish_every`` versions, or when ``force``)."""
         self.source.publish(full_model_state(self.unwrapped), version,
-                            self.predictors.state_dict() if self.predictors is not None else None)
+                            self.predictors.state_dict() if self.predictors is not None else None, force=force)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split (``eval/accuracy``, ``eval/partial``) and on as many training
@@ -307,7 +308,13 @@ class Trainer:
         self.policy_update.updates, self.policy_update.nan_skipped = st["updates"], st["nan_skipped"]
         self.sft_done = st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
-        self.publish(self.step)
+        # a resume between two publications (rollout.publish_every > 1) can only give generation the newest
+        # weights: the version it held is not kept
+        if self.source.published != self.step and self.step % self.cfg.rollout.publish_every:
+            print(f"offpolicy-moe: warning: resumed at step {self.step} between publications "
+                  f"(rollout.publish_every={self.cfg.rollout.publish_every}): generation restarts from version "
+                  f"{self.step} instead of {self.source.published}", file=sys.stderr)
+        self.publish(self.step, force=True)
         set_rng_state(ck.rng)
         self.run_dir.restore_metrics(st["metrics_offset"], path)
         self.saved_at = (self.step, self.iteration)
@@ -412,6 +419,7 @@ class Trainer:
         """Steps until ``trainer.steps`` are trained (module docstring, steps 1-5): the batch source gives each
         step's prepared batch, whatever its staleness; the update trains on it; the new weights are published."""
         tc = self.cfg.trainer
+        t_loop = time.perf_counter() - self.last_metrics.get("perf/elapsed_s", 0.0)   # a resume goes on counting
         try:
             while self.step < tc.steps:
                 self.stop_if_requested()
@@ -435,18 +443,21 @@ class Trainer:
                 m.update(self._offpolicy_metrics(batch, m.pop("_tokens"), t_update))
                 self.step += 1
                 self.publish(self.step)
-                self._end_step(m, t_step)
+                self._end_step(m, t_step, t_loop)
         finally:
             self.source.close()
 
-    def _end_step(self, m: dict[str, float], t_step: float) -> None:
-        """Evaluate when due, log, checkpoint when due, call back."""
+    def _end_step(self, m: dict[str, float], t_step: float, t_loop: float) -> None:
+        """Evaluate when due, log, checkpoint when due, call back.  ``perf/elapsed_s``: wall seconds of the training
+        loop so far (evaluation included, start-up and SFT not), summed over the run's segments."""
         tc = self.cfg.trainer
         if (tc.eval_every > 0 and self.step % tc.eval_every == 0) or self.step == tc.steps:
             t0 = time.perf_counter()
             m.update(self.evaluate())
             m["perf/time_eval_s"] = time.perf_counter() - t0
-        m["perf/time_step_s"] = time.perf_counter() - t_step
+        now = time.perf_counter()
+        m["perf/time_step_s"] = now - t_step
+        m["perf/elapsed_s"] = now - t_loop
         self.log(self.step, m)
         if (tc.checkpoint_every > 0 and self.step % tc.checkpoint_every == 0) or self.step == tc.steps:
             self.save()

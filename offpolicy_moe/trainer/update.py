@@ -29,7 +29,8 @@ from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_l
                                   group_advantages, kl_penalty, metrics_to_floats, resolve_loss_options)
 from offpolicy_moe.routing import compare_traces, pr2_predictor_loss
 
-__all__ = ["PolicyUpdate", "LossSetup", "loss_setup", "mean_metrics"]
+__all__ = ["PolicyUpdate", "LossSetup", "loss_setup", "mean_metrics", "drop_constant_groups", "zero_missing_grads",
+           "loglinear_proximal"]
 
 
 @dataclass
@@ -91,6 +92,56 @@ class _MiniBatch:
     pr2_on: bool
     off_policy: bool = False
     global_sel: list = field(default_factory=list)
+    skipped_rows: int = 0
+    index: int = 0                  # which of the step's optimizer updates
+
+
+def drop_constant_groups(batch: RolloutBatch, adv: torch.Tensor
+                         ) -> tuple[Optional[RolloutBatch], torch.Tensor, dict[str, float]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476): the rows of every group whose advantages are all
+    zero (its rewards all equal) leave the batch, so they count in neither the loss nor its token counts.  Returns
+    the kept batch (None when no group is left), its advantages and ``dynamic_sampling/*`` metrics."""
+    _, group = torch.unique(batch.group_ids, return_inverse=True)
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    varies = torch.zeros(n_groups, dtype=torch.bool).index_put_((group,), adv != 0, accumulate=True)
+    keep = varies[group].nonzero().flatten()
+    metrics = {"dynamic_sampling/dropped_groups": float(n_groups - int(varies.sum())),
+               "dynamic_sampling/kept_share": float(keep.numel()) / max(batch.size, 1)}
+    if keep.numel() == 0:
+        return None, adv[:0], metrics
+    if keep.numel() == batch.size:
+        return batch, adv, metrics
+    return batch.index_select(keep), adv.index_select(0, keep), metrics
+
+
+def loglinear_proximal(logp: torch.Tensor, part: RolloutBatch, update: int, step: int,
+                       updates_per_step: int) -> torch.Tensor:
+    """AReaL's proximal log-prob approximation (Fu et al. 2025, arXiv 2505.24298, "prox_approx"): the proximal
+    policy's log-prob interpolated in log space between the behaviour and the current policy by version,
+
+        log pi_prox ~= log mu + alpha (log pi_theta - log mu),   alpha = (v_prox - v_mu) / (v_theta - v_mu),
+
+    counting versions in optimizer updates: ``v_mu`` = the token's version x U, ``v_prox`` = ``step`` x U (the
+    weights at consumption), ``v_theta`` = ``v_prox + update`` (the ``update``-th of the step's U updates).  On the
+    step's first update ``v_theta = v_prox``, so ``alpha = 1`` and the value is the current log-prob: exact."""
+    U = int(updates_per_step)
+    behav = part.behav_logp.to(logp.device)
+    tv = part.token_versions if part.token_versions is not None else torch.full_like(behav, part.version,
+                                                                                     dtype=torch.long)
+    v_mu = tv.to(logp.device).double() * U
+    v_prox, v_theta = float(step * U), float(step * U + update)
+    span = v_theta - v_mu
+    alpha = torch.where(span > 0, (v_prox - v_mu) / span.clamp(min=1.0), torch.ones_like(span)).to(logp.dtype)
+    return torch.where(part.response_mask.to(logp.device).bool(), behav + alpha * (logp - behav), logp)
+
+
+def zero_missing_grads(model: torch.nn.Module) -> None:
+    """Give every trainable parameter without a gradient a zero one.  Rows skipped for a zero advantage would have
+    given the parameters they reach an exactly-zero gradient; with a zero (rather than a missing) gradient the
+    optimizer decays its moment estimates as it would have, so the step equals the one without the skip."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 class PolicyUpdate:
@@ -114,6 +165,8 @@ class PolicyUpdate:
         self.nan_skipped = 0
         self._where = ""
         self.guard = StepGuard(optimizer, scheduler)
+        self._prox: Optional[FusedOldLogp] = None
+        self._prox_step = 0
 
     @property
     def process_group(self):
@@ -146,6 +199,25 @@ class PolicyUpdate:
             return torch.where(batch.response_mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
         return None, {}
 
+    def begin_proximal(self, batch: RolloutBatch, step: int) -> Optional[FusedOldLogp]:
+        """``old_logp_source=proximal`` with ``algo.proximal_logp=loglinear``: the collector of the proximal
+        log-probs the micro-batches take from their update forwards (None otherwise)."""
+        self._prox_step = step
+        if self.cfg.algo.old_logp_source != "proximal" or self.cfg.algo.proximal_logp != "loglinear":
+            return None
+        return FusedOldLogp(tuple(batch.response_mask.shape), self.device, False)
+
+    def proximal_weights(self, prox: torch.Tensor, behav: torch.Tensor,
+                         mask: torch.Tensor) -> tuple[Optional[torch.Tensor], dict]:
+        """The behaviour weights of one micro-batch from its proximal log-probs: the configured correction, or the
+        plain decoupled-PPO weight ``pi_prox / mu`` (as :meth:`behaviour_weights` for the whole batch)."""
+        corr = self.cfg.algo.correction
+        if corr.mode != "none":
+            return correction_weights(prox, behav, mask, level=corr.level, mode=corr.mode, high=corr.high,
+                                      low=corr.low)
+        lw = (prox - behav).clamp(-20, 20)
+        return torch.where(mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
+
     def ref_logp(self, batch: RolloutBatch, routes: Any) -> Optional[torch.Tensor]:
         """Log-probs of the frozen reference model (KL penalty), replaying ``routes``; None without one."""
         if self.forward.ref_model is None:
@@ -171,19 +243,33 @@ class PolicyUpdate:
 
     def _update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         adv, metrics = self.advantages(batch)
+        if self.cfg.algo.dynamic_sampling == "drop":
+            batch, adv, ds = drop_constant_groups(batch, adv)
+            metrics.update(ds)
+            if batch is None:                # every group's rewards were equal: nothing to learn from this batch
+                return self._no_update(metrics)
         routes = self.forward.routes_for_update(batch)
         fused = self.old_pass.begin_fused(batch, step, self.device)
-        metrics.update(self.old_pass.at_consumption(batch, routes))
-        weights, wm = self.behaviour_weights(batch)
-        metrics.update(wm)
+        prox = self.begin_proximal(batch, step)
+        if prox is None:
+            metrics.update(self.old_pass.at_consumption(batch, routes))
+            weights, wm = self.behaviour_weights(batch)
+            metrics.update(wm)
+        else:      # loglinear: taken in each micro-batch from its update forward, no pass
+            weights = None
+        self._prox = prox
         ref_lp = self.ref_logp(batch, routes)
         mini_metrics: list[dict] = []
         grad_norms: list[torch.Tensor] = []
         on_policy = batch.version == step
+        skip = self.skips_zero_advantage(fused) and prox is None   # loglinear: every row's forward gives old_logp
+        skipped = 0
         for mb_num, micro in enumerate(self.forward.micro_batching.cut(batch.size, int(batch.input_ids.shape[1]))):
             # PR2: skip the predictor loss on the first mini-step of on-policy data (target = "no change")
             off_policy = not (on_policy and mb_num == 0)
-            mb = self._cut(batch, micro, routes, pr2_on=off_policy)
+            mb = self._cut(batch, micro, routes, pr2_on=off_policy, adv=adv if skip else None)
+            mb.index = mb_num
+            skipped += mb.skipped_rows
             mb.off_policy = off_policy
             mb.global_sel = self.global_selection(mb, adv)
             gn = self.minibatch_step(mb, adv, weights, ref_lp, fused, mini_metrics)
@@ -194,6 +280,11 @@ class PolicyUpdate:
         metrics.update(mean_metrics(mini_metrics))
         if fused is not None:
             metrics.update(self.old_pass.finish_fused(batch, fused))
+        if prox is not None:
+            batch.old_logp = prox.values.cpu()
+            metrics.update(self.old_pass.mismatch(batch.old_logp, batch))
+        metrics["actor/zero_adv_share"] = float((adv == 0).float().mean()) if adv.numel() else 0.0
+        metrics["actor/rows_skipped_share"] = skipped / max(batch.size, 1)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/nan_skipped"] = float(self.nan_skipped)
         metrics["actor/updates"] = float(self.updates)
@@ -201,18 +292,44 @@ class PolicyUpdate:
         metrics["_tokens"] = float(int(batch.attention_mask.sum()))
         return metrics
 
-    def _cut(self, batch: RolloutBatch, micro: list[torch.Tensor], routes: Any, *, pr2_on: bool) -> _MiniBatch:
-        """The mini-batch of micro-batch rows ``micro`` (:meth:`MicroBatching.cut`) with its global counts."""
+    def _cut(self, batch: RolloutBatch, micro: list[torch.Tensor], routes: Any, *, pr2_on: bool,
+             adv: Optional[torch.Tensor] = None) -> _MiniBatch:
+        """The mini-batch of micro-batch rows ``micro`` (:meth:`MicroBatching.cut`) with its global counts.  With
+        ``adv`` (``trainer.skip_zero_advantage``) the rows whose advantage is 0 then leave the micro-batches (the
+        counts keep them; micro-batches left empty are dropped)."""
+        n_tok, n_seq = global_counts([batch.response_mask.index_select(0, m).to(self.device) for m in micro],
+                                     self.process_group)
+        skipped = 0
+        if adv is not None:
+            kept = [m[adv.index_select(0, m) != 0] for m in micro]
+            skipped = sum(int(m.numel()) for m in micro) - sum(int(k.numel()) for k in kept)
+            micro = [k for k in kept if k.numel() > 0]
         parts = [batch.index_select(m) for m in micro]
         part_routes = [routes.index_select(m) if routes is not None else None for m in micro]
-        n_tok, n_seq = global_counts([p.response_mask.to(self.device) for p in parts], self.process_group)
-        return _MiniBatch(micro, parts, part_routes, n_tok, n_seq, pr2_on)
+        return _MiniBatch(micro, parts, part_routes, n_tok, n_seq, pr2_on, skipped_rows=skipped)
+
+    def skips_zero_advantage(self, fused: Optional[FusedOldLogp]) -> bool:
+        """``trainer.skip_zero_advantage``, where a zero-advantage row contributes no gradient at all: not with a
+        KL penalty or PR2 predictors (their terms do not vanish with the advantage), nor when the old log-probs
+        come from the update forward itself (``fused``: every row's forward is needed), nor with several
+        processes (their backward passes must stay in step)."""
+        return (self.cfg.trainer.skip_zero_advantage and fused is None and self.predictors is None
+                and self.world == 1
+                and not (self.forward.ref_model is not None and self.cfg.algo.kl.coef > 0))
+
+    def _no_update(self, metrics: dict[str, float]) -> dict[str, float]:
+        """A consumed batch with nothing left to train on (dynamic sampling dropped every group): no optimizer
+        step; the schedule does not advance."""
+        metrics.update({"actor/lr": float(self.optimizer.param_groups[0]["lr"]),
+                        "actor/nan_skipped": float(self.nan_skipped), "actor/updates": float(self.updates),
+                        "_tokens": 0.0})
+        return metrics
 
     def global_selection(self, mb: _MiniBatch, adv: torch.Tensor) -> list[dict]:
         """The loss's selection over the WHOLE mini-batch (M2PO's token mask or adaptive cap), from one no-grad
         pass over its micro-batches; empty when the loss needs none or the loss call sees the whole mini-batch
         anyway (one micro-batch, one process)."""
-        if not self.spec.global_pass or (len(mb.parts) == 1 and self.world == 1):
+        if not self.spec.global_pass or (len(mb.parts) <= 1 and self.world == 1):
             return [{} for _ in mb.parts]
         with torch.no_grad():
             lrs = [self.forward.logp(self.bare_model, p, r) - p.old_logp.to(self.device)
@@ -242,6 +359,8 @@ class PolicyUpdate:
             losses.append(loss.detach())
             mini_metrics.append(lm)
         gn = None
+        if ok and mb.skipped_rows:
+            zero_missing_grads(self.model)
         if ok:
             self.sync_predictor_grads()
             gn = self._grad_norm()
@@ -250,7 +369,7 @@ class PolicyUpdate:
             ok = self.guarded_step()
         if ok:
             self.updates += 1
-            mini_metrics.append({"actor/loss": torch.stack(losses).sum()})
+            mini_metrics.append({"actor/loss": torch.stack(losses).sum() if losses else torch.zeros(())})
         else:
             self.nan_skipped += 1
         self.scheduler.step()
@@ -302,10 +421,17 @@ class PolicyUpdate:
             fused.routes = own_routes
         else:
             logp = self.forward.logp(self.model, p, routes)
-        old_lp = fused.add(rows, logp) if fused is not None else p.old_logp.to(dev)
+        if self._prox is not None:
+            old_lp = self._prox.add(rows, loglinear_proximal(logp.detach(), p, mb.index, self._prox_step,
+                                                             cfg.trainer.updates_per_step))
+            w_rows, wm = self.proximal_weights(old_lp, p.behav_logp.to(dev), mask)
+            lm_extra = wm
+        else:
+            old_lp = fused.add(rows, logp) if fused is not None else p.old_logp.to(dev)
+            w_rows = weights.index_select(0, rows).to(dev) if weights is not None else None
+            lm_extra = {}
         kw = dict(agg=cfg.algo.loss.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
-                  norm_length=self.norm_length,
-                  weights=weights.index_select(0, rows).to(dev) if weights is not None else None, **self.spec.options)
+                  norm_length=self.norm_length, weights=w_rows, **self.spec.options)
         if mb.global_sel:
             kw.update(mb.global_sel[j])
         loss, lm = self.loss_fn(logp, old_lp, adv.index_select(0, rows).to(dev), mask, **kw)
@@ -317,6 +443,8 @@ class PolicyUpdate:
             lm = dict(lm, **{"actor/kl_ref": kl.detach()})
         if not self.check_finite(loss.detach(), "loss"):
             return None, {}
+        if lm_extra:
+            lm = dict(lm, **lm_extra)
         if own is not None:
             lm = dict(lm, **compare_traces(p.routes, own, p.attention_mask).zero_deviation_metrics("drift/"))
         if pr2:

@@ -126,7 +126,9 @@ class AsyncBatchSource(BatchSource):
         self.dispatch = Dispatcher(staleness=self.k, policy=self.policy, ahead=self.ahead,
                                    total=int(cfg.trainer.steps), workers=self.n_workers)
         self.ring = VersionRing(keep=self.k + 1)
-        self.version = 0                # the newest published version
+        self.publish_every = int(ro.publish_every)
+        self.version = 0                # the trainer's newest version (its model holds it)
+        self.published = 0              # the newest version the workers may take
         self._before = dict()
         self.ready: dict[int, RolloutBatch] = {}
         self.restarts = 0
@@ -166,7 +168,7 @@ class AsyncBatchSource(BatchSource):
         kept: every process generates its share of those iterations again on resume."""
         ready = {i: b.state_dict() for i, b in sorted(self.ready.items())} if self.world == 1 else {}
         return {"mode": "async", "k": self.k, "cursor": self.cursor, "dropped": self.dropped,
-                "restarts": self.restarts, "world": self.world, "ready": ready}
+                "restarts": self.restarts, "world": self.world, "published": self.published, "ready": ready}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; iterations that were in flight are issued again when the workers start."""
@@ -176,6 +178,7 @@ class AsyncBatchSource(BatchSource):
         self.ready = {int(i): RolloutBatch.from_state_dict(b) for i, b in state["ready"].items()}
         self.dispatch.restore(state["cursor"], list(self.ready))
         self.dispatch.dropped, self.restarts = state["dropped"], state["restarts"]
+        self.published = int(state["published"])
 
     def next(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """The prepared batch of iteration ``step`` (starting the workers on the first call) and where the time
@@ -192,11 +195,15 @@ class AsyncBatchSource(BatchSource):
                        "async/trained_tokens": float(batch.num_tokens())}
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int,
-                predictors: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        """Make ``weights`` policy version ``version`` for the workers (the shared board, once they run) and for the
-        old-logp pass of the batches it generates (the ring of the last ``k + 1`` versions)."""
-        self.ring.add(version, weights)
+                predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
+        """``weights`` are the trainer's version ``version``; when it is a multiple of ``rollout.publish_every``
+        (or ``force``) it goes to the workers (the shared board, once they run) and to the old-logp pass of the
+        batches it generates (the ring of the last ``k + 1`` published versions)."""
         self.version = int(version)
+        if not (force or version % self.publish_every == 0):
+            return
+        self.ring.add(version, weights)
+        self.published = int(version)
         if self._board is not None:
             self.timing["weight_sync_s"] += self._board.publish(weights, version)
             self._issue(version)
@@ -210,11 +217,11 @@ class AsyncBatchSource(BatchSource):
         if step != self.cursor:
             raise RuntimeError(f"async pipeline: trainer step {step} but the pipeline's next iteration is "
                                f"{self.cursor} (a checkpoint from another buffer mode?)")
-        weights = self.ring[self.version]
+        weights = self.ring[self.published]
         self._board = WeightBoard(weights, self._ctx)
-        self._board.publish(weights, self.version)
+        self._board.publish(weights, self.published)
         self._workers = {i: self._spawn(i) for i in range(self.n_workers)}
-        self._issue(self.version)
+        self._issue(self.published)
 
     def _spawn(self, index: int, restarts: int = 0) -> _Worker:
         o_recv, o_send = self._ctx.Pipe(duplex=False)
@@ -304,7 +311,7 @@ class AsyncBatchSource(BatchSource):
         oldest = int(batch.token_versions[batch.response_mask.bool()].min()) \
             if batch.token_versions is not None and bool(batch.response_mask.any()) else batch.version
         if not self.dispatch.accept(w.index, iteration, attempt, oldest):
-            self._issue(self._board.version)      # a dropped batch's iteration goes out again
+            self._issue(self.published)      # a dropped batch's iteration goes out again
             return
         t0 = time.perf_counter()
         self._prepare(batch)
@@ -332,7 +339,7 @@ class AsyncBatchSource(BatchSource):
         self.restarts += 1
         new = self._spawn(w.index, restarts=w.restarts + 1)
         self._workers[w.index] = new
-        self._issue(self._board.version)
+        self._issue(self.published)
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float = 5.0) -> None:

@@ -41,11 +41,15 @@ class BatchSource(abc.ABC):
         """The prepared batch trained step ``step`` consumes, and the source's metrics of getting it (time spent
         generating, preparing, waiting; ``perf/*``, ``async/*``)."""
 
+    #: the newest version generation has (``rollout.publish_every`` > 1: the last multiple of it)
+    published: int = 0
+
     @abc.abstractmethod
     def publish(self, weights: Mapping[str, torch.Tensor], version: int,
-                predictors: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        """Make ``weights`` (and PR2 ``predictors``) policy version ``version`` for generation.  Publishing the
-        version that follows a trained step also completes that step's generation iteration."""
+                predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
+        """``weights`` (and PR2 ``predictors``) are the trainer's policy version ``version``; generation takes them
+        when ``version`` is a multiple of ``rollout.publish_every`` (or ``force``).  Publishing the version that
+        follows a trained step also completes that step's generation iteration."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict:

@@ -37,7 +37,9 @@ class SyncBatchSource(BatchSource):
         self.rank, self.world = int(rank), int(world)
         self.buffer = StalenessBuffer(b.staleness, b.mode, max_delay=b.max_delay, seed=cfg.seed)
         self.max_iterations = iteration_budget(cfg.trainer.steps, b.staleness, b.mode)
+        self.publish_every = int(cfg.rollout.publish_every)
         self.iteration = 0
+        self.published = 0          # the version the engine holds
         self._released = False      # a batch was handed out and its iteration is not yet completed (publish)
 
     @property
@@ -87,16 +89,20 @@ class SyncBatchSource(BatchSource):
             self.iteration += 1         # warm-up (fixed) or nothing arrived yet (bounded): only generated
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int,
-                predictors: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        """The engine takes ``weights`` as version ``version``; after a trained step this completes the iteration
-        whose batch it trained on."""
+                predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
+        """After a trained step this completes the iteration whose batch it trained on; the engine takes
+        ``weights`` as version ``version`` when ``version`` is a multiple of ``rollout.publish_every`` (or
+        ``force``), and keeps the version it holds otherwise."""
         if self._released:
             self.iteration += 1
             self._released = False
-        self.engine.sync(weights, version, predictors)
+        if force or version % self.publish_every == 0:
+            self.engine.sync(weights, version, predictors)
+            self.published = int(version)
 
     def state_dict(self) -> dict:
-        return {"mode": self.buffer.mode, "iteration": self.iteration, "buffer": self.buffer.state_dict()}
+        return {"mode": self.buffer.mode, "iteration": self.iteration, "published": self.published,
+                "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") != self.buffer.mode:
@@ -104,3 +110,4 @@ class SyncBatchSource(BatchSource):
                              f"for buffer.mode={self.buffer.mode!r}")
         self.buffer.load_state_dict(state["buffer"])
         self.iteration, self._released = int(state["iteration"]), False
+        self.published = int(state["published"])
