@@ -61,8 +61,12 @@ def test_short_run_completes_with_library_metrics(tmp_path):
         assert all(math.isfinite(v) for v in logged[key]), key
     assert tr.state.global_step == 2
     assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters())
-    # no replay, no perturbation, float32: generate's log-probs are the trainer's up to float error
+    # no router perturbation, float32: generate's log-probs are the trainer's up to float error
     assert logged["mismatch/abs_log_ratio_mean"][0] < 1e-4
+    # evaluation goes through the same generation and loss (one micro-batch, local counts)
+    ev = tr.evaluate(eval_dataset=tr.train_dataset.select(range(4)))
+    for key in ("eval_m2po/masked_frac", "eval_mismatch/k3_kl_r3", "eval_actor/loss"):
+        assert math.isfinite(ev[key]), key
 
 
 def test_run_with_activation_checkpointing_and_reference_model(tmp_path):
