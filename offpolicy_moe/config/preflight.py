@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 from offpolicy_moe.config.validate import Findings, validate
 from offpolicy_moe.models import PRESETS, CheckpointNotFoundError, load_model_config, load_tokenizer, tokenizer_source
-from offpolicy_moe.tasks import PromptAnswerTask, build_char_tokenizer, encode_texts, make_task
+from offpolicy_moe.tasks import (PromptAnswerTask, RewardImportError, build_char_tokenizer, encode_texts, make_task,
+                                 render_prompt)
 
 
 def preflight(cfg: Any) -> list[str]:
@@ -35,6 +36,7 @@ def preflight(cfg: Any) -> list[str]:
     check_model_shape(cfg, found, model_config, tok)
     if task is not None and tok is not None:
         check_answers_fit(cfg, found, task, tok)
+        check_chat_template(cfg, found, task, tok)
     found.raise_if_errors()
     return warnings + found.warnings
 
@@ -48,9 +50,23 @@ def check_task_data(cfg: Any, found: Findings) -> Optional[PromptAnswerTask]:
     """Build the task as the trainer does; a bad or missing task file becomes one error naming ``task.name``."""
     try:
         return make_task(cfg.task)
+    except RewardImportError as exc:        # names task.rewards[i].fn and the path itself
+        found.error(_first_line(exc))
+        return None
     except (ValueError, TypeError, OSError) as exc:
         found.error(f"task.name={cfg.task.name!r}: {_first_line(exc)}")
         return None
+
+
+def check_chat_template(cfg: Any, found: Findings, task: PromptAnswerTask, tok: Any) -> None:
+    """``task.chat_template=auto`` with a tokenizer that has a template: the first prompt renders and encodes."""
+    if cfg.task.chat_template != "auto" or not getattr(tok, "chat_template", None) or not task.train_prompts:
+        return
+    try:
+        encode_texts(tok, [render_prompt(tok, task.train_prompts[0])])
+    except Exception as exc:  # noqa: BLE001 - jinja / tokenizer errors of a user's template, one line
+        found.error(f"task.chat_template=auto: the tokenizer's chat template fails on the first prompt: "
+                    f"{_first_line(exc)}")
 
 
 def check_model_folder(cfg: Any, found: Findings):

@@ -90,10 +90,34 @@ def open_source(source: str, json_lines: bool = False) -> Any:
         builder = "parquet"
     else:
         raise ValueError(f"{source!r}: unknown file type; expected .json, .jsonl, .parquet or a save_to_disk folder")
+    if _holds_no_rows(source, builder):      # datasets' own message for this is "Instruction 'train' ... no data"
+        raise ValueError(f"task file {source!r} has no records")
     try:
         return _quiet_load(datasets.load_dataset, builder, data_files=source)
     except Exception as exc:  # noqa: BLE001 - datasets' own errors, one line naming the file
         raise ValueError(f"{source!r}: datasets.load_dataset({builder!r}) failed: {_first_line(exc)}") from None
+
+
+def _holds_no_rows(source: str, builder: str) -> bool:
+    """True for a Parquet file of 0 rows, a blank file, or a JSON file holding an empty list."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(source).metadata.num_rows == 0
+        except Exception:  # noqa: BLE001 - not Parquet: datasets reports it
+            return False
+    with open(source, "rb") as fh:
+        head = fh.read(1 << 16)
+    if not head.strip():
+        return True
+    if head.lstrip().startswith(b"["):
+        try:
+            with open(source, encoding="utf-8") as fh:
+                return json.load(fh) == []
+        except ValueError:
+            return False
+    return False
 
 
 def _first_line(exc: BaseException) -> str:

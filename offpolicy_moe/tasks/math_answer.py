@@ -43,7 +43,8 @@ _CACHE_SIZE = 65536
 
 
 def _last_boxed(text: str) -> Optional[str]:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces; None if there is none."""
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces ('' when never closed);
+    None if there is none."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
@@ -52,7 +53,7 @@ def _last_boxed(text: str) -> Optional[str]:
     while j < len(text) and depth:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         j += 1
-    return text[i:j - 1] if depth == 0 else text[i:]
+    return text[i:j - 1] if depth == 0 else ""      # an unclosed \boxed{ holds no answer
 
 
 def extract_final_answer(text: str, *, reference: bool = False) -> str:
