@@ -41,9 +41,11 @@ def test_r3_lowers_the_mismatch_under_trl(tmp_path):
 
 def test_without_replay_the_loss_sees_the_unreplayed_mismatch(tmp_path):
     tr = trainer(tmp_path, model=expressive_moe(build_char_tokenizer()), per_device_train_batch_size=8,
-                 routing_replay="none", router_perturb=2.0)
+                 routing_replay="none", router_perturb=2.0, correction_mode="mask", correction_high=5.0,
+                 correction_low=0.5, correction_opsm_delta=1e-4)       # IcePop's bounds, with OPSM on top
     tr.train()
     row = tr.state.log_history[0]
+    assert 0.0 <= row["mismatch/opsm_masked_frac"] <= 1.0 and 0.0 <= row["mismatch/masked_frac"] <= 1.0
     assert row["mismatch/k3_kl"] == pytest.approx(row["mismatch/k3_kl_no_r3"], rel=1e-6)
     assert row["mismatch/k3_kl_r3"] < row["mismatch/k3_kl_no_r3"]
 
@@ -117,6 +119,9 @@ def test_trace_layout_is_checked():
     ({"policy_loss": "m2po", "policy_loss_options": {"tau": -1.0}}, "tau"),
     ({"loss_agg": "token-sum"}, "loss_agg must be one of"),
     ({"correction_mode": "clip"}, "correction_mode must be one of"),
+    ({"correction_opsm_delta": 0.1}, "correction_opsm_delta needs a correction_mode"),
+    ({"correction_mode": "mask", "correction_opsm_delta": -1.0}, "correction: opsm_delta"),
+    ({"off_policy_mask_threshold": 0.1}, "set correction_opsm_delta (or correction_mode='opsm')"),
     ({"routing_replay": "r2"}, "routing_replay must be one of none, r3"),
     ({"loss_type": "cispo"}, "loss_type='cispo' is TRL's own loss setting"),
     ({"epsilon_high": 0.3}, "epsilon_high=0.3 is TRL's own loss setting"),

@@ -16,11 +16,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from packaging.version import Version
+import torch
 import trl
+from packaging.version import Version
 from trl import GRPOConfig
 
-from offpolicy_moe.losses import AGG_MODES, get_loss_spec, resolve_loss_options
+from offpolicy_moe.losses import AGG_MODES, correction_weights, get_loss_spec, resolve_loss_options
 from offpolicy_moe.losses.correction import LEVELS, MODES
 
 __all__ = ["OffPolicyGRPOConfig", "SUPPORTED_TRL", "check_trl_version", "REPLAY_MODES", "REPLACED_TRL_KEYS"]
@@ -35,6 +36,10 @@ REPLACED_TRL_KEYS = ("loss_type", "epsilon", "epsilon_high", "delta", "importanc
                      "use_bias_correction_kl")
 """TRL's own loss keys: the plug-in's loss replaces TRL's, so a non-default value of one of these is refused
 (it would be silently ignored); the equivalent lives in ``policy_loss`` / ``policy_loss_options``."""
+
+
+_INSTEAD = {"off_policy_mask_threshold": "correction_opsm_delta (or correction_mode='opsm')",
+            "importance_sampling_level": "policy_loss='gspo' for sequence-level ratios"}
 
 
 def check_trl_version(version: str) -> None:
@@ -65,8 +70,10 @@ class OffPolicyGRPOConfig(GRPOConfig):
     * ``loss_agg``: aggregation mode (None: the loss's default), with global token / sequence counts over the
       optimizer step's micro-batches; ``loss_norm_length``: the Dr. GRPO constant (default
       ``max_completion_length``);
-    * ``correction_mode`` (``none`` | ``truncate`` (TIS) | ``mask`` (MIS / IcePop)), ``correction_level``,
-      ``correction_high``, ``correction_low``: weights ``w(exp(old_logp - behav_logp))`` per token;
+    * ``correction_mode`` (``none`` | ``truncate`` (TIS) | ``mask`` (MIS / IcePop) | ``opsm`` and any other mode of
+      :func:`offpolicy_moe.losses.correction_weights`), ``correction_level``, ``correction_high``,
+      ``correction_low``, ``correction_opsm_delta``: weights ``w(exp(old_logp - behav_logp))`` per token (OPSM,
+      DeepSeek-V3.2 arXiv 2512.02556, also reads the advantages);
     * ``routing_replay``: ``r3`` records the routes in TRL's ``model.generate`` and replays them in the old-log-prob,
       reference and loss forwards (Ma et al. 2025, arXiv 2510.11370); ``none`` records them only for the
       ``mismatch/k3_kl_r3`` counterfactual;
@@ -84,6 +91,8 @@ class OffPolicyGRPOConfig(GRPOConfig):
     correction_level: str = field(default="token", metadata={"help": "token | sequence | geometric."})
     correction_high: float = field(default=2.0, metadata={"help": "Upper bound of the correction weight."})
     correction_low: Optional[float] = field(default=None, metadata={"help": "Lower bound (None: none)."})
+    correction_opsm_delta: Optional[float] = field(
+        default=None, metadata={"help": "OPSM threshold on top of truncate / mask (None: off); mode 'opsm' alone."})
     routing_replay: str = field(default="none", metadata={"help": "none | r3 (rollout routing replay)."})
     router_perturb: float = field(default=0.0, metadata={"help": "Generation-only router perturbation sigma."})
     mismatch_metrics: bool = field(default=True, metadata={"help": "Log mismatch/* metrics."})
@@ -110,15 +119,25 @@ class OffPolicyGRPOConfig(GRPOConfig):
         if self.correction_low is not None and not 0 <= self.correction_low <= self.correction_high:
             raise ValueError(f"correction_low must be in [0, correction_high={self.correction_high}], got "
                              f"{self.correction_low!r}")
+        if self.correction_mode != "none":     # the library's own checks of the combination, on a 1-token batch
+            one = torch.zeros(1, 1)
+            try:
+                correction_weights(one, one, torch.ones(1, 1), level=self.correction_level, mode=self.correction_mode,
+                                   high=self.correction_high, low=self.correction_low, advantages=torch.zeros(1),
+                                   opsm_delta=self.correction_opsm_delta)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"correction: {err}") from None
+        elif self.correction_opsm_delta is not None:
+            raise ValueError("correction_opsm_delta needs a correction_mode (truncate, mask or opsm)")
         if self.routing_replay not in REPLAY_MODES:
             raise ValueError(f"routing_replay must be one of {', '.join(REPLAY_MODES)}, got {self.routing_replay!r}")
         if not (self.router_perturb >= 0 and math.isfinite(self.router_perturb)):
             raise ValueError(f"router_perturb must be finite and >= 0, got {self.router_perturb!r}")
         for key in REPLACED_TRL_KEYS:
             if getattr(self, key) != _trl_default(key):
+                instead = _INSTEAD.get(key, "policy_loss / policy_loss_options")
                 raise ValueError(f"{key}={getattr(self, key)!r} is TRL's own loss setting, which the plug-in replaces "
-                                 f"with policy_loss={self.policy_loss!r}: leave {key} at its default and set "
-                                 "policy_loss / policy_loss_options")
+                                 f"(policy_loss={self.policy_loss!r}): leave {key} at its default and set {instead}")
         engine = ("use_vllm" if self.use_vllm else
                   "use_transformers_continuous_batching" if self.use_transformers_continuous_batching else None)
         if engine is not None:

@@ -244,7 +244,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             if behav is None:
                 raise RuntimeError("correction_mode needs generation-time log-probs and this batch has none")
             w, wm = correction_weights(out["old_per_token_logps"], behav, mask, level=cfg.correction_level,
-                                       mode=cfg.correction_mode, high=cfg.correction_high, low=cfg.correction_low)
+                                       mode=cfg.correction_mode, high=cfg.correction_high, low=cfg.correction_low,
+                                       advantages=out["advantages"], opsm_delta=cfg.correction_opsm_delta)
             out["correction_weights"] = w
             metrics.update(wm)
         if cfg.mismatch_metrics and behav is not None:
