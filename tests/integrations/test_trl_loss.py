@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy_moe.losses import correction_weights, get_policy_loss, global_counts, m2po_mask
+from offpolicy_moe.losses import (correction_weights, get_loss_spec, get_policy_loss, global_counts,
+                                  list_policy_losses, m2po_mask)
 from offpolicy_moe.routing import RouteTrace, RoutingController
 from trl_fixtures import trainer
 
@@ -102,3 +103,50 @@ def test_plugin_loss_and_grads_equal_library_loss(tmp_path, loss, options, agg, 
     for name in ref_grads:
         torch.testing.assert_close(plugin_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any(float(g.abs().max()) > 0 for g in ref_grads.values())
+
+
+@pytest.mark.parametrize("name", list_policy_losses())
+def test_every_registered_loss_matches_the_library(tmp_path, name):
+    """Every loss of the registry, default options, through the plug-in: loss and gradients equal the registry
+    function called with the global counts, the correction weights and (if the loss declares one) its
+    mini-batch-wide selection pass over both micro-batches."""
+    spec = get_loss_spec(name)
+    tr = trainer(tmp_path, gradient_accumulation_steps=GA, policy_loss=name, routing_replay="r3",
+                 correction_mode="truncate", correction_high=1.001, router_perturb=1.0)
+    parts = _generation_batch(tr)
+    model = tr.model
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    model.zero_grad(set_to_none=True)
+    plugin_losses = []
+    for j, p in enumerate(parts):
+        tr._step = j
+        loss_j = tr.compute_loss(model, p)
+        loss_j.backward()
+        plugin_losses.append(loss_j.detach())
+    plugin_grads = _grads(model)
+
+    model.zero_grad(set_to_none=True)
+    c = RoutingController(model)
+    routes = [RouteTrace(p["route_ids"], c.num_experts, c.top_k, c.layer_ids) for p in parts]
+    masks = [p["completion_mask"] for p in parts]
+    n_tok, n_seq = global_counts(masks)
+    sel = [{} for _ in parts]
+    if spec.wants_global_pass({}):
+        with torch.no_grad():
+            lrs = [_reference_logp(model, p, r) - p["old_per_token_logps"] for p, r in zip(parts, routes)]
+        sel = spec.run_global_pass(lrs, [p["advantages"] for p in parts], masks, {})
+    ref_losses = []
+    for p, r, m, s in zip(parts, routes, masks, sel):
+        w, _ = correction_weights(p["old_per_token_logps"], p["sampling_per_token_logps"], m, high=1.001)
+        ref, _ = spec.fn(_reference_logp(model, p, r), p["old_per_token_logps"], p["advantages"], m, weights=w,
+                         num_tokens=n_tok, num_seqs=n_seq, norm_length=tr.args.max_completion_length, **s)
+        ref.backward()
+        ref_losses.append(ref.detach())
+    ref_grads = _grads(model)
+    torch.testing.assert_close(torch.stack(plugin_losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+    assert plugin_grads.keys() == ref_grads.keys() and plugin_grads
+    for key in ref_grads:
+        torch.testing.assert_close(plugin_grads[key], ref_grads[key], rtol=1e-4, atol=1e-6, msg=key)
