@@ -82,7 +82,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, **kwargs):
-        cfg = kwargs.get("args")
+        cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
         if not isinstance(cfg, OffPolicyGRPOConfig):
             raise TypeError("OffPolicyGRPOTrainer needs args=OffPolicyGRPOConfig(...), got "
                             f"{type(cfg).__name__}")
@@ -96,10 +96,12 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             self.loss_options["process_group"] = torch.distributed.group.WORLD
         self.norm_length = cfg.loss_norm_length or self.max_completion_length
         self._controllers: dict[int, Optional[RoutingController]] = {}
+        self._refusals: dict[int, str] = {}
         policy = self.accelerator.unwrap_model(self.model)
         self.controller = self._controller(policy)
         if cfg.routing_replay == "r3" and self.controller is None:
-            raise ValueError(f"routing_replay='r3' needs an MoE model; {type(policy).__name__} has no MoE router")
+            raise ValueError(f"routing_replay='r3' needs an MoE model the routing layer supports: "
+                             f"{self._refusals[id(policy)]}")
         if cfg.routing_replay == "r3" and (self.tools or self.rollout_func is not None):
             raise ValueError("routing_replay='r3' records one model.generate per batch; tools and rollout_func "
                              "generate elsewhere or in several turns")
@@ -113,7 +115,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         self.perturbation = None
         if cfg.router_perturb > 0:
             if self.controller is None:
-                raise ValueError("router_perturb needs an MoE model")
+                raise ValueError(f"router_perturb needs an MoE model the routing layer supports: "
+                                 f"{self._refusals[id(policy)]}")
             c = self.controller
             self.perturbation = router_perturbation(c.hidden_size, c.num_experts, c.num_moe_layers,
                                                     cfg.router_perturb, cfg.seed,
@@ -130,8 +133,9 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         if key not in self._controllers:
             try:
                 self._controllers[key] = RoutingController(bare)
-            except ValueError:
+            except ValueError as err:       # a dense model, or a router the routing layer refuses (named)
                 self._controllers[key] = None
+                self._refusals[key] = str(err)
         return self._controllers[key]
 
     @property
