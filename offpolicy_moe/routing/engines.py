@@ -148,6 +148,10 @@ def vllm_routes(prompt_len: int, completion_len: int, routed_experts, prompt_rou
     ``T - 1`` positions."""
     gen = moe_layers(_shaped(routed_experts, "routed_experts"), layer_ids, num_hidden_layers, "routed_experts")
     if prompt_routed_experts is None:
+        if not start and gen.shape[0] in (completion_len, completion_len - 1) and prompt_len > 1:
+            raise ValueError(f"routed_experts has {gen.shape[0]} positions: the completion's part alone (vLLM 0.21 "
+                             f"split layout), but prompt_routed_experts is None; pass the response's "
+                             f"prompt_routed_experts, or use vLLM >= 0.22 (one array over prompt + completion)")
         return place_rows(gen, prompt_len + completion_len, start, "routed_experts", "sequence (prompt + completion)")
     if start:
         raise ValueError("start applies to the single-array layout (vLLM >= 0.22); vLLM 0.21's split layout has none")

@@ -170,6 +170,8 @@ def test_vllm_021_split_layout_json_lists(run):
     assert isinstance(comp, list) and isinstance(comp[0][0][0], int)
     t = RouteTrace.from_vllm(seq[:p], seq[p:], comp, pr, num_experts=ctl.num_experts, layer_ids=ctl.layer_ids)
     _replays_like(model, ctl, seq, _want(ctl, moe, seq), t)
+    with pytest.raises(ValueError, match="completion's part alone .* prompt_routed_experts is None"):
+        RouteTrace.from_vllm(seq[:p], seq[p:], comp, None, num_experts=ctl.num_experts, layer_ids=ctl.layer_ids)
     pr, comp = _vllm_021(moe, p, cached=(0, 1))  # prefix-cached prompt rows
     t = RouteTrace.from_vllm(seq[:p], seq[p:], comp, pr.tolist(), num_experts=ctl.num_experts,
                              layer_ids=ctl.layer_ids)
