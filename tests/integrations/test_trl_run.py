@@ -14,7 +14,7 @@ from offpolicy_moe.integrations.trl import (GenerationRecord, OffPolicyGRPOTrain
 from offpolicy_moe.models.presets import build_preset
 from offpolicy_moe.routing import RouteTrace, TraceValidationError
 from offpolicy_moe.tasks.tokenizer import build_char_tokenizer
-from trl_fixtures import config, expressive_moe, tiny_moe, trainer
+from trl_fixtures import config, expressive_moe, family_moe, tiny_moe, trainer
 
 
 def _logged(tr) -> dict:
@@ -153,3 +153,17 @@ def test_trl_version_range():
     check_trl_version("1.16.0")
     with pytest.raises(ImportError, match="supports trl >= 1.16.0, < 2.0.0; trl 1.15.0 is installed"):
         check_trl_version("1.15.0")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "deepseek_v3", "gpt_oss"])
+def test_r3_under_trl_on_other_moe_families(tmp_path, family):
+    """Other MoE families the routing layer supports: TRL's generate records, the replay (tied to the tokens)
+    accepts TRL's layout in every pass, and replaying the perturbed generation's routes does not raise the
+    mismatch."""
+    tok = build_char_tokenizer()
+    tr = trainer(tmp_path, model=family_moe(family, tok), routing_replay="r3", router_perturb=2.0,
+                 policy_loss="m2po", gradient_accumulation_steps=2, gradient_checkpointing=True)
+    tr.train()
+    row = tr.state.log_history[0]
+    assert math.isfinite(row["actor/loss"]) and math.isfinite(row["grad_norm"])
+    assert row["mismatch/k3_kl_r3"] <= row["mismatch/k3_kl_no_r3"], row

@@ -52,3 +52,33 @@ def trainer(tmp_path, model=None, **overrides) -> OffPolicyGRPOTrainer:
     ds = Dataset.from_dict({"prompt": PROMPTS})
     return OffPolicyGRPOTrainer(model=model, reward_funcs=length_reward, args=config(tmp_path, **overrides),
                                 train_dataset=ds, processing_class=tok)
+
+
+FAMILY_SHAPES = {      # tiny shapes of a few other MoE families of transformers (vocab from the tokenizer)
+    "mixtral": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_key_value_heads=4,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                        n_shared_experts=1),
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+}
+
+
+def family_moe(family: str, tok, seed: int = 0):
+    """A tiny random model of ``family`` built from config, with routers spread as in :func:`tiny_moe`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              num_hidden_layers=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    kw.update(FAMILY_SHAPES[family])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kw))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")) and p.dim() == 2:
+                p.normal_(0, 0.5, generator=g)
+    return model
