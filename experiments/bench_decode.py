@@ -24,7 +24,7 @@ import time
 import torch
 
 from _bench_job import forbid_token
-from offpolicy_moe.config.schema import ModelConfig, TaskConfig
+from offpolicy_moe.config.schema import ModelConfig, RolloutConfig, TaskConfig
 from offpolicy_moe.rollout.engine import HFRolloutEngine
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.tasks import make_task
@@ -61,8 +61,8 @@ def main() -> None:
         for T in args.lengths:
             engines = {}
             for name, kw in WAYS.items():
-                eng = HFRolloutEngine(model, tok, dtype=dtype, max_new_tokens=T, batch_size=args.prompts * args.group,
-                                      **kw)
+                eng = HFRolloutEngine(model, tok, RolloutConfig(dtype=dtype, max_new_tokens=T,
+                                                                 batch_size=args.prompts * args.group, **kw))
                 forbid_token(eng.model, tok.eos_token_id)
                 engines[name] = eng
             n_tok = args.prompts * args.group * T

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from typing import TYPE_CHECKING
 
@@ -62,8 +62,9 @@ def build_config(config: str | None, overrides: list[str], run_dir: str | None =
     return cfg
 
 
-def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan]]:
-    """The validated config of this command, and the resume plan with ``--resume`` (nothing is written)."""
+def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan], Any]:
+    """The checked config of this command, the resume plan with ``--resume`` (nothing is written), and what the
+    checks built (``CheckedConfig``; None for ``--print-config`` alone, which only validates)."""
     from offpolicy_moe.commands.resume import plan_resume
 
     presets = getattr(args, "preset", [])
@@ -82,21 +83,21 @@ def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan]
                  "recorded in segments.jsonl")
     else:
         cfg = build_config(args.config, args.overrides, args.run_dir, presets)
-    if args.dry_run:   # every check a real start makes before compute (files, tokenizer, shapes, buffer)
-        from offpolicy_moe.config.preflight import preflight
-        from offpolicy_moe.trainer.buffer import check_buffer_feasible
+    if args.print_config and not args.dry_run:
+        validate(cfg)
+        return cfg, plan, None
+    # every check a start makes before compute (files, tokenizer, shapes, buffer, engine), once: a real start hands
+    # the result to the trainer
+    from offpolicy_moe.trainer.checks import check_config
 
-        warnings = preflight(cfg)
-        check_buffer_feasible(cfg)
-    else:
-        warnings = validate(cfg)
-    for w in warnings:
+    checked = check_config(cfg)
+    for w in checked.warnings:
         warn(w)
-    return cfg, plan
+    return cfg, plan, checked
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, plan = resolve(args)
+    cfg, plan, checked = resolve(args)
     if args.print_config:
         print(to_yaml(cfg), end="")
     if args.dry_run:
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"offpolicy-moe train: {choice.threads} CPU thread{'s' if choice.threads > 1 else ''} per process "
               f"(trainer.threads={choice.setting}: {choice.reason}); "
               f"{'resuming from step ' + str(plan.from_step) if plan else 'new run'} -> {cfg.run_dir}", flush=True)
-    summary = train_segment(cfg, plan, choice, quiet=args.quiet, main_process=main_process)
+    summary = train_segment(cfg, plan, choice, quiet=args.quiet, main_process=main_process, checked=checked)
     if not main_process:    # multi-process: the main process reports
         return 0 if summary["status"] == "completed" else 1
     final = summary.get("final", {})
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train_segment(cfg: TrainConfig, plan: Optional[ResumePlan], choice: ThreadChoice, *, quiet: bool,
-                  main_process: bool) -> dict:
+                  main_process: bool, checked: Any = None) -> dict:
     """Train (or resume) ``cfg`` with ``choice.threads`` threads; record the segment; the cumulative summary.
 
     The segment is recorded even when training raises or is interrupted (the trainer has written its summary).
@@ -144,7 +145,7 @@ def train_segment(cfg: TrainConfig, plan: Optional[ResumePlan], choice: ThreadCh
         with contextlib.ExitStack() as stack:
             if quiet:
                 stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
-            summary = train(cfg, resume=plan is not None)
+            summary = train(cfg, resume=plan is not None, checked=checked)
     except SystemExit:      # a CPU relaunch: the relaunched processes recorded their own segment
         raise
     except BaseException:   # an error or Ctrl-C: the trainer has written summary.json; record the segment

@@ -15,6 +15,7 @@ The staleness buffer's feasibility depends on the engine layer; see ``offpolicy_
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from offpolicy_moe.config.validate import Findings, validate
@@ -23,11 +24,25 @@ from offpolicy_moe.tasks import (PromptAnswerTask, RewardImportError, build_char
                                  render_prompt)
 
 
+@dataclass
+class CheckedConfig:
+    """What the checks before compute found and built: the warnings, and the task (built once, here; the trainer
+    takes it instead of building it again)."""
+
+    warnings: list[str] = field(default_factory=list)
+    task: Optional[PromptAnswerTask] = None
+
+
 def preflight(cfg: Any) -> list[str]:
     """Validate ``cfg`` and run the file-reading checks of the module docstring; return the warnings.
 
     Raises :class:`~offpolicy_moe.config.validate.ConfigError` listing every problem, each one line naming its key.
     """
+    return preflight_checked(cfg).warnings
+
+
+def preflight_checked(cfg: Any) -> CheckedConfig:
+    """:func:`preflight`, returning the task it built with the warnings."""
     warnings = validate(cfg)
     found = Findings()
     task = check_task_data(cfg, found)
@@ -38,7 +53,7 @@ def preflight(cfg: Any) -> list[str]:
         check_answers_fit(cfg, found, task, tok)
         check_chat_template(cfg, found, task, tok)
     found.raise_if_errors()
-    return warnings + found.warnings
+    return CheckedConfig(warnings + found.warnings, task)
 
 
 def _first_line(exc: BaseException) -> str:

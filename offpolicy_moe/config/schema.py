@@ -28,7 +28,6 @@ OLD_LOGP_SOURCES = ("trainer", "engine", "proximal")
 BUFFER_MODES = ("fixed", "bounded", "async")
 STALE_POLICIES = ("wait", "drop")       # buffer.mode=async (docs/async.md)
 WORKER_DEATH = ("restart", "stop")
-ENGINES = ("hf",)                     # until the rollout engines have a registry of their own
 SAMPLERS = ("native", "hf")
 DECODE_ATTENTION = ("single_query", "sdpa")
 SCHEDULERS = ("constant", "cosine", "linear")
@@ -90,7 +89,7 @@ class ModelConfig:
 class RolloutConfig:
     """The rollout engine: its own copy of the policy, its own precision."""
 
-    engine: str = ranged("hf", choices=ENGINES)
+    engine: str = "hf"                # a name in the rollout engine registry (offpolicy_moe.rollout.engine)
     dtype: str = ranged("bfloat16", choices=DTYPE_NAMES)          # bfloat16 (realistic mismatch) | float16 | float32
     router_noise: float = ranged(0.0, ge=0)        # std of Gaussian noise added to the engine's router logits
     # a FIXED perturbation of the engine's router weights (a systematic engine/trainer mismatch, as a different

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import abc
 import copy
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
@@ -46,7 +45,7 @@ from offpolicy_moe.models import is_moe
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.tasks import decode_completions, encode_prompts
 
-__all__ = ["REPLAY_ENGINE", "RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "make_engine",
+__all__ = ["REPLAY_ENGINE", "RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "check_engine_name", "make_engine",
            "resolve_dtype"]
 
 REPLAY_ENGINE = ("r3", "pr2")    # replay modes whose routes come from the rollout engine
@@ -79,7 +78,7 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
-                 iteration: int = 0, group_offset: int = 0) -> RolloutBatch:
+                 iteration: int = 0) -> RolloutBatch:
         """Sample ``group_size`` responses per prompt; return a :class:`RolloutBatch` at ``self.version``."""
 
     @abc.abstractmethod
@@ -165,37 +164,29 @@ class HFRolloutEngine(RolloutEngine):
                     router_offsets: Optional[dict] = None, device: Optional[torch.device] = None,
                     seed: int = 0) -> "HFRolloutEngine":
         """The engine of config section ``rollout`` (see :class:`RolloutEngine`)."""
-        return cls(policy, tokenizer, dtype=rollout.dtype, max_new_tokens=rollout.max_new_tokens,
-                   temperature=rollout.temperature, top_p=rollout.top_p, batch_size=rollout.batch_size,
-                   record_routes=record_routes, router_noise=rollout.router_noise,
-                   router_perturb=getattr(rollout, "router_perturb", 0.0), perturb_seed=seed, device=device,
-                   sampler=rollout.sampler, compact_finished=rollout.compact_finished,
-                   decode_attention=getattr(rollout, "decode_attention", "single_query"), **(router_offsets or {}))
+        return cls(policy, tokenizer, rollout, record_routes=record_routes, router_offsets=router_offsets,
+                   device=device, seed=seed)
 
-    def __init__(self, policy: torch.nn.Module, tokenizer: Any, *, dtype: str = "bfloat16",
-                 max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128,
-                 record_routes: bool = False, router_noise: float = 0.0, pr2_predictors: Any = None,
-                 pr2_in_weights: bool = True, pr2_feature_sample_rate: float = 0.125,
-                 device: Optional[torch.device] = None, sampler: str = "native", compact_finished: bool = True,
-                 router_perturb: float = 0.0, perturb_seed: int = 0, decode_attention: str = "single_query"):
-        """``router_perturb`` (sigma) > 0: the engine routes on ``logits + h dW_l^T`` with the fixed
-        ``dW_l ~ N(0, sigma^2 / H)`` of :func:`~offpolicy_moe.routing.router_perturbation` ``(..., sigma,
-        perturb_seed)`` in every MoE layer, prefill and decode, selection and gating weights (composed with the PR2
-        predictors' offsets when both are on).  Router noise and the perturbation do nothing on a dense model.
-        ``decode_attention="single_query"``: the native sampler's engine copy runs its decode steps with
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
+                 router_offsets: Optional[dict] = None, device: Optional[torch.device] = None, seed: int = 0):
+        """An engine copy of ``policy`` configured by the ``rollout`` section (a ``RolloutConfig``, whose values the
+        schema has checked).  ``router_offsets``: the PR2 keywords (``pr2_predictors``, ``pr2_in_weights``,
+        ``pr2_feature_sample_rate``) or None.  ``rollout.router_perturb`` (sigma) > 0: the engine routes on
+        ``logits + h dW_l^T`` with the fixed ``dW_l ~ N(0, sigma^2 / H)`` of
+        :func:`~offpolicy_moe.routing.router_perturbation` ``(..., sigma, seed)`` in every MoE layer, prefill and
+        decode, selection and gating weights (composed with the PR2 predictors' offsets when both are on).  Router
+        noise and the perturbation do nothing on a dense model.  ``rollout.decode_attention="single_query"``: the
+        native sampler's engine copy runs its decode steps with
         :func:`~offpolicy_moe.rollout.decode_attention.single_query_attention` when its attention is SDPA
         (``"sdpa"``: transformers' kernel throughout)."""
-        if temperature <= 0:
-            raise ValueError(f"rollout.temperature must be > 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {top_p}")
-        if max_new_tokens < 1 or batch_size < 1:
-            raise ValueError(f"rollout.max_new_tokens ({max_new_tokens}) and rollout.batch_size ({batch_size}) "
-                             "must be >= 1")
-        if sampler not in ("native", "hf"):
-            raise ValueError(f"sampler must be 'native' (own KV-cache loop) or 'hf' (model.generate), got {sampler!r}")
-        if decode_attention not in ("single_query", "sdpa"):
-            raise ValueError(f"rollout.decode_attention must be 'single_query' or 'sdpa', got {decode_attention!r}")
+        offsets = dict(router_offsets or {})
+        dtype, max_new_tokens, sampler = rollout.dtype, rollout.max_new_tokens, rollout.sampler
+        temperature, top_p, batch_size = rollout.temperature, rollout.top_p, rollout.batch_size
+        router_noise, router_perturb, perturb_seed = rollout.router_noise, rollout.router_perturb, seed
+        compact_finished, decode_attention = rollout.compact_finished, rollout.decode_attention
+        pr2_predictors = offsets.get("pr2_predictors")
+        pr2_in_weights = offsets.get("pr2_in_weights", True)
+        pr2_feature_sample_rate = offsets.get("pr2_feature_sample_rate", 0.125)
         self.dtype = resolve_dtype(dtype)
         self.model = copy.deepcopy(policy).to(dtype=self.dtype)
         if device is not None:
@@ -214,14 +205,16 @@ class HFRolloutEngine(RolloutEngine):
         self.pr2_in_weights = pr2_in_weights
         self.pr2_feature_sample_rate = pr2_feature_sample_rate
         self.version = 0
-        self.last_generate_seconds = 0.0
         # called with the engine before every decode forward of the native sampler (may sync newer weights: updates
         # in flight, docs/async.md); the version of each forward is recorded per sampled token
         self.between_tokens: Optional[Any] = None
         self.scores_held_elements = SCORES_HELD_ELEMENTS
         self._step_versions: list[int] = []
-        # the own sampling loop needs a Hugging Face causal LM that takes a DynamicCache
-        self.sampler = sampler if (sampler == "hf" or _supports_native_loop(self.model)) else "hf"
+        # the own sampling loop needs a Hugging Face causal LM whose forward takes a KV cache and positions
+        if sampler == "native" and not _supports_native_loop(self.model):
+            raise ValueError(f"rollout.sampler=native needs a causal LM whose forward takes a KV cache and "
+                             f"position_ids; {type(self.model).__name__} does not: use rollout.sampler=hf")
+        self.sampler = sampler
         self._keeps_logits = accepts_kwarg(self.model, "logits_to_keep")
         # the engine's own copy only: the trainer's model keeps its attention implementation
         self.single_query_decode = (self.sampler == "native" and decode_attention == "single_query"
@@ -422,7 +415,7 @@ class HFRolloutEngine(RolloutEngine):
         return sequences, logp, trace
 
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
-                 iteration: int = 0, group_offset: int = 0) -> RolloutBatch:
+                 iteration: int = 0) -> RolloutBatch:
         """``len(prompts) * group_size`` sequences; sequence ``i`` answers prompt ``i // group_size``.
 
         Sampling is seeded with ``seed`` (``torch.manual_seed``) so a resumed run regenerates the same batch.
@@ -431,7 +424,6 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
-        t0 = time.perf_counter()
         p_ids, p_am = _encode(self.tokenizer, prompts)
         p_ids = p_ids.repeat_interleave(group_size, 0).to(self.device)
         p_am = p_am.repeat_interleave(group_size, 0).to(self.device)
@@ -477,9 +469,8 @@ class HFRolloutEngine(RolloutEngine):
             features = cat_features(feats, sizes) if len(feats) > 1 else feats[0]
             features = features.filter(attention_mask.cpu())     # drop left-pad and after-EOS positions
         completions = _decode(self.tokenizer, resp.cpu(), response_mask.cpu())
-        groups = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
+        groups = torch.arange(len(prompts)).repeat_interleave(group_size)
         answers_rep = [a for a in answers for _ in range(group_size)]
-        self.last_generate_seconds = time.perf_counter() - t0
         return RolloutBatch(input_ids=seq.cpu(), attention_mask=attention_mask.cpu(),
                             response_mask=response_mask.cpu(), behav_logp=behav.cpu(), group_ids=groups,
                             answers=answers_rep, completions=list(completions), prompt_len=P,
@@ -498,6 +489,13 @@ def register_engine(name: str, engine: type[RolloutEngine]) -> None:
 register_engine("hf", HFRolloutEngine)
 
 
+def check_engine_name(name: str) -> None:
+    """One-line ``ValueError`` when ``rollout.engine`` names no registered engine (checked before any compute)."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout.engine={name!r} is not a known engine; choose one of {sorted(ENGINES)} "
+                         "(offpolicy_moe.rollout.engine.register_engine adds one)")
+
+
 def make_engine(policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
                 router_offsets: Optional[dict] = None, device: Optional[torch.device] = None,
                 seed: int = 0) -> RolloutEngine:
@@ -505,12 +503,11 @@ def make_engine(policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record
     fixes ``rollout.router_perturb``'s perturbation: the trainer and every rollout worker pass the same one, so they
     draw the same ``dW``); one-line error for an unknown name or an engine that lacks a capability the run needs
     (route recording, router offsets)."""
-    name = getattr(rollout, "engine", "hf")
-    if name not in ENGINES:
-        raise ValueError(f"rollout.engine={name!r} is not a known engine; choose one of {sorted(ENGINES)}")
+    check_engine_name(rollout.engine)
+    name = rollout.engine
     cls = ENGINES[name]
     needs_offsets = (router_offsets is not None or float(rollout.router_noise) > 0
-                     or float(getattr(rollout, "router_perturb", 0.0)) > 0)
+                     or float(rollout.router_perturb) > 0)
     for needed, have, what in ((record_routes, cls.capabilities.records_routes, "route recording (R3/PR2/routing "
                                 "metrics)"), (needs_offsets, cls.capabilities.router_offsets,
                                               "router-logit offsets (PR2/router_noise/router_perturb)")):

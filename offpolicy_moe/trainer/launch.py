@@ -14,6 +14,7 @@ import yaml
 from accelerate.commands.launch import launch_command_parser
 
 from offpolicy_moe.trainer.callbacks import Callback
+from offpolicy_moe.trainer.checks import CheckedConfig
 from offpolicy_moe.trainer.trainer import Trainer
 
 __all__ = ["train", "cpu_launch_processes"]
@@ -83,8 +84,10 @@ def _relaunch_with_torchrun(nproc: int) -> dict:
     raise SystemExit(rc)
 
 
-def train(cfg: Any, *, resume: bool = False, callbacks: Optional[Iterable[Callback]] = None) -> dict:
-    """Run one training run described by ``cfg`` (a ``TrainConfig``); returns the summary dict.
+def train(cfg: Any, *, resume: bool = False, callbacks: Optional[Iterable[Callback]] = None,
+          checked: Optional[CheckedConfig] = None) -> dict:
+    """Run one training run described by ``cfg`` (a ``TrainConfig``); returns the summary dict.  ``checked``: the
+    result of :func:`~offpolicy_moe.trainer.checks.check_config` when the caller has checked ``cfg`` already.
 
     Under ``accelerate launch --cpu --num_processes N`` without mpirun (one process started, see
     :func:`cpu_launch_processes`), the command is re-run as ``N`` gloo processes by ``torch.distributed.run`` and
@@ -92,4 +95,4 @@ def train(cfg: Any, *, resume: bool = False, callbacks: Optional[Iterable[Callba
     nproc = cpu_launch_processes() if not callbacks else 0
     if nproc > 1:
         return _relaunch_with_torchrun(nproc)
-    return Trainer(cfg, resume=resume, callbacks=callbacks).run()
+    return Trainer(cfg, resume=resume, callbacks=callbacks, checked=checked).run()

@@ -68,7 +68,7 @@ class MicroBatching:
     @classmethod
     def from_trainer(cls, tr: Any, process_max: Optional[Callable[[int], int]] = None) -> "MicroBatching":
         """From the ``trainer`` config section."""
-        return cls(int(tr.updates_per_step), int(tr.grad_accum), getattr(tr, "micro_batch_tokens", None),
+        return cls(int(tr.updates_per_step), int(tr.grad_accum), tr.micro_batch_tokens,
                    process_max)
 
     def __post_init__(self) -> None:

@@ -36,11 +36,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
-from offpolicy_moe.config.preflight import preflight
 from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes
-from offpolicy_moe.trainer.buffer import check_buffer_feasible
+from offpolicy_moe.trainer.checks import CheckedConfig, check_config
 from offpolicy_moe.trainer.callbacks import Callback, CallbackList
 from offpolicy_moe.run.checkpoint import rng_state, set_rng_state
 from offpolicy_moe.run.checkpoint_state import CheckpointState
@@ -95,23 +94,16 @@ def _accelerator() -> Accelerator:
     return Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
 
 
-def _check_config(cfg: Any) -> None:
-    """The checks ``train --dry-run`` makes, before any compute: every rule of
-    :func:`offpolicy_moe.config.validate.validate`, the file-reading :func:`offpolicy_moe.config.preflight.preflight`
-    (task file, model folder and tokenizer, answers that fit), and a bounded buffer that can train
-    ``trainer.steps`` steps (raise ConfigError; warnings are printed)."""
-    for w in preflight(cfg):
-        print(f"offpolicy-moe: warning: {w}", file=sys.stderr)
-    check_buffer_feasible(cfg)
-
-
 class Trainer:
     """Builds everything a run needs from a :class:`~offpolicy_moe.config.schema.TrainConfig` and runs it.
 
     ``callbacks``: :class:`~offpolicy_moe.trainer.callbacks.Callback` observers (tests, experiments); they never
     change what is computed."""
 
-    def __init__(self, cfg: Any, *, resume: bool = False, callbacks: Optional[Iterable[Callback]] = None):
+    def __init__(self, cfg: Any, *, resume: bool = False, callbacks: Optional[Iterable[Callback]] = None,
+                 checked: Optional[CheckedConfig] = None):
+        """``checked``: what :func:`~offpolicy_moe.trainer.checks.check_config` returned for ``cfg`` (the CLI checks
+        once, before the run folder is touched); without it the checks run here."""
         self.cfg, self.resume = cfg, resume
         self.callbacks = CallbackList(callbacks)
         tc, rt = cfg.trainer, cfg.algo.routing
@@ -119,12 +111,15 @@ class Trainer:
         self.run_dir = RunDir(cfg.run_dir, min_free_mb=tc.min_free_mb, resume=resume,
                               is_main=int(os.environ.get("RANK", "0")) == 0)
         _set_determinism(tc)
-        _check_config(cfg)
+        if checked is None:
+            checked = check_config(cfg)
+            for w in checked.warnings:
+                print(f"offpolicy-moe: warning: {w}", file=sys.stderr)
         self.accelerator = _accelerator()
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         self.run_dir.is_main = self.is_main
         seed_everything(cfg.seed)
-        self.task = make_task(cfg.task)
+        self.task = checked.task if checked.task is not None else make_task(cfg.task)
         model, self.tok = load_policy(cfg.model, seed=cfg.seed, task=self.task)
         self.is_moe = bool(is_moe(model))
         if not self.is_moe and rt.replay != "none":

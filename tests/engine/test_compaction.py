@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.tiny import rollout_engine
+
 
 def _engine(compact: bool, record: bool, dtype: str = "float32"):
     from offpolicy_moe.config.schema import ModelConfig, TaskConfig
@@ -16,7 +18,7 @@ def _engine(compact: bool, record: bool, dtype: str = "float32"):
     model, tok = load_policy(ModelConfig(num_layers=2, hidden_size=32, num_experts=4, top_k=2), seed=5, task=task)
     with torch.no_grad():    # an untrained model rarely stops: make EOS likely so that rows finish at many steps
         model.lm_head.weight[tok.eos_token_id] += 0.6 * model.lm_head.weight[3:13].mean(0)
-    eng = HFRolloutEngine(model, tok, dtype=dtype, max_new_tokens=10, temperature=1.5, record_routes=record,
+    eng = rollout_engine(model, tok, dtype=dtype, max_new_tokens=10, temperature=1.5, record_routes=record,
                           compact_finished=compact)
     rows = task.sample_prompts(0, 6)
     return eng, [r["prompt"] for r in rows], [r["answer"] for r in rows]

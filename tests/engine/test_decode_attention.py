@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from tests.engine.tiny import rollout_engine
 from offpolicy_moe.config.schema import ModelConfig, TaskConfig
 from offpolicy_moe.rollout.decode_attention import NAME, single_query_attention, use_single_query_decode
 from offpolicy_moe.rollout.engine import HFRolloutEngine
@@ -136,7 +137,7 @@ def _engine_batches(decode_attention: str, dtype: str):
     task = make_task(TaskConfig())
     model, tok = load_policy(ModelConfig(num_layers=2, hidden_size=32, num_experts=4, top_k=2), seed=3, task=task)
     rows = task.sample_prompts(0, 4)
-    eng = HFRolloutEngine(model, tok, dtype=dtype, max_new_tokens=24, decode_attention=decode_attention)
+    eng = rollout_engine(model, tok, dtype=dtype, max_new_tokens=24, decode_attention=decode_attention)
     assert eng.single_query_decode == (decode_attention == "single_query")
     assert model.config._attn_implementation == "sdpa"          # the trainer's model is never switched
     return eng.generate([r["prompt"] for r in rows], [r["answer"] for r in rows], group_size=4, seed=7)
@@ -150,7 +151,10 @@ def test_engine_samples_equal_sdpa_engine(dtype, atol):
     torch.testing.assert_close(a.behav_logp, b.behav_logp, rtol=0, atol=atol)
 
 
-def test_engine_rejects_unknown_decode_attention():
-    model, tok = load_policy(ModelConfig(num_layers=1, hidden_size=32, num_experts=4, top_k=2), seed=0)
-    with pytest.raises(ValueError, match="decode_attention"):
-        HFRolloutEngine(model, tok, decode_attention="flash")
+def test_an_unknown_decode_attention_is_refused_at_the_door():
+    """The config refuses it before any engine is built (the engine no longer re-checks its section)."""
+    from offpolicy_moe.config import load_config
+    from offpolicy_moe.config.validate import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="rollout.decode_attention"):
+        validate(load_config(overrides=["rollout.decode_attention=flash"]))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from tests.engine.tiny import rollout_engine
 from offpolicy_moe.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 
 
@@ -72,7 +73,7 @@ def test_long_native_samples_equal_generate_with_compaction():
         out = {}
         for sampler in ("hf", "native"):
             # transformers' SDPA kernel in the decode steps too (the single-query path: test_decode_attention.py)
-            eng = HFRolloutEngine(model, tok, dtype=dtype, max_new_tokens=40, temperature=temp, top_p=top_p,
+            eng = rollout_engine(model, tok, dtype=dtype, max_new_tokens=40, temperature=temp, top_p=top_p,
                                   sampler=sampler, decode_attention="sdpa")
             out[sampler] = eng.generate(prompts, answers, group_size=4, seed=7)
         a, b = out["hf"], out["native"]

@@ -24,7 +24,7 @@ import torch
 
 from offpolicy_moe.trainer.launch import cpu_launch_processes
 from offpolicy_moe.trainer.trainer import Trainer
-from tests.engine.tiny import run_fused_or_not, tiny_config, tiny_policy
+from tests.engine.tiny import rollout_engine, run_fused_or_not, tiny_config, tiny_policy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,7 +101,7 @@ def _fixed_batches(tmp_path):
     tr2 = Trainer(_cfg(tmp_path / "gen_pr2", PR2))
     tr2.unwrapped.load_state_dict(init)
     tr2.sync_engine(0)
-    pr2_batch = tr2.generate(0)
+    pr2_batch = tr2.source.generate(0)
     tr2.prepare(pr2_batch)
     pr2_batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(pr2_batch.answers,
                                                                                 pr2_batch.completions))]
@@ -231,7 +231,7 @@ def test_native_sampler_matches_generate():
         out = {}
         for sampler in ("hf", "native"):
             # transformers' SDPA kernel in the decode steps too (the single-query path: test_decode_attention.py)
-            eng = HFRolloutEngine(model, tok, dtype=dtype, max_new_tokens=5, temperature=temp, top_p=top_p,
+            eng = rollout_engine(model, tok, dtype=dtype, max_new_tokens=5, temperature=temp, top_p=top_p,
                                   record_routes=record, sampler=sampler, batch_size=bs, decode_attention="sdpa")
             out[sampler] = eng.generate(prompts, answers, group_size=4, seed=11)
         a, b = out["hf"], out["native"]

@@ -25,7 +25,7 @@ from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingControlle
                                    perturbation_seed, router_perturbation)
 from offpolicy_moe.tasks import make_task
 
-from tests.engine.tiny import tiny_config, tiny_policy
+from tests.engine.tiny import rollout_engine, tiny_config, tiny_policy
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ def _engine(sigma: float, seed: int = 0, *, layers: int = 2, **kw) -> HFRolloutE
     model, tok = tiny_policy(num_layers=layers, seed=3)
     kw.setdefault("dtype", "float32")
     kw.setdefault("max_new_tokens", 4)
-    return HFRolloutEngine(model, tok, record_routes=True, router_perturb=sigma, perturb_seed=seed, **kw)
+    return rollout_engine(model, tok, record_routes=True, router_perturb=sigma, seed=seed, **kw)
 
 
 def _weights(pert: PR2Predictors) -> list[torch.Tensor]:
@@ -175,7 +175,7 @@ def test_dense_model_ignores_router_noise_and_perturbation():
     """Validation warns that they have no effect on a dense model; the engine then does nothing with them."""
     task = make_task(TaskConfig())
     model, tok = load_policy(ModelConfig(preset="tiny-dense", num_layers=1, hidden_size=32), seed=0, task=task)
-    eng = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=2, router_noise=0.5, router_perturb=1.0)
+    eng = rollout_engine(model, tok, dtype="float32", max_new_tokens=2, router_noise=0.5, router_perturb=1.0)
     assert eng.controller is None and eng.router_perturbation is None
     prompts, answers = _prompts(2)
     assert eng.generate(prompts, answers, group_size=2, seed=0).routes is None

@@ -8,6 +8,7 @@ import weakref
 
 import torch
 
+from tests.engine.tiny import rollout_engine
 from offpolicy_moe.config.schema import ModelConfig, TaskConfig
 from offpolicy_moe.models.token_logprobs import token_logprobs
 from offpolicy_moe.rollout.engine import HFRolloutEngine
@@ -20,7 +21,7 @@ def test_sampler_keeps_one_step_of_scores():
     task = make_task(TaskConfig())
     model, tok = load_policy(ModelConfig(num_layers=1, hidden_size=32, num_experts=4, top_k=2), seed=0, task=task)
     rows = task.sample_prompts(0, 2)
-    eng = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=12, sampler="native")
+    eng = rollout_engine(model, tok, dtype="float32", max_new_tokens=12, sampler="native")
     process = eng._process_scores
     alive: list[weakref.ref] = []
     drawn: list[torch.Tensor] = []
@@ -43,7 +44,7 @@ def test_sampler_keeps_one_step_of_scores():
     assert len(alive) >= 5
     assert peak[0] == 1            # only the current step's scores (all earlier ones were freed)
     # the default threshold holds this tiny vocabulary's steps to the end: the same samples and log-probs
-    eng2 = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=12, sampler="native")
+    eng2 = rollout_engine(model, tok, dtype="float32", max_new_tokens=12, sampler="native")
     assert eng2.scores_held_elements > 12 * 6 * len(tok)
     again = eng2.generate([r["prompt"] for r in rows], [r["answer"] for r in rows], group_size=3, seed=1)
     assert torch.equal(again.input_ids, batch.input_ids)
@@ -113,7 +114,7 @@ def test_generate_sampler_holds_one_step_of_scores():
     prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
     out = {}
     for sampler in ("hf", "native"):
-        eng = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=9, sampler=sampler, temperature=0.9,
+        eng = rollout_engine(model, tok, dtype="float32", max_new_tokens=9, sampler=sampler, temperature=0.9,
                               top_p=0.95, decode_attention="sdpa")
         calls = []
         generate = eng.model.generate

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offpolicy_moe.trainer.trainer import Trainer
-from tests.engine.tiny import tiny_config, tiny_policy
+from tests.engine.tiny import rollout_engine, tiny_config, tiny_policy
 
 
 def _model():
@@ -229,7 +229,7 @@ def test_trainer_update_with_and_without_shared_prompt(tmp_path):
               "trainer.mismatch_metrics=false", "rollout.max_new_tokens=4"]
     gen = Trainer(tiny_config(tmp_path / "gen", *common))
     init = {k: v.detach().clone() for k, v in gen.unwrapped.state_dict().items()}
-    batch = gen.generate(0)
+    batch = gen.source.generate(0)
     batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(batch.answers, batch.completions))]
     out = {}
     for share in (True, False):
@@ -290,7 +290,7 @@ def test_engine_sync_copies_casts_and_refuses_mismatched_weights():
     from offpolicy_moe.rollout.engine import HFRolloutEngine
 
     model, tok = _model()
-    eng = HFRolloutEngine(model, tok, dtype="bfloat16", max_new_tokens=2)
+    eng = rollout_engine(model, tok, dtype="bfloat16", max_new_tokens=2)
     sd = {k: v + 0.5 for k, v in model.state_dict().items()}
     eng.sync(sd, 3)
     assert eng.version == 3

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from tests.engine.tiny import rollout_engine
 from offpolicy_moe.run.loggers import JsonlLogger, WandbLogger, clean_metrics
 from offpolicy_moe.trainer.logprobs import response_logprobs
 from offpolicy_moe.rollout.engine import HFRolloutEngine, resolve_dtype
@@ -48,7 +49,7 @@ def brute_force_logp(model, seq, am, P, temperature=1.0, top_p=1.0):
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
 def test_behaviour_logp_is_the_sampling_distribution(tiny, temperature, top_p):
     model, tok = tiny
-    eng = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=4, temperature=temperature, top_p=top_p)
+    eng = rollout_engine(model, tok, dtype="float32", max_new_tokens=4, temperature=temperature, top_p=top_p)
     batch = eng.generate(PROMPTS, ["3", "15", "6", "9"], group_size=3, seed=5)
     assert batch.size == 12 and batch.group_ids.tolist() == [g for g in range(4) for _ in range(3)]
     ref = brute_force_logp(model, batch.input_ids, batch.attention_mask, batch.prompt_len, temperature, top_p)
@@ -69,7 +70,7 @@ def test_behaviour_logp_is_the_sampling_distribution(tiny, temperature, top_p):
 
 def test_engine_is_a_separate_copy_in_its_dtype_and_sync_sets_version(tiny):
     model, tok = tiny
-    eng = HFRolloutEngine(model, tok, dtype="bfloat16", max_new_tokens=2)
+    eng = rollout_engine(model, tok, dtype="bfloat16", max_new_tokens=2)
     assert next(eng.model.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.float32
     sd = {k: v + 1.0 for k, v in model.state_dict().items()}
@@ -82,13 +83,16 @@ def test_engine_is_a_separate_copy_in_its_dtype_and_sync_sets_version(tiny):
     assert b.version == 7
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float8")
-    with pytest.raises(ValueError, match="top_p"):
-        HFRolloutEngine(model, tok, top_p=0.0)
+    from offpolicy_moe.config import load_config
+    from offpolicy_moe.config.validate import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="rollout.top_p"):
+        validate(load_config(overrides=["rollout.top_p=0.0"]))
 
 
 def test_same_seed_same_batch(tiny):
     model, tok = tiny
-    eng = HFRolloutEngine(model, tok, dtype="float32", max_new_tokens=3)
+    eng = rollout_engine(model, tok, dtype="float32", max_new_tokens=3)
     a = eng.generate(PROMPTS, ["3", "15", "6", "9"], group_size=2, seed=11)
     b = eng.generate(PROMPTS, ["3", "15", "6", "9"], group_size=2, seed=11)
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.behav_logp, b.behav_logp)

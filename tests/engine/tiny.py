@@ -52,3 +52,14 @@ def run_fused_or_not(cfg, fuse: bool):
     rows = [json.loads(x) for x in open(Path(cfg.run_dir) / "metrics.jsonl")]
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     return rows, {k: v.clone() for k, v in tr.unwrapped.state_dict().items()}
+
+
+def rollout_engine(model, tok, *, record_routes: bool = False, seed: int = 0, router_offsets=None, **rollout):
+    """The Hugging Face rollout engine of ``RolloutConfig(**rollout)``, built as the trainer builds it (its config
+    section; ``seed``: the run's seed, which draws ``rollout.router_perturb``'s perturbation)."""
+    from offpolicy_moe.config.schema import RolloutConfig
+    from offpolicy_moe.rollout.engine import HFRolloutEngine
+
+    offsets = {k: rollout.pop(k) for k in list(rollout) if k.startswith("pr2_")} or router_offsets
+    return HFRolloutEngine(model, tok, RolloutConfig(**rollout), record_routes=record_routes, seed=seed,
+                           router_offsets=offsets)
