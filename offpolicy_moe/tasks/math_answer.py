@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import weakref
+from fractions import Fraction
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -147,8 +148,8 @@ class MathVerifier:
         """Whether ``pred`` and ``gold`` are the same mathematical answer (None: timed out, scored as wrong)."""
         if not gold or not pred:
             return False
-        if gold == pred and _PLAIN_NUMBER.fullmatch(gold):
-            return True
+        if _PLAIN_NUMBER.fullmatch(gold) and _PLAIN_NUMBER.fullmatch(pred):
+            return Fraction(gold) == Fraction(pred)      # two decimals: exact arithmetic decides, no child needed
         key = (gold, pred)
         if key in self._cache:
             return self._cache[key]

@@ -1,0 +1,54 @@
+"""The bring-your-own-task example: experiments/make_gsm8k_format.py's file, experiments/byo_task/ (a reward outside
+the package, a YAML) accepted by `train --dry-run`, and its reward."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from offpolicy_moe.cli import main
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.tasks import VOCAB, make_task, resolve_reward
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path, *args) -> Path:
+    out = tmp_path / "gsm.jsonl"
+    subprocess.run([sys.executable, str(REPO / "experiments" / "make_gsm8k_format.py"), "--out", str(out), *args],
+                   check=True, capture_output=True, timeout=120)
+    return out
+
+
+def test_the_file_is_gsm8k_format_with_correct_answers(tmp_path):
+    rows = [json.loads(x) for x in _write(tmp_path, "--operators", "+-").read_text().splitlines()]
+    assert len(rows) == 4000 and len({r["question"] for r in rows}) == 4000      # 10^3 operands x 2^2 operators
+    alphabet = {c for c in VOCAB if len(c) == 1}
+    for r in rows:
+        assert set(r["question"]) <= alphabet and r["question"].endswith("=")
+        *steps, final = r["answer"].split("\n")
+        assert final == f"#### {eval(r['question'][:-1])}"              # noqa: S307 - digits and +- only
+        assert all(eval(s.split("=")[0]) == int(s.split("=")[1]) for s in steps)   # noqa: S307
+
+
+def test_the_example_config_passes_the_dry_run_and_builds_its_task(tmp_path, monkeypatch, capsys):
+    data = _write(tmp_path, "--limit", "300")
+    monkeypatch.chdir(REPO)                  # the YAML names its reward file relative to the repository
+    yaml = str(REPO / "experiments" / "byo_task" / "train.yaml")
+    over = [f"task.name=dataset:{data}", f"run_dir={tmp_path / 'run'}"]
+    assert main(["train", "--dry-run", yaml, *over]) == 0, capsys.readouterr().err
+    task = make_task(load_config(yaml, over).task)
+    try:
+        assert len(task.eval_prompts) == 128 and [s.name for s in task.rewards.specs] == ["math", "bare_number"]
+        answer = task.train_answers[0]
+        s = task.score([answer, f"{answer}<eos>", f"x = {answer}", "0.5"], [answer] * 4)
+        assert s.parts["math"] == [1.0, 1.0, 1.0, 0.0] and s.parts["bare_number"] == [1.0, 1.0, 0.0, 0.0]
+        assert s.total == [1.1, 1.1, 1.0, 0.0]
+    finally:
+        task.rewards.close()
+
+
+def test_bare_number_by_its_path():
+    fn = resolve_reward(str(REPO / "experiments" / "byo_task" / "rewards.py") + ":bare_number")
+    assert fn(["12", "-3<eos><pad>", " 7 ", "1+2", ""], [""] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
