@@ -3,7 +3,8 @@ hand list; 61 families in transformers 5.24) is built as a tiny random model and
 refused with one line naming its router class and a registered design limit (``REFUSED_ROUTERS``).
 
 The checks of a supported family (``test_family_scan``): routes recorded in a KV-cached, left-padded, sampling
-``generate`` align with the sequences; self-replay is bit-exact; forced replay reaches the experts (with the
+``generate`` align with the sequences; self-replay is bit-exact; forced replay reaches the experts (the ids the
+experts module receives, or: the output ignores an unforced expert's weights and follows a forced one's; with the
 family's own weight rule); router gradients flow; nothing stays patched. Gradient checkpointing is checked in the
 slow suite. A family that crashes, misaligns or is refused for anything but a registered design limit fails."""
 from __future__ import annotations
@@ -146,11 +147,13 @@ def _check_replay(model, ctl):
         for h in handles:
             h.remove()
     assert torch.equal(used.trace().ids.long(), forced.long())
+    hooked = False
     if calls:
         got = torch.cat([c[0].reshape(-1) for c in calls])
         want = forced.permute(2, 0, 1, 3).reshape(-1) if len(calls) == ctl.num_moe_layers else None
         if want is not None and got.numel() == want.numel():
             assert torch.equal(got.long(), want.long())
+            hooked = True
     perm = trace.ids.flip(-1)
     calls, handles = _experts_calls(model)
     try:
@@ -166,6 +169,44 @@ def _check_replay(model, ctl):
         if w0 is not None and w1 is not None and w0.shape == i0.shape and i0.shape[-1] == k:
             o0, o1 = i0.argsort(-1), i1.argsort(-1)
             assert torch.allclose(w0.gather(-1, o0), w1.gather(-1, o1), rtol=1e-6, atol=1e-7)
+    return hooked
+
+
+def _expert_params(model, ctl) -> list[torch.Tensor]:
+    """Parameters stacked per expert (first dimension E) inside the replayed layers' MoE blocks, routers excluded."""
+    blocks = tuple(n.rsplit(".", 1)[0] + "." for n in ctl.router_names)
+    routers = tuple(n + "." for n in ctl.router_names)
+    return [p for n, p in model.named_parameters()
+            if n.startswith(blocks) and not n.startswith(routers) and p.dim() >= 2 and p.shape[0] == ctl.num_experts]
+
+
+def _check_experts_reached(model, ctl) -> bool:
+    """Every token forced to experts ``0..K-1`` in every replayed layer: the logits do not depend on the weights of
+    expert ``E - 1`` and do depend on those of expert 0. False when the family's experts are not stacked by expert."""
+    params = _expert_params(model, ctl)
+    if not params:
+        return False
+    ids, mask = _batch(seed=7)
+    k, e = ctl.top_k, ctl.num_experts
+    forced = torch.arange(k).expand(ids.shape[0], ids.shape[1], ctl.num_moe_layers, k)
+    trace = RouteTrace.from_ids(forced, e, k, ctl.layer_ids)
+
+    def logits_with(expert: int | None):
+        saved = [p[expert].clone() for p in params] if expert is not None else []
+        with torch.no_grad():
+            for p in params if expert is not None else []:
+                p[expert].add_(1.0)
+            try:
+                with ctl.replay(trace):
+                    return model(input_ids=ids, attention_mask=mask).logits
+            finally:
+                for p, v in zip(params if expert is not None else [], saved):
+                    p[expert].copy_(v)
+
+    ref = logits_with(None)
+    assert torch.equal(logits_with(e - 1), ref), "an expert the trace did not pick changed the output"
+    assert not torch.equal(logits_with(0), ref), "the expert the trace picked did not change the output"
+    return True
 
 
 def _forced_grads(model, ctl, seed=2):
@@ -206,7 +247,8 @@ def test_family_scan(family):
         _nothing_patched(model)
         return
     _check_generate_alignment(model, ctl)
-    _check_replay(model, ctl)
+    hooked = _check_replay(model, ctl)
+    assert _check_experts_reached(model, ctl) or hooked, "no check saw the forced ids reach the experts"
     grads = _forced_grads(model, ctl)
     router_grads = [grads[n] for n in grads if any(r + "." in n + "." for r in ctl.router_names)]
     assert router_grads and any(bool(gr.abs().sum() > 0) for gr in router_grads), "router got no gradient"
