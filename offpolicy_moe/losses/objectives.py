@@ -221,8 +221,10 @@ def unclipped_loss(
     return loss, metrics
 
 
-def metrics_to_floats(metrics: dict) -> dict[str, float]:
-    """Convert a metrics dict of 0-d tensors / numbers to Python floats with a single host sync."""
+def metrics_to_floats(metrics: dict, *, drop_nonfinite: bool = False) -> dict[str, float]:
+    """Convert a metrics dict of 0-d tensors / numbers to Python floats with a single host sync (the package's one
+    metric-to-float conversion); ``drop_nonfinite``: leave out NaN / Inf values (and ``None``)."""
+    metrics = {k: v for k, v in metrics.items() if v is not None}
     keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
     out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
     if keys:
@@ -231,7 +233,7 @@ def metrics_to_floats(metrics: dict) -> dict[str, float]:
             ts = [t.cpu() for t in ts]
         vals = torch.stack(ts).tolist()
         out.update(zip(keys, vals))
-    return {k: out[k] for k in metrics}
+    return {k: out[k] for k in metrics if not drop_nonfinite or math.isfinite(out[k])}
 
 
 __all__ = [

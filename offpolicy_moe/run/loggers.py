@@ -13,21 +13,19 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
+from offpolicy_moe.losses import metrics_to_floats
+
 __all__ = ["JsonlLogger", "ConsoleLogger", "WandbLogger", "MultiLogger", "clean_metrics"]
 
 
 def clean_metrics(metrics: dict) -> dict:
-    """Floats only (tensors → float), non-finite values → None (valid JSON)."""
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        if hasattr(v, "item"):
-            v = v.detach().float().item() if hasattr(v, "detach") else v.item()
-        if isinstance(v, bool):
-            v = float(v)
-        if isinstance(v, (int, float)):
-            v = float(v)
-            out[k] = v if math.isfinite(v) else None
-    return out
+    """The numbers of ``metrics`` as floats (:func:`~offpolicy_moe.losses.metrics_to_floats`, one host sync), with
+    non-finite values as None so the line stays valid JSON; other values are left out."""
+    numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor)) and
+               (not isinstance(v, torch.Tensor) or v.numel() == 1)}
+    return {k: (v if math.isfinite(v) else None) for k, v in metrics_to_floats(numeric).items()}
 
 
 class JsonlLogger:

@@ -61,7 +61,8 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "perf/time_old_logp_s": "seconds recomputing old log-probs (and mismatch/routing measurements)",
     "perf/time_update_s": "seconds in the optimizer updates",
     "perf/time_eval_s": "seconds in evaluation",
-    "perf/time_step_s": "seconds of the whole iteration",
+    "perf/time_step_s": "seconds of the whole step (generation of warm-up iterations and evaluation included)",
+    "perf/elapsed_s": "wall seconds of the training loop so far (evaluation included, start-up and SFT not), over segments",
     # evaluation
     "eval/accuracy": "greedy exact-match accuracy on the held-out split",
     "eval/partial": "greedy per-digit partial credit on the held-out split",
@@ -78,6 +79,7 @@ DOCUMENTED_PREFIXES: tuple[str, ...] = (
     "pr2/",        # pred_kl, base_kl, skill_ratio, zero_dev_layer/_token(_r3), bias_route_change, ...
     "routing/",    # engine route vs the trainer's own top-k at the rollout policy (old-log-prob pass)
     "drift/",      # engine route vs the current router's own top-k at off-policy mini-steps (drift_metrics)
+    "dynamic_sampling/",   # dropped_groups, kept_share (algo.dynamic_sampling=drop)
 )
 
 

@@ -20,16 +20,10 @@ import torch
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
 from offpolicy_moe.trainer.forward import RoutedForward, eval_mode
-from offpolicy_moe.run.loggers import clean_metrics
-from offpolicy_moe.losses import mismatch_metrics
+from offpolicy_moe.losses import metrics_to_floats, mismatch_metrics
 from offpolicy_moe.routing import routing_metrics
 
-__all__ = ["OldLogpPass", "FusedOldLogp", "float_metrics"]
-
-
-def float_metrics(metrics: dict) -> dict[str, float]:
-    """The finite-or-None-free float view of a metric dict (tensors converted, ``None`` dropped)."""
-    return {k: v for k, v in clean_metrics(metrics).items() if v is not None}
+__all__ = ["OldLogpPass", "FusedOldLogp"]
 
 
 def _to_cpu(x: Any) -> Any:
@@ -144,7 +138,7 @@ class OldLogpPass:
         if replay == "r2":
             batch.trainer_routes = own_routes
         if self.measure_routing and batch.routes is not None:
-            extras.update(float_metrics(routing_metrics(batch.routes, own_routes, batch.attention_mask)))
+            extras.update(metrics_to_floats(routing_metrics(batch.routes, own_routes, batch.attention_mask), drop_nonfinite=True))
         return lp_own.cpu()
 
     def _fused_r3_counterfactual(self, batch: RolloutBatch) -> dict[str, float]:
@@ -160,7 +154,7 @@ class OldLogpPass:
     @staticmethod
     def mismatch(logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
         """``mismatch/*`` of trainer log-probs ``logp`` against the batch's behaviour log-probs."""
-        return float_metrics(mismatch_metrics(logp, batch.behav_logp, batch.response_mask))
+        return metrics_to_floats(mismatch_metrics(logp, batch.behav_logp, batch.response_mask), drop_nonfinite=True)
 
     def mismatch_extras(self, logp: torch.Tensor, batch: RolloutBatch, name: str) -> dict[str, float]:
         """``mismatch/k3_kl_<name>`` and ``mismatch/extreme_frac_<name>`` (``name``: ``r3`` with replay,
@@ -199,7 +193,7 @@ class OldLogpPass:
         batch.old_logp = fused.values.cpu()
         metrics: dict[str, float] = {}
         if fused.routes is not None and batch.routes is not None:
-            metrics.update(float_metrics(routing_metrics(batch.routes, _to_cpu(fused.routes), batch.attention_mask)))
+            metrics.update(metrics_to_floats(routing_metrics(batch.routes, _to_cpu(fused.routes), batch.attention_mask), drop_nonfinite=True))
         metrics.update(self.mismatch(batch.old_logp, batch))
         name = "r3" if self.cfg.algo.routing.replay == "r3" and batch.routes is not None else "no_r3"
         metrics.update(self.mismatch_extras(batch.old_logp, batch, name))

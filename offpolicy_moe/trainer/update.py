@@ -23,7 +23,7 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.run.faults import NonFiniteLossError, is_finite
 from offpolicy_moe.trainer.forward import RoutedForward
 from offpolicy_moe.run.full_state import as_full_tensor
-from offpolicy_moe.trainer.old_logp import FusedOldLogp, OldLogpPass, float_metrics
+from offpolicy_moe.trainer.old_logp import FusedOldLogp, OldLogpPass
 from offpolicy_moe.trainer.step_guard import StepGuard
 from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_loss_spec, global_counts,
                                   group_advantages, kl_penalty, metrics_to_floats, resolve_loss_options)
@@ -76,7 +76,7 @@ def mean_metrics(dicts: list[dict]) -> dict[str, float]:
         else:
             ts = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64) for v in vs]
             means[k] = torch.stack([t.to(ts[0].device) for t in ts]).mean()
-    return {k: v for k, v in metrics_to_floats(means).items() if math.isfinite(v)}
+    return metrics_to_floats(means, drop_nonfinite=True)
 
 
 @dataclass
@@ -179,7 +179,7 @@ class PolicyUpdate:
         rewards = torch.tensor(self.task.reward(batch.completions, batch.answers), dtype=torch.float32)
         adv, rmetrics = group_advantages(rewards, batch.group_ids, norm=self.cfg.algo.loss.adv_norm,
                                          return_metrics=True)
-        metrics = float_metrics(rmetrics)
+        metrics = metrics_to_floats(rmetrics, drop_nonfinite=True)
         metrics["reward/std"] = float(rewards.std(unbiased=False)) if rewards.numel() > 1 else 0.0
         metrics["reward/response_len"] = float(batch.response_mask.sum(-1).float().mean())
         metrics["reward/adv_abs_mean"] = float(adv.abs().mean())
@@ -193,7 +193,7 @@ class PolicyUpdate:
         if src in ("trainer", "proximal") and corr.mode != "none":
             weights, wm = correction_weights(batch.old_logp, batch.behav_logp, batch.response_mask, level=corr.level,
                                              mode=corr.mode, high=corr.high, low=corr.low)
-            return weights, float_metrics(wm)
+            return weights, metrics_to_floats(wm, drop_nonfinite=True)
         if src == "proximal":
             lw = (batch.old_logp - batch.behav_logp).clamp(-20, 20)
             return torch.where(batch.response_mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
