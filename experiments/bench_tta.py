@@ -1,0 +1,375 @@
+"""Time to accuracy: wall-clock seconds until held-out greedy accuracy first reaches a target (issue 25, item 1).
+
+    python experiments/bench_tta.py --arms trl,sync,async --seeds 5            # the full benchmark
+    python experiments/bench_tta.py --quick                                    # <= 10 min on 2 cores
+
+**Arms** (``--arms``, comma list): ``trl`` = TRL's GRPOTrainer, synchronous (experiments/tta/trl_arm.py, the
+settings of bench_vs_trl.py); ``sync`` = ours, ``buffer.mode=fixed buffer.staleness=0``, GRPO; ``async`` = ours with
+``buffer.mode=async rollout.workers=1`` at staleness k in {1, 2, 4} x loss in {grpo, m2po, m2po_tis} (presets
+``[grpo]``, ``[m2po]``, ``[m2po,tis]``); a single one is named ``async-k2-m2po_tis``.  Ours run through the CLI
+(``python -m offpolicy_moe train ... --run-dir``) in a subprocess each; TRL in a subprocess of this script.
+
+**The job** (every arm): the embedded tiny Qwen3-MoE (2 layers, hidden 64, 8 experts, top-2) on the default task
+(1-digit, 3-term sums), 16 prompts x 8 samples per step, ``max_new_tokens=3`` (answers are <= 2 characters + eos),
+temperature 1, top-p 1, lr 3e-4 (constant), grad clip 1, 1 update per batch, fp32 generation (TRL generates with
+its fp32 training model; ``--set rollout.dtype=bfloat16`` gives ours the demo's bf16 engine), 1 torch thread per
+process, no routing replay, routing and mismatch metrics off (TRL has neither), 500 steps, evaluation every 25 steps
+on 256 held-out problems (``task.eval_size=256``; plus as many training prompts, as our trainer does).  Why: the
+demo's settings (offpolicy_moe/commands/demo.py) and bench_vs_trl's anchor job; measured on this 2-core machine under
+load 7-8 (2026-11-25, seed 0, sync arm): lr 3e-4 takes held-out accuracy from 0.33 (after SFT) to 0.59-0.67 over
+steps 400-500 in about 45 s of loop time (0.09 s/step); lr 1e-3 first falls to 0.11 and only reaches 0.42 in 63 s;
+150 steps at 3e-4 only reach 0.39.  256 eval problems put one evaluation's standard error near 0.03.
+
+**Warm start**: once per seed, ``train`` with the default SFT warm start (``trainer.sft_warmup_steps=60``) and one
+RL step, checkpointing step 0 (the SFT weights), then ``export --step 0`` into a Hugging Face folder; every arm of
+that seed starts from it (``model.path=...``, ``trainer.sft_warmup_steps=0``; TRL loads it with ``load_policy``).
+Its wall time is reported apart (``warm_start_s``), as is each run's start-up (process wall time minus the
+training loop's: imports, model load, the step-0 evaluation, the final checkpoint).
+
+**Clock**: ``perf/elapsed_s`` (wall seconds since the training loop started, evaluation included) when the rows have
+it, else the cumulative sum of ``perf/time_step_s``; the output names which.  TRL's rows carry the same clock from
+``on_train_begin``.  Time runs from the end of the first trained step, for every arm: that step is start-up (our
+asynchronous source starts its worker process on the first batch request, about 11 s of imports and model load
+under load 6, measured 2026-11-25; TRL and ours warm up), reported in the ``first step s`` column and included in
+``start-up s`` (process wall time minus the timed loop: imports, model load, step-0 evaluation, first step, final
+checkpoint).  **TTA** at the first eval step s with ``eval/accuracy >= target``: ``tta_s`` charges every
+earlier evaluation (the clock at s minus the evaluation at s), ``tta_no_eval_s`` excludes all evaluation time
+(experiments/tta/analysis.py ``curve``); s/step is the timed loop without evaluation over steps 2..N.  A run that never reaches the target is **censored** at its end (the loop's end time,
+with or without evaluation) and counted in the ``reached`` column; a censored time is a lower bound, so a ratio
+with a censored arm overstates that arm's speed-up and one with a censored reference understates it.
+
+**Target**: ``--target A``, else the sync arm's median final accuracy (last evaluation, step ``--steps``) over the
+seeds of this invocation minus 0.03.
+
+**Ratios**: per seed, ``TTA(reference) / TTA(arm)`` (> 1: the arm is sooner) for reference ``trl`` and ``sync``;
+the table gives their geometric mean with the paired 95% Student-t interval on the log scale
+(offpolicy_moe/report/stats.py ``compare(scale="log")``); per-seed ratios are in the JSON.  Final accuracy: median
+over seeds, and the paired mean difference to sync with its 95% interval.
+
+**Order**: seed-major; within seed i the arms are rotated left by i, so load drift hits every arm alike.  The load
+average is recorded at the start, the end, and around every run.
+
+**Output** (``--out``, default experiments/results/tta/<full|quick>/): ``runs.json`` (every run: arm, seed, eval
+curve, TTA, phases, start-up, loads), ``table.md`` (printed too), ``tta.png`` (accuracy against the clock, one
+colour per arm, the median curve bold).  The last line printed:
+``time to accuracy: best arm <name> <x>x TRL, <y>x ours sync`` with the best arm the one of ours (any but trl) with
+the smallest median TTA, x and y its geometric-mean paired ratios.
+
+**--quick**: arms ``trl,sync,async-k2-m2po_tis``, 2 seeds, 200 steps, eval every 25 (about 6-9 min on 2 cores
+under load 7); ``--arms/--seeds/--steps`` given explicitly still win.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tta.analysis import (TARGET_MARGIN, Arm, curve, default_target, parse_arms, per_seed_ratios, rotated, speedup,
+                          time_to_accuracy)
+
+HERE = Path(__file__).resolve().parent
+QUICK = {"arms": "trl,sync,async-k2-m2po_tis", "seeds": 2, "steps": 200}
+FULL = {"arms": "trl,sync,async", "seeds": 5, "steps": 500}
+
+
+def job_overrides(args, seed: int, warm: str | None) -> list[str]:
+    """The job every arm trains (module docstring), as trainer overrides; ``warm``: the warm-start folder."""
+    out = [f"seed={seed}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+           f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+           "rollout.dtype=float32", f"optim.lr={args.lr}", "optim.grad_clip=1.0", "optim.scheduler=constant",
+           "trainer.updates_per_step=1", f"trainer.steps={args.steps}", f"trainer.eval_every={args.eval_every}",
+           f"task.eval_size={args.eval_size}", "trainer.threads=1", "trainer.checkpoint_every=0",
+           "trainer.export_final=false", "logging.loggers=[jsonl]", "logging.progress=false",
+           "algo.routing.replay=none", "algo.routing.metrics=false", "trainer.mismatch_metrics=false"]
+    if warm is not None:
+        out += [f"model.path={warm}", "trainer.sft_warmup_steps=0"]
+    return out
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+                TOKENIZERS_PARALLELISM="false")
+
+
+def _call(cmd: list[str], what: str) -> float:
+    """Run ``cmd``; its wall seconds; RuntimeError with the output's tail when it fails."""
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    if r.returncode != 0:
+        raise RuntimeError(f"{what} failed (rc={r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return time.perf_counter() - t0
+
+
+def warm_start(args, seed: int, work: Path) -> tuple[str, float]:
+    """The SFT warm start of ``seed`` as a Hugging Face folder (module docstring); its path and wall seconds."""
+    run, out = work / f"sft-{seed}", work / f"warm-{seed}"
+    base = [o for o in job_overrides(args, seed, None) if not o.startswith(("trainer.steps=", "trainer.checkpoint"))]
+    wall = _call([sys.executable, "-m", "offpolicy_moe", "train", "--quiet", "--run-dir", str(run), *base,
+                  "trainer.steps=1", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0",
+                  f"trainer.sft_warmup_steps={args.sft_steps}"], f"warm start of seed {seed}")
+    wall += _call([sys.executable, "-m", "offpolicy_moe", "export", str(run), str(out), "--step", "0"],
+                  f"export of seed {seed}'s warm start")
+    return str(out), wall
+
+
+def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
+    """One run of ``arm`` from the warm start; its eval curve, TTA inputs and timings."""
+    run_dir = work / f"{arm.name}-{seed}"
+    common = job_overrides(args, seed, warm)
+    load0 = os.getloadavg()
+    if arm.system == "trl":
+        cmd = [sys.executable, str(HERE / "bench_tta.py"), "--trl-child", str(run_dir),
+               "--trl-gradient-checkpointing", str(args.trl_gradient_checkpointing),
+               "--trl-experts-implementation", args.trl_experts_implementation, "--", *common, "preset=[grpo]"]
+    else:
+        cmd = [sys.executable, "-m", "offpolicy_moe", "train", "--quiet", "--run-dir", str(run_dir), *common,
+               *arm.overrides(), *args.set]
+    wall = _call(cmd, f"arm {arm.name} seed {seed}")
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    c = curve(rows)
+    fair = {}
+    if arm.system == "trl" and (run_dir / "fairness.json").exists():
+        fair = json.loads((run_dir / "fairness.json").read_text())
+    return {"arm": arm.name, "seed": seed, "curve": c.__dict__, "process_wall_s": wall,
+            "startup_s": wall - c.end_s, "s_per_step": c.end_no_eval_s / max(args.steps - 1, 1),
+            "load_before": load0, "load_after": os.getloadavg(), "fairness": fair, "command": cmd}
+
+
+def _fmt_cmp(cmp) -> str:
+    if cmp is None:
+        return "n/a"
+    if cmp.lo is None:
+        return f"{cmp.estimate:.2f}x (n={cmp.n})"
+    return f"{cmp.estimate:.2f}x [{cmp.lo:.2f}, {cmp.hi:.2f}]"
+
+
+def summarise(runs: list[dict], arms: list[Arm], target: float) -> dict:
+    """Per arm: TTA, reached count, ratios against trl and sync, final accuracy (module docstring)."""
+    from offpolicy_moe.report.stats import compare
+
+    from tta.analysis import Curve
+
+    tta: dict[str, dict[int, object]] = {a.name: {} for a in arms}
+    final: dict[str, dict[int, float]] = {a.name: {} for a in arms}
+    for r in runs:
+        c = Curve(**r["curve"])
+        t = time_to_accuracy(c, target)
+        r["tta"] = t.__dict__
+        tta[r["arm"]][r["seed"]] = t
+        final[r["arm"]][r["seed"]] = c.final_accuracy
+    out = {}
+    for a in arms:
+        ts = tta[a.name]
+        row = {"runs": len(ts), "reached": sum(t.reached for t in ts.values()),
+               "median_tta_s": statistics.median(t.seconds for t in ts.values()),
+               "median_tta_no_eval_s": statistics.median(t.seconds_no_eval for t in ts.values()),
+               "median_final_accuracy": statistics.median(final[a.name].values()),
+               "median_startup_s": statistics.median(r["startup_s"] for r in runs if r["arm"] == a.name),
+               "median_s_per_step": statistics.median(r["s_per_step"] for r in runs if r["arm"] == a.name),
+               "median_first_step_s": statistics.median(r["curve"]["first_step_s"] for r in runs
+                                                        if r["arm"] == a.name)}
+        for ref in ("trl", "sync"):
+            if ref in tta and ref != a.name:
+                for key, attr in (("", "seconds"), ("_no_eval", "seconds_no_eval")):
+                    rv = {s: getattr(t, attr) for s, t in tta[ref].items()}
+                    av = {s: getattr(t, attr) for s, t in ts.items()}
+                    cmp = speedup(rv, av)
+                    row[f"vs_{ref}{key}"] = None if cmp is None else {"estimate": cmp.estimate, "lo": cmp.lo,
+                                                                       "hi": cmp.hi, "n": cmp.n, "text": _fmt_cmp(cmp)}
+                    row[f"vs_{ref}{key}_per_seed"] = per_seed_ratios(rv, av)
+        if "sync" in final and a.name != "sync" and final["sync"]:
+            d = compare(final[a.name], final["sync"])
+            row["final_minus_sync"] = {"estimate": d.estimate, "lo": d.lo, "hi": d.hi, "n": d.n}
+        out[a.name] = row
+    return out
+
+
+def table(summary: dict, target: float, clock: str) -> str:
+    def cmp(row, key):
+        v = row.get(key)
+        return v["text"] if v else "—"
+
+    def diff(row):
+        d = row.get("final_minus_sync")
+        if not d:
+            return "—"
+        return f"{d['estimate']:+.3f}" + (f" [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d["lo"] is not None else "")
+
+    lines = [f"target accuracy {target:.3f}; clock {clock}; TTA = time of the first evaluation at or above the "
+             "target (earlier evaluations charged | all evaluation excluded); censored runs count at their end",
+             "",
+             "| arm | reached | median TTA s | median TTA s, no eval | speed-up vs TRL [95%] | vs TRL, no eval | "
+             "speed-up vs sync [95%] | vs sync, no eval | final acc (median) | final − sync [95%] | s/step | "
+             "first step s | start-up s |", "|" + " --- |" * 13]
+    for name, r in summary.items():
+        lines.append(f"| {name} | {r['reached']}/{r['runs']} | {r['median_tta_s']:.1f} | "
+                     f"{r['median_tta_no_eval_s']:.1f} | {cmp(r, 'vs_trl')} | {cmp(r, 'vs_trl_no_eval')} | "
+                     f"{cmp(r, 'vs_sync')} | {cmp(r, 'vs_sync_no_eval')} | {r['median_final_accuracy']:.3f} | "
+                     f"{diff(r)} | {r['median_s_per_step']:.3f} | {r['median_first_step_s']:.1f} | {r['median_startup_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], arms: list[Arm], target: float, path: Path) -> None:
+    """Accuracy against the clock (earlier evaluations charged), thin per run, bold median per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    cmap = plt.get_cmap("tab20")
+    for i, a in enumerate(arms):
+        mine = [r["curve"] for r in runs if r["arm"] == a.name]
+        color = cmap(i % 20)
+        for c in mine:
+            ax.plot(c["time_s"], c["accuracy"], color=color, alpha=0.25, lw=0.8)
+        n = min(len(c["time_s"]) for c in mine)
+        xs = [statistics.median(c["time_s"][j] for c in mine) for j in range(n)]
+        ys = [statistics.median(c["accuracy"][j] for c in mine) for j in range(n)]
+        ax.plot(xs, ys, color=color, lw=2, label=a.name)
+    ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.3f}")
+    ax.set_xlabel("wall-clock seconds of training (earlier evaluations charged)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("time to accuracy (median over seeds bold)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def best_line(summary: dict) -> str:
+    """``time to accuracy: best arm <name> <x>x TRL, <y>x ours sync`` (the best arm: ours, smallest median TTA)."""
+    ours = {k: v for k, v in summary.items() if k != "trl"}
+    if not ours:
+        return "time to accuracy: best arm none (no arm of ours ran)"
+    name = min(ours, key=lambda k: ours[k]["median_tta_s"])
+    r = ours[name]
+
+    def x(key):
+        v = r.get(key)
+        return f"{v['estimate']:.2f}" if v else ("1.00" if key == "vs_sync" and name == "sync" else "n/a")
+
+    return f"time to accuracy: best arm {name} {x('vs_trl')}x TRL, {x('vs_sync')}x ours sync"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from bench_vs_trl import add_trl_args
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default=None, help=f"comma list (default {FULL['arms']}; --quick {QUICK['arms']})")
+    p.add_argument("--seeds", type=int, default=None, help=f"seeds per arm (default {FULL['seeds']})")
+    p.add_argument("--target", type=float, default=None,
+                   help=f"target accuracy (default: sync's median final accuracy - {TARGET_MARGIN})")
+    p.add_argument("--quick", action="store_true", help=f"{QUICK}")
+    p.add_argument("--steps", type=int, default=None, help=f"trained steps per run (default {FULL['steps']})")
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-size", type=int, default=256, help="task.eval_size (held-out problems)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=3)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--sft-steps", type=int, default=60, help="SFT warm-start steps (trainer.sft_warmup_steps)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for our arms")
+    p.add_argument("--out", default=None, help="output folder (default experiments/results/tta/<full|quick>)")
+    add_trl_args(p)
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    try:
+        args.arm_list = parse_arms(args.arms)
+    except ValueError as exc:
+        p.error(str(exc))
+    for key in ("seeds", "steps", "eval_every", "eval_size", "prompts", "group", "max_new_tokens", "sft_steps"):
+        if getattr(args, key) < (0 if key == "sft_steps" else 1):
+            p.error(f"--{key.replace('_', '-')} must be >= {0 if key == 'sft_steps' else 1}, got {getattr(args, key)}")
+    if args.steps % args.eval_every:
+        p.error(f"--steps {args.steps} must be a multiple of --eval-every {args.eval_every} (same eval points)")
+    if args.target is None and "sync" not in [a.name for a in args.arm_list]:
+        p.error("--target is required when the sync arm is not among --arms (the default target is sync's)")
+    for s in args.set:
+        if "=" not in s:
+            p.error(f"--set {s!r}: expected KEY=VALUE")
+    args.out = Path(args.out or HERE / "results" / "tta" / ("quick" if args.quick else "full"))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    arms = args.arm_list
+    t_start = time.time()
+    load_start = os.getloadavg()
+    print(f"bench_tta: arms {', '.join(a.name for a in arms)}; {args.seeds} seeds; {args.steps} steps, eval every "
+          f"{args.eval_every}; load average at start {' / '.join(f'{x:.2f}' for x in load_start)}", flush=True)
+    runs, warm = [], {}
+    with tempfile.TemporaryDirectory(prefix="bench_tta_") as tmp:
+        work = Path(tmp)
+        for i in range(args.seeds):
+            path, wall = warm_start(args, i, work)
+            warm[i] = wall
+            print(f"seed {i}: warm start {wall:.1f} s", flush=True)
+            for arm in rotated(arms, i):
+                r = run_arm(args, arm, i, path, work)
+                runs.append(r)
+                c = r["curve"]
+                print(f"  {arm.name:>18} seed {i}: final acc {c['final_accuracy']:.3f}, loop {c['end_s']:.1f} s "
+                      f"(eval {c['eval_s']:.1f} s), process {r['process_wall_s']:.1f} s, load "
+                      f"{r['load_after'][0]:.2f}", flush=True)
+    if args.target is not None:
+        target, rule = args.target, "--target"
+    else:
+        target = default_target([r["curve"]["final_accuracy"] for r in runs if r["arm"] == "sync"])
+        rule = f"sync median final accuracy - {TARGET_MARGIN}"
+    summary = summarise(runs, arms, target)
+    clocks = sorted({r["curve"]["clock"] for r in runs})
+    load_end = os.getloadavg()
+    text = table(summary, target, " + ".join(clocks))
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start))
+    header = (f"# bench_tta {stamp}\n\ncommand: `python experiments/bench_tta.py {' '.join(sys.argv[1:] if argv is None else argv)}`"
+              f"\n\ntarget rule: {rule}; warm start (SFT, s per seed): "
+              f"{', '.join(f'{v:.1f}' for v in warm.values())}; total wall {time.time() - t_start:.0f} s; load "
+              f"average start {' / '.join(f'{x:.2f}' for x in load_start)}, end "
+              f"{' / '.join(f'{x:.2f}' for x in load_end)}\n")
+    last = best_line(summary)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(header + "\n" + text + "\n\n" + last + "\n")
+    plot(runs, arms, target, args.out / "tta.png")
+    (args.out / "runs.json").write_text(json.dumps(
+        {"date": stamp, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                                 if k != "arm_list"},
+         "target": target, "target_rule": rule, "clock": clocks, "load_start": load_start, "load_end": load_end,
+         "warm_start_s": warm, "summary": summary, "runs": runs}, indent=1, default=str))
+    print()
+    print(header)
+    print(text)
+    print(f"\nwritten: {args.out}/table.md, runs.json, tta.png; load average at the end "
+          f"{' / '.join(f'{x:.2f}' for x in load_end)}")
+    print(last)
+
+
+def trl_child(argv: list[str]) -> None:
+    """``bench_tta.py --trl-child RUN_DIR [--trl-...] -- OVERRIDES``: one TRL run (experiments/tta/trl_arm.py)."""
+    from tta import trl_arm
+
+    sep = argv.index("--")
+    p = argparse.ArgumentParser()
+    p.add_argument("--trl-child")
+    p.add_argument("--trl-gradient-checkpointing", type=int, default=1)
+    p.add_argument("--trl-experts-implementation", default="grouped_mm")
+    a = p.parse_args(argv[:sep])
+    fair = trl_arm.run(argv[sep + 1:], a.trl_child, bool(a.trl_gradient_checkpointing), a.trl_experts_implementation)
+    (Path(a.trl_child) / "fairness.json").write_text(json.dumps(fair))
+
+
+if __name__ == "__main__":
+    if "--trl-child" in sys.argv:
+        trl_child(sys.argv[1:])
+    else:
+        main()

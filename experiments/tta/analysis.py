@@ -1,0 +1,193 @@
+"""Pure functions of bench_tta.py: arm names, time to accuracy from metric rows, the target rule, paired ratios.
+
+No file access, no processes; tests/test_bench_tta.py checks each on hand-made inputs.
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from offpolicy_moe.report.stats import Comparison, compare
+
+#: the staleness values and losses ``async`` expands to (issue 25)
+ASYNC_STALENESS = (1, 2, 4)
+LOSSES = ("grpo", "m2po", "m2po_tis")
+#: the algorithm presets each loss name stands for (offpolicy_moe/mechanisms/*.yaml)
+LOSS_PRESETS = {"grpo": "grpo", "m2po": "m2po", "m2po_tis": "m2po,tis"}
+ASYNC_ARM = re.compile(r"async-k(\d+)-([a-z0-9_+]+)")
+#: the default target: the on-policy (sync) arm's median final accuracy minus this
+TARGET_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: ``trl`` (TRL's GRPOTrainer), ``sync`` (ours, on-policy) or ours asynchronous at staleness ``k``."""
+
+    name: str
+    system: str                 # trl | ours
+    mode: str = "fixed"         # ours: buffer.mode (fixed | async)
+    staleness: int = 0
+    loss: str = "grpo"
+
+    def overrides(self) -> list[str]:
+        """Trainer overrides that make this arm (ours only; TRL has its own config)."""
+        if self.system != "ours":
+            raise ValueError(f"arm {self.name!r} is not one of ours")
+        out = [f"preset=[{LOSS_PRESETS[self.loss]}]", f"buffer.mode={self.mode}", f"buffer.staleness={self.staleness}"]
+        if self.mode == "async":
+            out += ["rollout.workers=1", "rollout.worker_threads=1"]
+        return out
+
+
+def async_arm(k: int, loss: str) -> Arm:
+    return Arm(f"async-k{k}-{loss}", "ours", "async", k, loss)
+
+
+def parse_arms(text: str) -> list[Arm]:
+    """``--arms`` comma list -> arms, in order, duplicates dropped.  ``async`` expands to ``async-k<K>-<loss>`` for
+    K in :data:`ASYNC_STALENESS` x loss in :data:`LOSSES`; a single one is named ``async-k2-m2po_tis`` (``+`` for
+    ``_`` accepted).  :class:`ValueError` with one line naming the arm for anything else."""
+    arms: list[Arm] = []
+    names = [t.strip() for t in text.split(",")]
+    if not any(names):
+        raise ValueError("--arms is empty: expected a comma list of trl, sync, async, async-k<K>-<loss>")
+    for name in names:
+        if name == "trl":
+            new = [Arm("trl", "trl")]
+        elif name == "sync":
+            new = [Arm("sync", "ours", "fixed", 0, "grpo")]
+        elif name == "async":
+            new = [async_arm(k, loss) for k in ASYNC_STALENESS for loss in LOSSES]
+        else:
+            m = ASYNC_ARM.fullmatch(name)
+            loss = m.group(2).replace("+", "_") if m else None
+            if m is None or loss not in LOSSES or int(m.group(1)) < 1:
+                raise ValueError(f"unknown arm {name!r} in --arms: expected trl, sync, async or async-k<K>-<loss> "
+                                 f"with K >= 1 and loss in {', '.join(LOSSES)}")
+            new = [async_arm(int(m.group(1)), loss)]
+        arms += [a for a in new if a.name not in {b.name for b in arms}]
+    return arms
+
+
+def rotated(arms: Sequence, i: int) -> list:
+    """The run order of seed index ``i``: the arms rotated left by ``i`` (seed-major interleaving, so a drift of the
+    machine's load reaches every arm alike and no arm always runs first)."""
+    if not arms:
+        return []
+    r = i % len(arms)
+    return list(arms[r:]) + list(arms[:r])
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A run's held-out accuracy against its training clock, and what its time to the target is measured from."""
+
+    steps: list[int]
+    accuracy: list[float]
+    time_s: list[float]             # evaluation time charged (every earlier evaluation, not the measuring one)
+    time_no_eval_s: list[float]     # evaluation time excluded
+    end_s: float                    # the run's loop end (from the end of step 1), evaluation included
+    end_no_eval_s: float
+    clock: str                      # perf/elapsed_s | cumsum perf/time_step_s
+    final_accuracy: float
+    eval_s: float                   # evaluation time after step 1
+    first_step_s: float             # the loop's first step (start-up: async workers start on the first batch)
+    phases: dict = field(default_factory=dict)
+
+
+def curve(rows: Sequence[Mapping]) -> Curve:
+    """The eval points of one run from its metric rows (``metrics.jsonl``: one row per logged step).
+
+    Clock ``C(s)`` of step s: ``perf/elapsed_s`` (wall seconds since the training loop started, evaluation
+    included) when every trained row has it, else the cumulative sum of ``perf/time_step_s`` (which also includes
+    the step's evaluation), which needs every step 1..N logged.  The first trained step is start-up for every arm
+    (our asynchronous workers start on the first batch request; TRL and ours warm up), so time runs from its end:
+    at an eval row of step s > 1, ``time_s = C(s) − C(1) − E(s)`` (the measuring evaluation E(s) is not charged,
+    every earlier one is) and ``time_no_eval_s = C(s) − C(1) − Σ_{1 < s' ≤ s} E(s')``; steps 0 and 1 are at 0 s.
+    """
+    rows = sorted(rows, key=lambda r: r["step"])
+    trained = [r for r in rows if r["step"] > 0]
+    if not trained:
+        raise ValueError("no trained step in the metric rows")
+    if all("perf/elapsed_s" in r for r in trained):
+        clock_of = {r["step"]: float(r["perf/elapsed_s"]) for r in trained}
+        clock = "perf/elapsed_s"
+    else:
+        steps = [r["step"] for r in trained]
+        if steps != list(range(1, len(steps) + 1)):
+            raise ValueError("rows lack perf/elapsed_s and do not log every step 1..N: cannot sum perf/time_step_s")
+        acc, clock_of = 0.0, {}
+        for r in trained:
+            acc += float(r["perf/time_step_s"])
+            clock_of[r["step"]] = acc
+        clock = "cumsum perf/time_step_s"
+    first = trained[0]["step"]
+    origin = clock_of[first]
+    cs, ca, ct, cn = [], [], [], []
+    eval_cum = 0.0
+    for r in rows:
+        ev = float(r.get("perf/time_eval_s", 0.0)) if r["step"] > first else 0.0
+        eval_cum += ev
+        if r.get("eval/accuracy") is None:
+            continue
+        late = r["step"] > first
+        c = clock_of.get(r["step"], origin) - origin
+        cs.append(int(r["step"]))
+        ca.append(float(r["eval/accuracy"]))
+        ct.append(max(c - ev, 0.0) if late else 0.0)
+        cn.append(max(c - eval_cum, 0.0) if late else 0.0)
+    if not cs:
+        raise ValueError("no eval/accuracy in the metric rows")
+    end = clock_of[trained[-1]["step"]] - origin
+    phases = {k: sum(float(r.get(k, 0.0)) for r in trained[1:])
+              for k in ("perf/time_generate_s", "perf/time_old_logp_s", "perf/time_update_s", "async/trainer_wait_s",
+                        "async/worker_generate_s", "async/weight_sync_s")
+              if any(k in r for r in trained)}
+    return Curve(cs, ca, ct, cn, end, end - eval_cum, clock, ca[-1], eval_cum, origin, phases)
+
+
+@dataclass(frozen=True)
+class TTA:
+    """Seconds to the target: at the first eval with accuracy >= target, else censored at the run's end."""
+
+    seconds: float
+    seconds_no_eval: float
+    reached: bool
+    step: Optional[int]
+
+
+def time_to_accuracy(c: Curve, target: float) -> TTA:
+    """First eval point with ``accuracy >= target``: its ``time_s`` (and ``time_no_eval_s``).  A run that never
+    reaches it is censored at its end (``end_s``, ``end_no_eval_s``), ``reached=False``: its true time is longer."""
+    if not math.isfinite(target):
+        raise ValueError(f"target must be finite, got {target!r}")
+    for s, a, t, tn in zip(c.steps, c.accuracy, c.time_s, c.time_no_eval_s):
+        if a >= target:
+            return TTA(t, tn, True, s)
+    return TTA(c.end_s, c.end_no_eval_s, False, None)
+
+
+def default_target(final_accuracies: Sequence[float], margin: float = TARGET_MARGIN) -> float:
+    """``median(final accuracies of the on-policy sync runs) − margin``."""
+    if not final_accuracies:
+        raise ValueError("the default target needs the sync arm's runs (run --arms with sync, or pass --target)")
+    return statistics.median(final_accuracies) - margin
+
+
+def speedup(reference: Mapping[int, float], arm: Mapping[int, float]) -> Optional[Comparison]:
+    """Paired speed-up of ``arm`` over ``reference`` by seed: ``reference_TTA / arm_TTA`` (> 1: the arm is sooner),
+    the geometric mean over seeds with its 95% Student-t interval on the log scale
+    (:func:`offpolicy_moe.report.stats.compare`, scale ``log``).  Seeds whose TTA is 0 in either (the target met
+    before training) have no ratio and are left out; None when no seed is left."""
+    ref = {s: v for s, v in reference.items() if v > 0 and s in arm and arm[s] > 0}
+    if not ref:
+        return None
+    return compare(ref, {s: arm[s] for s in ref}, scale="log")
+
+
+def per_seed_ratios(reference: Mapping[int, float], arm: Mapping[int, float]) -> dict[int, float]:
+    """``reference[s] / arm[s]`` for every seed both have with positive times."""
+    return {s: reference[s] / arm[s] for s in sorted(reference) if s in arm and reference[s] > 0 and arm[s] > 0}

@@ -1,0 +1,114 @@
+"""The ``trl`` arm of bench_tta.py: TRL's GRPOTrainer on the job of our arms, writing metric rows like ours.
+
+The config is resolved from the same trainer overrides as our arms (``offpolicy_moe.config.load.load_config``), so
+the task, the tokenizer and the warm-started weights (``model.path``) come from the same code: ``make_task`` and
+``load_policy``, as our trainer calls them.  Step i trains on ``task.sample_prompts(i, P)`` (the prompts our
+synchronous trainer draws at iteration i; TRL's sampler walks the dataset in order with ``shuffle_dataset=False``),
+G samples each at temperature 1 / top-p 1, ``max_completion_length = rollout.max_new_tokens``, token-mean loss
+(``loss_type="dapo"``), group-std advantages, clip 0.2, no KL, AdamW at ``optim.lr`` with clip-norm
+``optim.grad_clip``, one update per batch.  The rest as bench_vs_trl.py (fp32 model and generation with a KV cache;
+``--trl-gradient-checkpointing`` and ``--trl-experts-implementation`` pass through).
+
+Evaluation: what our trainer's ``evaluate`` runs (``evaluate_greedy`` on the held-out split and on as many training
+prompts), before training (step 0) and in ``on_step_end`` every ``trainer.eval_every`` steps and at the last.  Each
+row gets ``perf/elapsed_s`` = wall seconds since ``on_train_begin`` (evaluation included, as ours) and
+``perf/time_eval_s``.  Rows go to ``RUN_DIR/metrics.jsonl``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.models import load_policy
+from offpolicy_moe.tasks import make_task
+from offpolicy_moe.tasks.evaluation import evaluate_greedy
+
+
+def evaluate(model, tok, task, max_new_tokens: int, batch_size: int) -> dict[str, float]:
+    """Greedy accuracy on the held-out split and on as many training prompts (the first ones), as our trainer."""
+    kw = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    out = evaluate_greedy(model, tok, task.eval_dataset, **kw)
+    n = min(len(task.train_dataset), max(len(task.eval_dataset), 1))
+    out.update(evaluate_greedy(model, tok, task.train_dataset.select(range(n)), prefix="eval/train_", **kw))
+    return out
+
+
+def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, experts_implementation: str) -> dict:
+    """Train with TRL; write metric rows to ``run_dir/metrics.jsonl``; return fairness probes."""
+    cfg = load_config(None, overrides)
+    torch.set_num_threads(cfg.trainer.threads or 1)
+    torch.manual_seed(cfg.seed)
+    task = make_task(cfg.task)
+    cfg.model.experts_implementation = experts_implementation
+    model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+    ro, tc = cfg.rollout, cfg.trainer
+    rows = [r for i in range(tc.steps) for r in task.sample_prompts(i, ro.prompts_per_step)]
+    ds = Dataset.from_dict({"prompt": [tok.bos_token + r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]})
+    seen: list[list[str]] = []
+
+    def reward(prompts, completions, answer, **_):
+        seen.append(list(prompts))
+        return task.reward(completions, answer)
+
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "metrics.jsonl", "w")
+    clock = {"t0": 0.0, "last": 0.0}
+
+    def write(row: dict) -> None:
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+
+    def timed_eval() -> dict:
+        t = time.perf_counter()
+        ev = evaluate(model, tok, task, ro.max_new_tokens, tc.eval_batch_size)
+        ev["perf/time_eval_s"] = time.perf_counter() - t
+        return ev
+
+    write({"step": 0, **timed_eval()})
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            clock["t0"] = clock["last"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            step = state.global_step
+            m = {"step": step}
+            if (tc.eval_every > 0 and step % tc.eval_every == 0) or step == tc.steps:
+                m.update(timed_eval())
+            now = time.perf_counter()
+            m["perf/time_step_s"] = now - clock["last"]
+            m["perf/elapsed_s"] = now - clock["t0"]
+            clock["last"] = now
+            write(m)
+
+    gcfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="tta_trl_"), use_cpu=True, report_to="none", save_strategy="no",
+        logging_steps=10**6, per_device_train_batch_size=ro.prompts_per_step * ro.group_size,
+        num_generations=ro.group_size, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=0,
+        learning_rate=cfg.optim.lr, lr_scheduler_type="constant", beta=0.0, epsilon=0.2, loss_type="dapo",
+        scale_rewards="group", max_steps=tc.steps, seed=cfg.seed, bf16=False, disable_dropout=True,
+        shuffle_dataset=False, dataloader_num_workers=0, log_completions=False, max_grad_norm=cfg.optim.grad_clip,
+        gradient_checkpointing=gradient_checkpointing, weight_decay=cfg.optim.weight_decay,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gcfg, train_dataset=ds, processing_class=tok,
+                          callbacks=[Clock()])
+    try:
+        trainer.train()
+    finally:
+        log.close()
+    first = sorted(set(seen[0])) if seen else []
+    want = sorted({tok.bos_token + r["prompt"] for r in task.sample_prompts(0, ro.prompts_per_step)})
+    return {"first_step_prompts_match_ours": first == want, "sequences_per_step": len(seen[0]) if seen else 0,
+            "reward_calls": len(seen), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
+            "experts_implementation": model.config._experts_implementation, "pid": os.getpid()}

@@ -1,0 +1,189 @@
+"""experiments/bench_tta.py: time to accuracy from metric rows (first crossing, censoring, evaluation excluded, the
+clock fallback), the default target, paired speed-ups on known inputs, arm names and their configs, the command line's
+one-line errors; one end-to-end run behind ``slow``."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import bench_tta  # noqa: E402
+from tta.analysis import (ASYNC_STALENESS, LOSSES, curve, default_target, parse_arms, per_seed_ratios,  # noqa: E402
+                          rotated, speedup, time_to_accuracy)
+
+from offpolicy_moe.config.load import load_config  # noqa: E402
+from offpolicy_moe.config.validate import validate  # noqa: E402
+
+# clock (perf/elapsed_s): step 1 ends at 5 s (start-up), evaluations of 0.5 s at steps 2 and 4
+ROWS = [
+    {"step": 0, "eval/accuracy": 0.30, "perf/time_eval_s": 1.0},
+    {"step": 1, "perf/elapsed_s": 5.0, "perf/time_step_s": 5.0},
+    {"step": 2, "eval/accuracy": 0.40, "perf/elapsed_s": 6.5, "perf/time_eval_s": 0.5, "perf/time_step_s": 1.5},
+    {"step": 3, "perf/elapsed_s": 7.5, "perf/time_step_s": 1.0},
+    {"step": 4, "eval/accuracy": 0.60, "perf/elapsed_s": 9.0, "perf/time_eval_s": 0.5, "perf/time_step_s": 1.5},
+]
+
+
+def test_curve_times_from_the_end_of_step_one_with_and_without_evaluation():
+    c = curve(ROWS)
+    assert c.steps == [0, 2, 4] and c.accuracy == [0.30, 0.40, 0.60]
+    # step 2: 6.5 - 5 - 0.5 (its own evaluation not charged); step 4: 9 - 5 - 0.5 charged 3.5, excluded 4 - 1 = 3
+    assert c.time_s == [0.0, 1.0, 3.5]
+    assert c.time_no_eval_s == [0.0, 1.0, 3.0]
+    assert (c.end_s, c.end_no_eval_s, c.eval_s, c.first_step_s) == (4.0, 3.0, 1.0, 5.0)
+    assert c.final_accuracy == 0.60 and c.clock == "perf/elapsed_s"
+
+
+def test_first_crossing_and_censoring():
+    c = curve(ROWS)
+    assert time_to_accuracy(c, 0.35).__dict__ == {"seconds": 1.0, "seconds_no_eval": 1.0, "reached": True, "step": 2}
+    assert time_to_accuracy(c, 0.60).__dict__ == {"seconds": 3.5, "seconds_no_eval": 3.0, "reached": True, "step": 4}
+    assert time_to_accuracy(c, 0.30).step == 0 and time_to_accuracy(c, 0.30).seconds == 0.0
+    # never reached: censored at the run's end (4 s with evaluation, 3 s without)
+    assert time_to_accuracy(c, 0.61).__dict__ == {"seconds": 4.0, "seconds_no_eval": 3.0, "reached": False,
+                                                  "step": None}
+    # the first crossing counts even when accuracy falls again later
+    dip = [dict(r) for r in ROWS]
+    dip[4]["eval/accuracy"] = 0.1
+    assert time_to_accuracy(curve(dip), 0.35).step == 2
+    with pytest.raises(ValueError, match="target"):
+        time_to_accuracy(c, math.nan)
+
+
+def test_without_elapsed_the_clock_is_the_sum_of_step_times():
+    rows = [{k: v for k, v in r.items() if k != "perf/elapsed_s"} for r in ROWS]
+    c = curve(rows)
+    assert c.clock == "cumsum perf/time_step_s"
+    assert (c.time_s, c.time_no_eval_s, c.end_s) == ([0.0, 1.0, 3.5], [0.0, 1.0, 3.0], 4.0)
+    with pytest.raises(ValueError, match="every step"):
+        curve([r for r in rows if r["step"] != 3])
+    with pytest.raises(ValueError, match="no trained step"):
+        curve(ROWS[:1])
+
+
+def test_default_target_is_sync_median_final_minus_003():
+    assert default_target([0.7, 0.5, 0.6]) == pytest.approx(0.57)
+    assert default_target([0.5, 0.6]) == pytest.approx(0.52)
+    with pytest.raises(ValueError, match="sync"):
+        default_target([])
+
+
+def test_paired_speedup_is_the_geometric_mean_ratio_with_a_t_interval():
+    ref, arm = {0: 10.0, 1: 20.0, 2: 40.0, 3: 8.0}, {0: 5.0, 1: 10.0, 2: 10.0, 4: 1.0}
+    assert per_seed_ratios(ref, arm) == {0: 2.0, 1: 2.0, 2: 4.0}
+    c = speedup(ref, arm)
+    d = [math.log10(2), math.log10(2), math.log10(4)]
+    m = sum(d) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / 2)
+    half = stats.t.ppf(0.975, 2) * sd / math.sqrt(3)
+    assert c.n == 3
+    assert c.estimate == pytest.approx(16 ** (1 / 3))
+    assert (c.lo, c.hi) == (pytest.approx(10 ** (m - half)), pytest.approx(10 ** (m + half)))
+    # a zero time (target met before training) has no ratio: left out; nothing left -> None
+    assert speedup({0: 0.0, 1: 4.0}, {0: 1.0, 1: 2.0}).n == 1
+    assert speedup({0: 0.0}, {0: 1.0}) is None
+
+
+def test_async_expands_to_every_staleness_and_loss():
+    names = [a.name for a in parse_arms("trl,sync,async")]
+    assert names[:2] == ["trl", "sync"]
+    assert names[2:] == [f"async-k{k}-{loss}" for k in ASYNC_STALENESS for loss in LOSSES]
+    assert [a.name for a in parse_arms("async-k2-m2po+tis, sync,async-k2-m2po_tis")] == ["async-k2-m2po_tis", "sync"]
+    a = parse_arms("async-k4-m2po_tis")[0]
+    assert (a.mode, a.staleness, a.loss) == ("async", 4, "m2po_tis")
+    assert a.overrides() == ["preset=[m2po,tis]", "buffer.mode=async", "buffer.staleness=4", "rollout.workers=1",
+                             "rollout.worker_threads=1"]
+    assert parse_arms("sync")[0].overrides() == ["preset=[grpo]", "buffer.mode=fixed", "buffer.staleness=0"]
+
+
+@pytest.mark.parametrize("bad", ["foo", "async-k0-grpo", "async-k2-ppo", "async-2-grpo", ""])
+def test_bad_arm_is_one_line_naming_it(bad):
+    with pytest.raises(ValueError) as e:
+        parse_arms(f"trl,{bad}" if bad else bad)
+    msg = str(e.value)
+    assert "\n" not in msg and (repr(bad) in msg if bad else "empty" in msg)
+
+
+def test_rotation_puts_every_arm_first_once():
+    arms = ["a", "b", "c"]
+    orders = [rotated(arms, i) for i in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert sorted(o[0] for o in orders) == arms
+
+
+def test_every_arm_resolves_to_the_config_it_names():
+    args = Namespace(prompts=16, group=8, max_new_tokens=3, lr=3e-4, steps=500, eval_every=25, eval_size=256)
+    for arm in parse_arms("sync,async"):
+        cfg = load_config(None, bench_tta.job_overrides(args, 3, None) + arm.overrides())
+        assert not [w for w in validate(cfg) if "error" in str(w).lower()]
+        assert (cfg.buffer.mode, cfg.buffer.staleness) == (arm.mode, arm.staleness)
+        assert cfg.algo.loss.name == ("grpo" if arm.loss == "grpo" else "m2po")
+        assert cfg.algo.correction.mode == ("truncate" if arm.loss == "m2po_tis" else "none")
+        assert (cfg.seed, cfg.trainer.steps, cfg.trainer.eval_every, cfg.task.eval_size) == (3, 500, 25, 256)
+        assert (cfg.optim.lr, cfg.rollout.dtype, cfg.rollout.max_new_tokens) == (3e-4, "float32", 3)
+        if arm.mode == "async":
+            assert cfg.rollout.workers == 1
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--arms", "trl,bogus"], "'bogus'"),
+    (["--arms", "trl,async"], "--target is required"),
+    (["--steps", "30", "--eval-every", "25"], "multiple of --eval-every"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--set", "nokey"], "KEY=VALUE"),
+])
+def test_command_line_errors_name_the_problem(argv, word, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_tta.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert word in err
+
+
+def test_quick_defaults_and_explicit_values_win():
+    a = bench_tta.parse_args(["--quick"])
+    assert ([x.name for x in a.arm_list], a.seeds, a.steps) == (["trl", "sync", "async-k2-m2po_tis"], 2, 200)
+    b = bench_tta.parse_args(["--quick", "--seeds", "3"])
+    assert b.seeds == 3 and b.out.name == "quick"
+    c = bench_tta.parse_args([])
+    assert (len(c.arm_list), c.seeds, c.steps, c.out.name) == (11, 5, 500, "full")
+
+
+def test_best_line_picks_ours_with_the_smallest_median_tta():
+    summary = {"trl": {"median_tta_s": 1.0},
+               "sync": {"median_tta_s": 30.0, "vs_trl": {"estimate": 1.5}},
+               "async-k2-m2po_tis": {"median_tta_s": 20.0, "vs_trl": {"estimate": 2.25},
+                                     "vs_sync": {"estimate": 1.5}}}
+    assert bench_tta.best_line(summary) == "time to accuracy: best arm async-k2-m2po_tis 2.25x TRL, 1.50x ours sync"
+    del summary["async-k2-m2po_tis"]
+    assert bench_tta.best_line(summary) == "time to accuracy: best arm sync 1.50x TRL, 1.00x ours sync"
+
+
+@pytest.mark.slow
+def test_end_to_end_two_arms_one_seed(tmp_path):
+    """TRL and ours sync from the same warm start: identical step-0 accuracy (same weights, tokenizer, evaluation),
+    runs.json / table.md / tta.png written, every run censored at an unreachable target, the last line."""
+    out = tmp_path / "tta"
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_tta.py"), "--arms", "trl,sync",
+                        "--seeds", "1", "--steps", "4", "--eval-every", "2", "--eval-size", "32", "--sft-steps", "5",
+                        "--target", "1.01", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1].startswith("time to accuracy: best arm sync ")
+    data = json.loads((out / "runs.json").read_text())
+    runs = {x["arm"]: x for x in data["runs"]}
+    assert set(runs) == {"trl", "sync"}
+    assert runs["trl"]["curve"]["steps"] == runs["sync"]["curve"]["steps"] == [0, 2, 4]
+    assert runs["trl"]["curve"]["accuracy"][0] == runs["sync"]["curve"]["accuracy"][0]
+    assert runs["trl"]["fairness"]["first_step_prompts_match_ours"] is True
+    assert all(not x["tta"]["reached"] for x in data["runs"])
+    assert data["summary"]["sync"]["reached"] == 0 and data["summary"]["sync"]["vs_trl"]["n"] == 1
+    assert (out / "tta.png").stat().st_size > 0 and "| sync | 0/1 |" in (out / "table.md").read_text()
