@@ -329,3 +329,14 @@ def test_all_hash_routed_model_is_refused_as_hash_not_dense():
         RoutingController(AutoModelForCausalLM.from_config(cfg))
     cfg.mlp_layer_types = ["hash_moe", "moe"]
     assert RoutingController(AutoModelForCausalLM.from_config(cfg)).layer_ids == (1,)
+
+
+def test_dbrx_default_clip_qkv_crash_is_transformers_own():
+    """DBRX with its config default ``clip_qkv=None`` crashes in transformers 5.24's own ``DbrxAttention``
+    (``clamp(min=None, max=None)``), with no routing control at all; the scan builds DBRX with ``clip_qkv=8`` as its
+    checkpoints do. If transformers fixes this, this test fails: drop the note in docs/routing.md."""
+    cfg = tiny_config("dbrx")
+    cfg.attn_config.clip_qkv = None
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(RuntimeError, match="clamp"):
+        model(input_ids=torch.tensor([[3, 4, 5]]))
