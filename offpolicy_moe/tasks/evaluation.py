@@ -1,7 +1,7 @@
 """Greedy evaluation on a held-out split: batched, KV-cached ``generate`` with left padding."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -37,11 +37,13 @@ def greedy_completions(model, tok, prompts: Sequence[str], *, max_new_tokens: in
 
 
 def evaluate_greedy(model, tok, dataset, *, max_new_tokens: int = 6, batch_size: int = 128,
-                    prefix: str = "eval/") -> dict[str, float]:
+                    prefix: str = "eval/", task: Any = None) -> dict[str, float]:
     """Greedy accuracy on ``dataset`` (rows with ``prompt`` and ``answer``).
 
     Returns ``{"eval/accuracy": mean exact match, "eval/partial": mean per-digit partial credit}``
-    (see :mod:`offpolicy_moe.tasks.rewards`).
+    (see :mod:`offpolicy_moe.tasks.rewards`); with ``task``, also the task's own rewards of the same completions
+    (:meth:`~offpolicy_moe.tasks.base.PromptAnswerTask.score`): ``eval/reward`` (mean of the weighted sum ``R_i``)
+    and ``eval/reward/<name>`` (mean of each reward), e.g. ``eval/reward/math`` for a math dataset.
     """
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
     if not prompts:
@@ -49,4 +51,9 @@ def evaluate_greedy(model, tok, dataset, *, max_new_tokens: int = 6, batch_size:
     completions = greedy_completions(model, tok, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     exact = compute_rewards(completions, answers, "exact")
     partial = compute_rewards(completions, answers, "partial")
-    return {f"{prefix}accuracy": sum(exact) / len(exact), f"{prefix}partial": sum(partial) / len(partial)}
+    out = {f"{prefix}accuracy": sum(exact) / len(exact), f"{prefix}partial": sum(partial) / len(partial)}
+    if task is not None:
+        scores = task.score(completions, answers, prompts=prompts)
+        out[f"{prefix}reward"] = sum(scores.total) / len(scores.total)
+        out.update({f"{prefix}reward/{name}": sum(v) / len(v) for name, v in scores.parts.items()})
+    return out

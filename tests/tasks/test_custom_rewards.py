@@ -127,3 +127,24 @@ def test_batch_context_recovers_the_rows_of_group_ids(tmp_path):
     assert ctx["prompts"] == [task.train_prompts[i] for i in expect]
     assert ctx["columns"]["level"] == [int(p.split("+")[0]) for p in ctx["prompts"]]
     assert make_task(TaskConfig(train_size=16, eval_size=2)).batch_context([1], 2)["columns"] == {}
+
+
+def test_a_sweep_run_keeps_its_rewards_through_the_saved_config(tmp_path):
+    """A sweep saves each run's resolved config and starts `train <config.yaml>`: the rewards survive the round trip
+    and resolve in the run's own task, per grid point."""
+    from offpolicy_moe.config.load import load_config, save_resolved
+    from offpolicy_moe.sweep.plan import parse_experiment, plan_runs
+
+    user = tmp_path / "shaping.py"
+    user.write_text("def plus_one(completions, answers, **kw):\n    return [1.0] * len(completions)\n")
+    exp = parse_experiment({"name": "byo", "seeds": [0], "base": {"task": {"train_size": 32, "eval_size": 4}},
+                            "grid": {"shaping": {
+                                "off": {"task": {"rewards": [{"fn": "exact"}]}},
+                                "on": {"task": {"rewards": [{"fn": "exact"},
+                                                            {"fn": f"{user}:plus_one", "weight": 0.25}]}}}}})
+    totals = {}
+    for run in plan_runs(exp):
+        cfg = load_config(save_resolved(run.config, tmp_path / run.name))
+        assert cfg.task.rewards == run.config.task.rewards
+        totals[run.axes["shaping"]] = make_task(cfg.task).score(["3", "4"], ["3", "5"]).total
+    assert totals == {"off": [1.0, 0.0], "on": [1.25, 0.25]}

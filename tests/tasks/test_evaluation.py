@@ -75,3 +75,18 @@ def test_bad_arguments():
         greedy_completions(torch.nn.Linear(1, 1), build_char_tokenizer(), ["1+1="], max_new_tokens=0)
     with pytest.raises(ValueError, match="empty"):
         evaluate_greedy(torch.nn.Linear(1, 1), build_char_tokenizer(), {"prompt": [], "answer": []})
+
+
+def test_with_the_task_the_eval_reports_its_own_rewards():
+    """eval/reward and eval/reward/<name> are the task's rewards of the very completions eval/accuracy scored."""
+    task = make_task(TaskConfig(min_digits=1, max_digits=2, num_terms=2, train_size=10, eval_size=12, seed=1,
+                                rewards=[{"fn": "exact", "weight": 2.0}, {"fn": "partial", "weight": 1.0}]))
+    model, tok = load_policy(ModelConfig(num_layers=1, hidden_size=32, num_experts=4), seed=1)
+    metrics = evaluate_greedy(model, tok, task.eval_dataset, max_new_tokens=4, task=task)
+    completions = greedy_completions(model, tok, list(task.eval_dataset["prompt"]), max_new_tokens=4)
+    answers = list(task.eval_dataset["answer"])
+    exact, partial = compute_rewards(completions, answers, "exact"), compute_rewards(completions, answers, "partial")
+    assert metrics["eval/reward/exact"] == pytest.approx(metrics["eval/accuracy"])
+    assert metrics["eval/reward/partial"] == pytest.approx(sum(partial) / len(partial))
+    assert metrics["eval/reward"] == pytest.approx(sum(2 * e + p for e, p in zip(exact, partial)) / len(answers))
+    assert "eval/reward" not in evaluate_greedy(model, tok, task.eval_dataset, max_new_tokens=4)
