@@ -97,8 +97,9 @@ class MathVerifier:
 
     # ---------------------------------------------------------------- child process
     @staticmethod
-    def _kill(proc: Optional[subprocess.Popen]) -> None:
-        if proc is not None and proc.poll() is None:
+    def _kill(proc: Optional[subprocess.Popen], owner: int = -1) -> None:
+        """Kill ``proc`` if this process started it (a forked copy, whose finalizers run at its exit, must not)."""
+        if proc is not None and owner == os.getpid() and proc.poll() is None:
             proc.kill()
             proc.wait()
 
@@ -108,7 +109,7 @@ class MathVerifier:
                                 stderr=err, bufsize=0)
         self._proc, self._pid, self._buf = proc, os.getpid(), b""
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, MathVerifier._kill, proc)
+        self._finalizer = weakref.finalize(self, MathVerifier._kill, proc, self._pid)
         if self._readline(self.start_timeout_s) != '"ready"':
             self._stop()
             err.seek(0)
@@ -118,8 +119,7 @@ class MathVerifier:
         return proc
 
     def _stop(self) -> None:
-        if self._proc is not None and self._pid == os.getpid():
-            MathVerifier._kill(self._proc)
+        MathVerifier._kill(self._proc, self._pid)
         self._proc, self._buf = None, b""
 
     def close(self) -> None:

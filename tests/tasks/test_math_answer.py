@@ -116,3 +116,31 @@ def test_math_verify_own_timeout_does_not_work_in_a_thread():
     th.start()
     th.join(60)
     assert caught and "thread" in caught[0]
+
+
+def test_a_forked_copy_starts_its_own_child_and_leaves_the_parents_alone():
+    import os
+
+    v = MathVerifier(timeout_s=5.0)
+    try:
+        assert v(["0.5"], ["1/2"]) == [1.0]
+        parent_child = v._proc.pid
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                   # a forked copy: never writes to the parent's child, starts its own
+            os.close(r)
+            ok = v(["0.25"], ["1/4"]) == [1.0] and v._proc.pid != parent_child
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(w)
+        assert os.read(r, 1) == b"1"
+        os.waitpid(pid, 0)
+        pid = os.fork()
+        if pid == 0:                   # a forked copy that exits at once: its inherited finalizer runs, and
+            v._finalizer()             # must not kill the parent's child
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert v._proc.pid == parent_child and v._proc.poll() is None
+        assert v(["0.75"], ["3/4"]) == [1.0]
+    finally:
+        v.close()
