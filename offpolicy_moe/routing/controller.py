@@ -42,7 +42,7 @@ from .adapters import RouterAdapter, UnsupportedRouterError
 from .aux import load_balancing_loss
 from .capture import Recorder, RouterCapture
 from .checkpointing import checkpoint_contexts
-from .discovery import Slot, discover_slots, hidden_size_of
+from .discovery import Slot, discover_slots, hidden_size_of, parse_layer_id
 from .generation import GenerateGuard, UnsupportedGenerationError, check_generate_kwargs
 from .generic import GenericRule
 from .pr2 import FeatureCache, PR2Predictors
@@ -94,6 +94,12 @@ class RoutingController:
         self._guard = GenerateGuard(model, self.state)
         self._handles: list = []
         self._users = 0
+
+    @property
+    def unreplayed_layer_ids(self) -> tuple[int, ...]:
+        """Decoder-layer indices of the routers in :attr:`unreplayed` (for ``RouteTrace.from_vllm`` /
+        ``from_sglang`` on all-layer engine payloads, where those layers hold real expert ids)."""
+        return tuple(parse_layer_id(name) for name, _ in self.unreplayed)
 
     @property
     def num_moe_layers(self) -> int:

@@ -17,7 +17,7 @@ from torch import nn
 from .adapters import (NUM_EXPERTS_ATTRS, REFUSED_ROUTERS, ROUTER_ADAPTERS, TOP_K_ATTRS, RouterAdapter,
                        UnsupportedRouterError)
 
-__all__ = ["Slot", "discover_slots", "hidden_size_of"]
+__all__ = ["Slot", "discover_slots", "hidden_size_of", "parse_layer_id"]
 
 _ROUTER_NAME = re.compile(r"(Router|TopK|Topk|Gating|Gate)$|Router|TopkRouter")
 
@@ -35,7 +35,8 @@ class Slot:
     top_k: int = 0
 
 
-def _parse_layer_id(name: str) -> int:
+def parse_layer_id(name: str) -> int:
+    """The decoder-layer index in a module name (``model.layers.3.mlp.gate`` -> 3)."""
     m = re.findall(r"(?:layers|blocks|layer|h)\.(\d+)\.", name + ".")
     if not m:
         raise UnsupportedRouterError(f"cannot find the decoder-layer index in router module name {name!r}")
@@ -110,7 +111,7 @@ def discover_slots(model: nn.Module) -> tuple[list[Slot], tuple[tuple[str, str],
             continue
         parent = names[n.rsplit(".", 1)[0]] if "." in n else model
         adapter = ROUTER_ADAPTERS.get(cls)
-        slot = Slot(len(slots), n, m, parent, adapter, _parse_layer_id(n))
+        slot = Slot(len(slots), n, m, parent, adapter, parse_layer_id(n))
         if adapter is not None:
             slot.num_experts, slot.top_k = adapter.num_experts(m), adapter.top_k(m)
         else:

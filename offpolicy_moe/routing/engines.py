@@ -101,9 +101,10 @@ def decode_routes(payload, name: str = "routed_experts") -> torch.Tensor:
     return as_int_tensor(payload, name)
 
 
-def moe_layers(routes: torch.Tensor, layer_ids: Sequence[int], num_hidden_layers: int | None, name: str
-               ) -> torch.Tensor:
-    """``routes[N, L, K]`` reduced to the MoE layers ``layer_ids`` (see the module docstring)."""
+def moe_layers(routes: torch.Tensor, layer_ids: Sequence[int], num_hidden_layers: int | None, name: str,
+               unreplayed: Sequence[int] = ()) -> torch.Tensor:
+    """``routes[N, L, K]`` reduced to the MoE layers ``layer_ids`` (see the module docstring); the dropped layers must
+    hold zeros, except ``unreplayed`` (routed layers the controller leaves to themselves, e.g. hash-routed)."""
     if routes.dim() != 3:
         raise ValueError(f"{name} must be [positions, layers, top_k], got shape {tuple(routes.shape)}")
     n_layers = routes.shape[1]
@@ -112,12 +113,13 @@ def moe_layers(routes: torch.Tensor, layer_ids: Sequence[int], num_hidden_layers
     if num_hidden_layers is not None and n_layers == num_hidden_layers:
         if max(layer_ids) >= num_hidden_layers:
             raise ValueError(f"layer_ids {tuple(layer_ids)} exceed num_hidden_layers={num_hidden_layers}")
-        dense = [i for i in range(n_layers) if i not in set(layer_ids)]
+        dense = [i for i in range(n_layers) if i not in set(layer_ids) | set(unreplayed)]
         bad = [i for i in dense if bool((routes[:, i] > 0).any())]
         if bad:
             raise ValueError(f"{name} layer {bad[0]} is not an MoE layer of the model (layer_ids "
                              f"{tuple(layer_ids)}) but holds non-zero expert ids: layer_ids do not match the engine's "
-                             f"model")
+                             f"model, or it is a routed layer the controller does not replay (pass "
+                             f"unreplayed_layer_ids=ctl.unreplayed_layer_ids)")
         return routes[:, list(layer_ids)]
     hint = (f" or num_hidden_layers={num_hidden_layers} (all layers)" if num_hidden_layers is not None else
             "; an engine that returns every hidden layer needs num_hidden_layers=config.num_hidden_layers")
@@ -139,14 +141,15 @@ def place_rows(routes: torch.Tensor, length: int, start: int, name: str, what: s
 
 
 def vllm_routes(prompt_len: int, completion_len: int, routed_experts, prompt_routed_experts=None,
-                layer_ids: Sequence[int] = (), num_hidden_layers: int | None = None, start: int = 0
-                ) -> torch.Tensor:
+                layer_ids: Sequence[int] = (), num_hidden_layers: int | None = None, start: int = 0,
+                unreplayed: Sequence[int] = ()) -> torch.Tensor:
     """vLLM routes of one completion as ``[P + T, L_moe, K]`` int64, -1 where not recorded.
 
     Without ``prompt_routed_experts`` (vLLM <= 0.20 and >= 0.22): ``routed_experts`` covers ``[start, S - 1)`` (or
     ``[start, S)``). With it (vLLM 0.21): ``prompt_routed_experts [P, L, K]`` plus a completion part of ``T`` or
     ``T - 1`` positions."""
-    gen = moe_layers(_shaped(routed_experts, "routed_experts"), layer_ids, num_hidden_layers, "routed_experts")
+    gen = moe_layers(_shaped(routed_experts, "routed_experts"), layer_ids, num_hidden_layers, "routed_experts",
+                     unreplayed)
     if prompt_routed_experts is None:
         if not start and gen.shape[0] in (completion_len, completion_len - 1) and prompt_len > 1:
             raise ValueError(f"routed_experts has {gen.shape[0]} positions: the completion's part alone (vLLM 0.21 "
@@ -156,7 +159,7 @@ def vllm_routes(prompt_len: int, completion_len: int, routed_experts, prompt_rou
     if start:
         raise ValueError("start applies to the single-array layout (vLLM >= 0.22); vLLM 0.21's split layout has none")
     pr = moe_layers(_shaped(prompt_routed_experts, "prompt_routed_experts"), layer_ids, num_hidden_layers,
-                    "prompt_routed_experts")
+                    "prompt_routed_experts", unreplayed)
     if pr.shape[0] != prompt_len:
         raise ValueError(f"prompt_routed_experts has {pr.shape[0]} positions but the prompt has {prompt_len} tokens")
     if pr.shape[1:] != gen.shape[1:]:
@@ -187,7 +190,8 @@ def decode_sglang(payload, num_layers: int, top_k: int) -> torch.Tensor:
 
 
 def sglang_routes(seq_len: int, payload, top_k: int, layer_ids: Sequence[int],
-                  num_hidden_layers: int | None = None, start: int = 0) -> torch.Tensor:
+                  num_hidden_layers: int | None = None, start: int = 0, unreplayed: Sequence[int] = ()
+                  ) -> torch.Tensor:
     """SGLang routes of one request as ``[S, L_moe, K]`` int64 (rows ``[start, S - 1)``; ``[start, S)`` accepted).
 
     A flat payload's layer count is found from its size: ``S - start - 1`` (or ``S - start``) rows of either
@@ -207,5 +211,5 @@ def sglang_routes(seq_len: int, payload, top_k: int, layer_ids: Sequence[int],
                 + f" x {top_k}" + (" (ambiguous)" if len(fits) > 1 else ""))
         (_, n_layers), = fits
         routes = rearrange(routes, "(n l k) -> n l k", l=n_layers, k=top_k)
-    routes = moe_layers(routes, layer_ids, num_hidden_layers, "routed_experts")
+    routes = moe_layers(routes, layer_ids, num_hidden_layers, "routed_experts", unreplayed)
     return place_rows(routes, seq_len, start, "SGLang routed_experts", "sequence")

@@ -196,7 +196,7 @@ class RouteTrace:
     @classmethod
     def from_vllm(cls, prompt_token_ids, completion_token_ids, routed_experts, prompt_routed_experts=None, *,
                   num_experts: int, layer_ids: Sequence[int], num_hidden_layers: int | None = None, start: int = 0,
-                  previous: "RouteTrace | None" = None) -> "RouteTrace":
+                  previous: "RouteTrace | None" = None, unreplayed_layer_ids: Sequence[int] = ()) -> "RouteTrace":
         """One vLLM completion as a ``[1, P + T]`` trace tied to its tokens (layouts: ``routing/engines.py``).
 
         ``routed_experts``: vLLM >= 0.22's ``choices[i].routed_experts`` (base64 ``.npy``) or the ndarray of the
@@ -204,30 +204,32 @@ class RouteTrace:
         vLLM 0.21's completion part (``T`` or ``T - 1`` rows) with ``prompt_routed_experts [P, L, K]``. ``L`` = MoE
         layers or ``num_hidden_layers`` (then reduced to ``layer_ids``). ``None`` (no routes) is refused.
         Negative ids, rows before ``start`` and the never-fed last position are "not recorded"; ``previous`` (the
-        last turn's trace of this conversation) fills the rows before ``start``. Join completions with
-        ``cat_traces``.
+        last turn's trace of this conversation) fills the rows before ``start``. ``unreplayed_layer_ids``
+        (``ctl.unreplayed_layer_ids``): routed layers the controller leaves to themselves (DeepSeek-V4's hash layer),
+        dropped without the dense-layer zero check. Join completions with ``cat_traces``.
         """
         prompt = rearrange(engines.as_int_tensor(prompt_token_ids, "prompt_token_ids"), "... -> (...)")
         comp = rearrange(engines.as_int_tensor(completion_token_ids, "completion_token_ids"), "... -> (...)")
         routes = engines.vllm_routes(prompt.numel(), comp.numel(), routed_experts, prompt_routed_experts,
-                                     tuple(layer_ids), num_hidden_layers, start)
+                                     tuple(layer_ids), num_hidden_layers, start, tuple(unreplayed_layer_ids))
         tokens = rearrange(torch.cat([prompt, comp]), "s -> 1 s")
         return cls._from_engine(routes, tokens, num_experts, layer_ids, start, previous)
 
     @classmethod
     def from_sglang(cls, token_ids, routed_experts, *, num_experts: int, top_k: int, layer_ids: Sequence[int],
-                    num_hidden_layers: int | None = None, start: int = 0, previous: "RouteTrace | None" = None
-                    ) -> "RouteTrace":
+                    num_hidden_layers: int | None = None, start: int = 0, previous: "RouteTrace | None" = None,
+                    unreplayed_layer_ids: Sequence[int] = ()) -> "RouteTrace":
         """One SGLang request (prompt + output ``token_ids``, ``S`` tokens) as a ``[1, S]`` trace tied to its tokens.
 
         ``routed_experts``: ``meta_info["routed_experts"]`` (base64 of int32 over all hidden layers, rows
         ``[start, S - 1)`` with ``start`` = the request's ``routed_experts_start_len``) or the decoded array/tensor;
         ``S - start`` rows are accepted too. Rows before ``start`` come from ``previous`` (the last turn's trace)
         or are "not recorded"; position ``S - 1`` (never fed) is "not recorded" (layouts: ``routing/engines.py``).
+        ``unreplayed_layer_ids``: as in :meth:`from_vllm`.
         """
         tokens = rearrange(engines.as_int_tensor(token_ids, "token_ids"), "... -> 1 (...)")
         routes = engines.sglang_routes(tokens.shape[1], routed_experts, top_k, tuple(layer_ids), num_hidden_layers,
-                                       start)
+                                       start, tuple(unreplayed_layer_ids))
         return cls._from_engine(routes, tokens, num_experts, layer_ids, start, previous)
 
     @classmethod

@@ -267,3 +267,29 @@ def test_engine_traces_join_with_cat_traces(run):
                                layer_ids=ctl.layer_ids, num_hidden_layers=N_HIDDEN)
     both = cat_traces([a, b], side="right")
     assert both.ids.shape[:2] == (2, len(seq)) and both.tokens[1, 4:].tolist() == [-1] * (len(seq) - 4)
+
+
+def test_hash_routed_layer_in_all_layer_payloads():
+    """DeepSeek-V4: an engine's all-layer payload holds real (hash) expert ids in layer 0, which the controller does
+    not replay; they are dropped when named by ``ctl.unreplayed_layer_ids`` and refused otherwise (not dense zeros)."""
+    from family_models import make_family_model
+
+    model = make_family_model("deepseek_v4")
+    ctl = RoutingController(model)
+    assert ctl.layer_ids == (1,) and ctl.unreplayed_layer_ids == (0,)
+    n_hidden = model.config.num_hidden_layers
+    ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), ctl.record() as rec:
+        seq = model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    moe = rec.trace().long_ids()[0]
+    rows = np.zeros((seq.shape[1] - 1, n_hidden, ctl.top_k), dtype=np.uint8)
+    rows[:, 1] = moe[:-1, 0].numpy()
+    rows[:, 0] = (seq[0, :-1, None].numpy() * np.arange(1, ctl.top_k + 1)) % ctl.num_experts + 1  # hash ids
+    f = io.BytesIO()
+    np.save(f, rows)
+    payload = base64.b64encode(f.getvalue()).decode()
+    kw = dict(num_experts=ctl.num_experts, layer_ids=ctl.layer_ids, num_hidden_layers=n_hidden)
+    with pytest.raises(ValueError, match="layer 0 is not an MoE layer .* unreplayed_layer_ids"):
+        RouteTrace.from_vllm(seq[0, :6], seq[0, 6:], payload, **kw)
+    t = RouteTrace.from_vllm(seq[0, :6], seq[0, 6:], payload, unreplayed_layer_ids=ctl.unreplayed_layer_ids, **kw)
+    assert torch.equal(t.long_ids()[0], moe)
