@@ -25,6 +25,7 @@ __all__ = [
     "RoutingController", "Recorder", "RouterCapture", "RouterBypassError", "UnsupportedGenerationError",
     "UnsupportedRouterError", "RouterAdapter", "ROUTER_ADAPTERS", "register_router_adapter", "get_router_adapter",
     "PR2Predictors", "FeatureCache", "PR2Features", "cat_features", "pr2_predictor_loss", "pr2_param_group",
-    "RouteComparison", "compare_traces", "routing_metrics", "zero_deviation", "replay_guardrails", "GUARDRAIL_METRICS", "router_perturbation",
+    "RouteComparison", "compare_traces", "routing_metrics", "zero_deviation", "replay_guardrails", "GUARDRAIL_METRICS",
+    "router_perturbation",
     "perturbation_seed",
 ]

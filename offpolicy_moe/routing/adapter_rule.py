@@ -55,7 +55,7 @@ class AdapterRule:
             return self._recompute(s, logits, output)
         h = rearrange(args[0], "... h -> (...) h") if args and st.offsets is not None else None
         d_sel, d_w, f = st.offset_shifts(s.index, h)
-        if st.offsets is not None and st.offsets.feature_cache is not None:   # the engine's logits: with the fixed shift
+        if st.offsets is not None and st.offsets.feature_cache is not None:   # engine's logits: with the fixed shift
             lf = logits if f is None else (logits.detach().float() + f).to(logits.dtype)
             st.offsets.feature_cache.add(s.index, h, lf, b, sl)
         d_sel, d_w = st.with_noise(d_sel, d_w, n, logits.shape[-1], logits.device)
