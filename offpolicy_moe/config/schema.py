@@ -119,6 +119,12 @@ class RolloutConfig:
     # the trainer publishes its weights to generation every n trained steps (1 = every step); between
     # publications generation keeps the last published version, so batches are up to n - 1 versions staler
     publish_every: int = ranged(1, ge=1)
+    # buffer.mode=async: where the rollout workers run: local (processes on this machine) | ray (actors on the Ray
+    # cluster of rollout.ray_address, else RAY_ADDRESS, else ray.init()'s default; docs/scale-out.md)
+    backend: str = ranged("local", choices=("local", "ray"))
+    ray_address: Optional[str] = ranged(None, optional=True)       # e.g. "10.0.0.1:6379" (ray start --head)
+    # backend=ray, a rollout node lost: continue (with the remaining actors) | stop (checkpoint, then stop)
+    ray_on_node_loss: str = ranged("continue", choices=("continue", "stop"))
 
 
 @dataclass

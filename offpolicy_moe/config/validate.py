@@ -193,6 +193,10 @@ def async_problems(cfg: Any) -> list[str]:
     """What ``buffer.mode=async`` cannot run: PR2 (the rollout workers do not receive the predictors), and R2 with
     sequences continuing across weight updates (one recorded route for tokens of several versions)."""
     if cfg.buffer.mode != "async":
+        if cfg.rollout.backend == "ray":
+            return [f"rollout.backend=ray places rollout workers of buffer.mode=async; buffer.mode="
+                    f"{cfg.buffer.mode} generates in the trainer's process: set buffer.mode=async or "
+                    "rollout.backend=local"]
         return []
     rt, ro = cfg.algo.routing, cfg.rollout
     out = []
