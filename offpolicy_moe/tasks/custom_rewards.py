@@ -176,6 +176,11 @@ class RewardScores:
         return out
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _row_text(i: int, prompts: Sequence[str]) -> str:
     prompt = prompts[i] if i < len(prompts) else ""
     return f"row {i} (prompt {prompt[:60]!r})"
@@ -279,12 +284,10 @@ class RewardSet:
                 continue
             bad.append(i)
         if first is None:          # no single row raises: the batch call itself is the problem
-            msg = (f"{where} raised {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                   f" on the batch of {n} rows")
+            msg = f"{where} raised {type(exc).__name__}: {_one_line(exc)} on the batch of {n} rows"
             return self._fail(msg, spec, None, n, list(range(n)))
         i, row_exc = first
-        text = str(row_exc).strip().splitlines()[0] if str(row_exc).strip() else ""
-        msg = f"{where} raised {type(row_exc).__name__}: {text} on {_row_text(i, prompts)}"
+        msg = f"{where} raised {type(row_exc).__name__}: {_one_line(row_exc)} on {_row_text(i, prompts)}"
         if self.on_error == "stop":
             raise RewardError(msg, fn=spec.fn, row=i) from row_exc
         return values, len(bad)

@@ -54,7 +54,8 @@ def test_named_splits_and_the_held_out_fraction(tmp_path):
     dd.save_to_disk(str(tmp_path / "dd"))
     kw = dict(prompt_column="question", answer_column="solution", answer_format="gsm8k")
     t = _task(f"dataset:{tmp_path / 'dd'}", eval_split="test", **kw)
-    assert t.train_prompts == [r["question"] for r in ROWS[:16]] and t.eval_prompts == [r["question"] for r in ROWS[16:]]
+    assert t.train_prompts == [r["question"] for r in ROWS[:16]]
+    assert t.eval_prompts == [r["question"] for r in ROWS[16:]]
     frac = _task(f"dataset:{tmp_path / 'dd'}", eval_fraction=0.25, seed=3, **kw)
     assert len(frac.eval_prompts) == 4 and len(frac.train_prompts) == 12
     assert _pairs(frac, "eval") == _pairs(_task(f"dataset:{tmp_path / 'dd'}", eval_fraction=0.25, seed=3, **kw), "eval")
