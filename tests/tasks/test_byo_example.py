@@ -52,3 +52,27 @@ def test_the_example_config_passes_the_dry_run_and_builds_its_task(tmp_path, mon
 def test_bare_number_by_its_path():
     fn = resolve_reward(str(REPO / "experiments" / "byo_task" / "rewards.py") + ":bare_number")
     assert fn(["12", "-3<eos><pad>", " 7 ", "1+2", ""], [""] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_the_gpu_twin_passes_the_dry_run_on_a_local_checkpoint_with_a_chat_template(tmp_path, capsys):
+    """experiments/byo_task/gpu.yaml with its two placeholders set: a local checkpoint folder whose tokenizer has a
+    chat template (built here, nothing downloaded) and a save_to_disk GSM8K-format folder with train/test splits."""
+    from datasets import Dataset, DatasetDict
+
+    from offpolicy_moe.models.presets import build_preset
+    from tests.tasks.test_chat import chat_tokenizer
+
+    tok = chat_tokenizer()
+    special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    model = build_preset("tiny-qwen3-moe", len(tok), num_layers=1, hidden_size=32, num_experts=4, top_k=2,
+                         special_ids=special, seed=0)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    rows = [{"question": f"Tom has {a} apples and buys {b}. How many now?", "answer": f"{a}+{b}={a + b}\n#### {a + b}"}
+            for a in range(20) for b in range(5)]
+    DatasetDict({"train": Dataset.from_list(rows[:80]), "test": Dataset.from_list(rows[80:])}).save_to_disk(
+        str(tmp_path / "gsm"))
+    rc = main(["train", "--dry-run", str(REPO / "experiments" / "byo_task" / "gpu.yaml"),
+               f"model.path={tmp_path / 'ckpt'}", f"task.name=dataset:{tmp_path / 'gsm'}",
+               f"run_dir={tmp_path / 'run'}"])
+    assert rc == 0, capsys.readouterr().err
