@@ -52,6 +52,7 @@ from offpolicy_moe.trainer.old_logp import OldLogpPass
 from offpolicy_moe.trainer.optim import adamw, lr_schedule
 from offpolicy_moe.trainer.sources.asynchronous import AsyncBatchSource
 from offpolicy_moe.trainer.sources.base import BatchSource, SourceStopped
+from offpolicy_moe.trainer.sources.ray_source import RayBatchSource
 from offpolicy_moe.trainer.sources.sync import SyncBatchSource
 from offpolicy_moe.trainer.versions import token_lag
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE, make_engine
@@ -201,7 +202,11 @@ class Trainer:
                            device=self.accelerator.device, seed=self.cfg.seed)
 
     def _build_source(self) -> BatchSource:
-        """The batch source of ``buffer.mode``: workers for ``async``, this process's engine otherwise."""
+        """The batch source of ``buffer.mode``: workers for ``async`` (Ray actors with ``rollout.backend=ray``), this
+        process's engine otherwise."""
+        if self.cfg.buffer.mode == "async" and self.cfg.rollout.backend == "ray":
+            return RayBatchSource(self.cfg, model=self.unwrapped, prepare=self.prepare, rank=self.rank,
+                                  world=self.world)
         if self.cfg.buffer.mode == "async":
             return AsyncBatchSource(self.cfg, model=self.unwrapped, prepare=self.prepare, rank=self.rank,
                                     world=self.world)

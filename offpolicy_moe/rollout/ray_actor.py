@@ -1,0 +1,117 @@
+"""The rollout worker as a Ray actor, and the registry that tells actors the newest published weights.
+
+:class:`RolloutActor` is :func:`~offpolicy_moe.rollout.worker.worker_main`'s loop body as an object: it builds the
+policy and the rollout engine from the run's config exactly as the local worker does (:func:`build_engine`), then
+serves one :class:`~offpolicy_moe.rollout.worker.Order` per :meth:`RolloutActor.generate` call: it asks the
+:class:`WeightRegistry` for the newest published version, pulls those weights from Ray's object store only when
+they are newer than the engine's (``ray.get`` of the reference the trainer ``ray.put`` once for that version),
+samples the iteration with the iteration's seed and returns the batch's ``state_dict`` (per-token versions, the
+engine's routes for R3, behaviour log-probs) with its timings.
+
+The weights of one call come from one object (one version) and are copied into the engine before sampling begins,
+so an actor never mixes two versions within a forward; with ``rollout.update_in_flight`` it may load a newer
+version between decode steps, and every token keeps the version that sampled it, as the local worker does.
+
+Neither class imports Ray: :mod:`~offpolicy_moe.trainer.sources.ray_source` wraps them with ``ray.remote``, and
+``ray`` is looked up (``importlib``) only by the code that runs inside an actor, so ``import offpolicy_moe`` stays
+Ray-free.  A different engine (vLLM, SGLang) plugs in through the engine registry (``rollout.engine``,
+:mod:`~offpolicy_moe.rollout.engine`); see docs/scale-out.md for what it must return.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from offpolicy_moe.models import load_policy
+from offpolicy_moe.rollout.worker import Order, WorkerSpec, build_engine, generate_iteration
+from offpolicy_moe.tasks import make_task
+
+__all__ = ["RolloutActor", "WeightRegistry"]
+
+_POLL_S = 0.05          # update_in_flight: the registry is asked at most this often between decode steps
+
+
+def _ray() -> Any:
+    return importlib.import_module("ray")
+
+
+class WeightRegistry:
+    """The newest published policy version and the object-store reference of its weights (one per version,
+    put by the trainer); the reference is held in a one-element list so Ray hands it over unresolved."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.ref: list = []
+
+    def set(self, version: int, ref: list) -> None:
+        """Version ``version``'s weights are ``ref[0]``; an older version than the newest is ignored."""
+        if int(version) >= self.version:
+            self.version, self.ref = int(version), list(ref)
+
+    def newest(self) -> tuple[int, list]:
+        """``(version, [reference])`` of the newest published weights (``(-1, [])`` before the first)."""
+        return self.version, self.ref
+
+
+class RolloutActor:
+    """One rollout worker on a Ray node (see module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, registry: Any):
+        torch.set_num_threads(max(int(spec.threads), 1))
+        self.spec, self.registry = spec, registry
+        cfg = spec.cfg
+        self.task = make_task(cfg.task)
+        model, tok = load_policy(cfg.model, seed=cfg.seed, task=self.task)
+        self.engine = build_engine(cfg, model, tok)
+        self.engine.version = -1                  # nothing loaded yet: the first order pulls the newest weights
+        self._last_end: Optional[float] = None
+        self._last_poll = 0.0
+        if spec.update_in_flight:
+            self.engine.between_tokens = self._poll
+
+    def ready(self) -> dict:
+        """Where this actor runs: ``{"pid", "node_id", "ip"}``."""
+        ctx = _ray().get_runtime_context()
+        return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "ip": _ray().util.get_node_ip_address()}
+
+    def _load_newest(self, floor: int, floor_ref: list, timeout: float) -> float:
+        """Load the newest published weights (at least version ``floor``, whose reference ``floor_ref`` came with
+        the order) when newer than the engine's; returns the seconds spent pulling and copying."""
+        t0 = time.perf_counter()
+        ray = _ray()
+        version, ref = ray.get(self.registry.newest.remote(), timeout=timeout)
+        if version < floor:
+            version, ref = floor, floor_ref
+        if version > self.engine.version:
+            self.engine.sync(ray.get(ref[0], timeout=timeout), version)
+        return time.perf_counter() - t0
+
+    def _poll(self, engine: Any) -> None:
+        """Between decode steps (``rollout.update_in_flight``): take a newer version if one was published."""
+        now = time.perf_counter()
+        if now - self._last_poll >= _POLL_S:
+            self._last_poll = now
+            self._load_newest(engine.version, [], self.spec.weight_timeout_s)
+
+    def generate(self, order: Order, version: int, ref: list) -> tuple[int, int, dict, dict]:
+        """Generate ``order``'s iteration with the newest published weights (version ``>= version``, whose
+        object-store reference is ``ref[0]``); returns ``(iteration, attempt, batch_state, timings)``."""
+        if version < order.min_version:
+            raise ValueError(f"iteration {order.iteration} needs policy version >= {order.min_version}, the order "
+                             f"carries version {version}")
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        sync_s = self._load_newest(version, ref, self.spec.weight_timeout_s)
+        t1 = time.perf_counter()
+        batch = generate_iteration(self.engine, self.task, self.spec.cfg.rollout, iteration=order.iteration,
+                                   seed=order.seed, rank=self.spec.rank, world=self.spec.world)
+        t2 = time.perf_counter()
+        wait_s = 0.0 if self._last_end is None else t0 - self._last_end
+        self._last_end = t2
+        timings = {"wait_s": wait_s, "sync_s": sync_s, "generate_s": t2 - t1, "cpu_s": time.process_time() - c0}
+        return order.iteration, order.attempt, batch.state_dict(), timings
+

@@ -1,0 +1,51 @@
+"""A real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), started once for the Ray tests.
+
+The Ray tests are marked ``ray`` and run only when asked for (``python -m pytest -q -m ray`` with the ``[ray]`` extra
+installed): the default suite stays Ray-free even where Ray is installed."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ray: tests on a local multi-node Ray cluster (pip install -e '.[ray]')")
+
+
+def pytest_collection_modifyitems(config, items):
+    if "ray" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="Ray tests run with -m ray")
+    for item in items:
+        if "ray" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A head node and one more node, 2 logical CPUs each; this process is connected to it."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    c.add_node(num_cpus=2)
+    ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """``make_cfg(*overrides)``: the engine tests' tiny config in a fresh run folder under ``tmp_path``."""
+    from tests.engine.tiny import tiny_config
+    counter = {"n": 0}
+
+    def make(*overrides):
+        counter["n"] += 1
+        return tiny_config(tmp_path / f"run{counter['n']}", *overrides)
+
+    return make
