@@ -10,6 +10,7 @@ Families name the two numbers differently (transformers 5.x configs, or their ``
 | Ernie 4.5 MoE | ``moe_num_experts`` | ``moe_k`` |
 | Hunyuan MoE | ``num_experts`` | ``moe_topk`` |
 | DBRX | ``ffn_config.moe_num_experts`` | ``ffn_config.moe_top_k`` |
+| Gemma 4 | ``num_experts`` | ``top_k_experts`` |
 
 Multimodal wrappers keep these under ``text_config``; both places are searched.
 """
@@ -19,7 +20,8 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 EXPERT_COUNT_KEYS: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS: tuple[str, ...] = ("num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k", "moe_top_k", "top_k")
+TOP_K_KEYS: tuple[str, ...] = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "top_k_experts",
+                                "moe_topk", "moe_k", "moe_top_k", "top_k")
 _NESTED: tuple[str, ...] = ("text_config", "ffn_config")
 
 

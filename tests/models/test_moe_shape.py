@@ -54,3 +54,35 @@ def test_dense_and_degenerate_configs():
     assert moe_shape({"hidden_size": 8}) == (None, None)
     assert moe_shape({"num_experts": 0, "num_local_experts": 4, "num_experts_per_tok": True, "top_k": 2}) == (4, 2)
     assert not declares_moe({"num_experts": 1, "num_experts_per_tok": 1})
+
+
+#: routers that choose among more ids than the config's routed experts: LongCat-Flash adds ``zero_expert_num``
+#: zero-computation experts, Zaya one more id than ``num_experts``
+EXTRA_CHOICES = {"longcat_flash", "zaya"}
+
+
+@pytest.mark.slow
+def test_moe_shape_agrees_with_the_routing_controller_on_every_scanned_family():
+    """The config reader and the router discovery see the same (experts, top-k) on every supported MoE family of the
+    installed transformers (found by scan); Gemma 4's ``top_k_experts`` was missed before."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "routing"))
+    from family_models import make_family_model
+
+    from offpolicy_moe.routing import RoutingController, UnsupportedRouterError
+    from offpolicy_moe.routing.families import scan_moe_families
+
+    checked = 0
+    for fam in scan_moe_families():
+        model = make_family_model(fam.model_type)
+        try:
+            ctl = RoutingController(model)
+        except UnsupportedRouterError:
+            continue
+        n, k = moe_shape(model.config)
+        assert k == ctl.top_k, fam.model_type
+        assert n == ctl.num_experts or (fam.model_type in EXTRA_CHOICES and n < ctl.num_experts), fam.model_type
+        checked += 1
+    assert checked >= 57
