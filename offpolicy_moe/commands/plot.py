@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from offpolicy_moe.commands.errors import UsageError
 from offpolicy_moe.report.plot import plot_curves, plot_staleness
-from offpolicy_moe.report.spec import default_agg, parse_where, report_spec
+from offpolicy_moe.report.spec import PlotSpec, default_agg, parse_where, report_spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,31 +23,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                "default: the sweep's report.agg, else final (as table)")
 
 
-def plot_specs(args: argparse.Namespace) -> list[dict]:
+def plot_specs(args: argparse.Namespace) -> list[PlotSpec]:
     """The plots to draw: the command line's, or the sweep's ``report:`` section."""
     if args.metrics:
         if not args.by:
             raise ValueError("--by is required with --metrics")
-        return [dict(metrics=args.metrics, by=args.by, band=args.band, where=parse_where(args.where),
-                     staleness_axis=args.staleness_axis, agg=args.agg)]
-    specs = report_spec(args.sweep_dir)["plots"]
+        return [PlotSpec(metrics=args.metrics, by=args.by, band=args.band, where=parse_where(args.where),
+                         staleness_axis=args.staleness_axis, agg=args.agg)]
+    specs = report_spec(args.sweep_dir).plots
     if not specs:
         raise ValueError("give --metrics and --by (this sweep's experiment.yaml has no report.plots)")
-    return [{**s, "where": {**(s.get("where") or {}), **parse_where(args.where)}} for s in specs]
+    return [replace(s, where={**s.where, **parse_where(args.where)}) for s in specs]
 
 
-def draw(args: argparse.Namespace, s: dict) -> list[Path]:
+def draw(args: argparse.Namespace, s: PlotSpec) -> list[Path]:
     """The PNG files of one plot spec."""
     explicit = bool(args.metrics)
     paths = []
-    if s.get("staleness_axis"):
-        paths += plot_staleness(args.sweep_dir, s["metrics"], s["staleness_axis"], s["by"], args.out,
-                                s.get("agg") or default_agg(args.sweep_dir), s["where"])
+    metrics = s.metrics
+    if s.staleness_axis:
+        paths += plot_staleness(args.sweep_dir, metrics, s.staleness_axis, s.by, args.out,
+                                s.agg or default_agg(args.sweep_dir), s.where)
         if explicit:  # explicit command line: curves as well
-            paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), s["where"])
+            paths += plot_curves(args.sweep_dir, metrics, s.by, args.out, s.band, s.where)
     else:  # report: section: a metric this trainer does not log is skipped, not fatal
-        paths += plot_curves(args.sweep_dir, s["metrics"], s["by"], args.out, s.get("band", "std"), s["where"],
-                             skip_missing=not explicit)
+        paths += plot_curves(args.sweep_dir, metrics, s.by, args.out, s.band, s.where, skip_missing=not explicit)
     return paths
 
 

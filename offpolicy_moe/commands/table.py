@@ -7,12 +7,13 @@ interval; without ``--metric`` the experiment's ``report:`` tables are rendered,
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import sys
 from pathlib import Path
 
 from offpolicy_moe.commands.errors import UsageError
 from offpolicy_moe.report.claims import claims_notes, evaluate_claims, render_claims
-from offpolicy_moe.report.spec import default_agg, parse_where, report_spec
+from offpolicy_moe.report.spec import TableSpec, default_agg, parse_where, report_spec
 from offpolicy_moe.report.table import FORMATS, build_table, parse_metrics, render_table
 
 CLAIMS_TITLE = "Claims"
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write to this file instead of stdout")
 
 
-def table_specs(args: argparse.Namespace) -> list[dict]:
+def table_specs(args: argparse.Namespace) -> list[TableSpec]:
     """The tables to render: the command line's, the sweep's ``report:`` section's, or none with ``--claims``."""
     if args.claims:
         if args.metric or args.rows or args.cols or args.baseline:
@@ -54,34 +55,33 @@ def table_specs(args: argparse.Namespace) -> list[dict]:
     if args.metric:
         if not args.rows:
             raise ValueError("--rows is required with --metric")
-        return [dict(rows=args.rows, cols=args.cols, metric=args.metric, agg=args.agg,
-                     where=parse_where(args.where), lower_is_better=not args.higher, digits=args.digits,
-                     baseline=args.baseline)]
+        return [TableSpec(rows=args.rows, cols=args.cols, metric=args.metric, agg=args.agg,
+                          where=parse_where(args.where), lower_is_better=not args.higher, digits=args.digits,
+                          baseline=args.baseline)]
     spec = report_spec(args.sweep_dir)
-    if not spec["tables"] and not spec["claims"]:
+    if not spec.tables and not spec.claims:
         raise ValueError("give --rows and --metric (this sweep's experiment.yaml has no report.tables nor "
                          "report.claims)")
     cli_baseline = {"baseline": args.baseline} if args.baseline is not None else {}
-    return [{**s, "where": {**(s.get("where") or {}), **parse_where(args.where)}, **cli_baseline}
-            for s in spec["tables"]]
+    return [replace(s, where={**s.where, **parse_where(args.where)}, **cli_baseline) for s in spec.tables]
 
 
-def render(args: argparse.Namespace, spec: dict) -> str:
+def render(args: argparse.Namespace, spec: TableSpec) -> str:
     """One table of ``spec`` rendered in ``args.format`` (notes of csv tables go to stderr)."""
-    metrics = parse_metrics(spec["metric"], default_higher=not spec.get("lower_is_better", False))
-    agg = spec.get("agg") or default_agg(args.sweep_dir)
-    baseline = None if spec.get("baseline") is None else str(spec["baseline"])
-    t = build_table(args.sweep_dir, spec["rows"], spec.get("cols"), metrics, agg, spec["where"], baseline=baseline)
-    text = render_table(t, args.format, spec.get("digits", args.digits))
+    metrics = parse_metrics(spec.metric, default_higher=not spec.lower_is_better)
+    agg = spec.agg or default_agg(args.sweep_dir)
+    baseline = None if spec.baseline is None else str(spec.baseline)
+    t = build_table(args.sweep_dir, spec.rows, spec.cols, metrics, agg, spec.where, baseline=baseline)
+    text = render_table(t, args.format, spec.digits if spec.digits is not None else args.digits)
     if args.format == "csv":
         for note in t.notes():
             print(note, file=sys.stderr)
-    return with_title(text, spec.get("title"), args.format)
+    return with_title(text, spec.title, args.format)
 
 
 def render_claims_table(args: argparse.Namespace) -> str:
     """The claims table of the sweep's ``report.claims`` ("" when it has none and ``--claims`` was not given)."""
-    claims = report_spec(args.sweep_dir)["claims"]
+    claims = list(report_spec(args.sweep_dir).claims)
     if not claims:
         if args.claims:
             raise ValueError("this sweep's experiment.yaml has no report.claims")

@@ -42,7 +42,8 @@ import yaml
 from offpolicy_moe.config.load import deep_merge, load_config_dict, nest_dotted, to_dict
 from offpolicy_moe.config.schema import TrainConfig
 from offpolicy_moe.config.validate import ConfigError
-from offpolicy_moe.report.claims import Claim, check_claim_axes, parse_claims
+from offpolicy_moe.report.claims import check_claim_axes
+from offpolicy_moe.report.spec import ReportSpec, parse_report
 
 _LABEL_RE = re.compile(r"[^A-Za-z0-9._+\-]+")
 
@@ -64,10 +65,9 @@ class Experiment:
     axes: list[Axis]
     seeds: list[int]
     exclude: list[dict] = field(default_factory=list)
-    report: dict = field(default_factory=dict)
+    report: ReportSpec = field(default_factory=ReportSpec)
     source: Optional[Path] = None
     raw: dict = field(default_factory=dict)
-    claims: list[Claim] = field(default_factory=list)   # report.claims, parsed (keys and values checked)
     source_name: str = "<experiment>"                   # how errors name the file
 
 
@@ -137,11 +137,8 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<experiment>") -> Ex
                 raise ConfigError(f"{source}: exclude names unknown axis '{k}' (axes: {', '.join(names)})")
             if sanitize_label(v) not in ax.labels:
                 raise ConfigError(f"{source}: exclude: axis '{k}' has no value '{v}' (values: {ax.labels})")
-    report = raw.get("report") or {}
-    if not isinstance(report, Mapping):
-        raise ConfigError(f"{source}: 'report' must be a mapping with 'tables', 'plots' and/or 'claims'")
     try:
-        claims = parse_claims(report.get("claims"), where=f"{source}: report")
+        report = parse_report(raw.get("report"), source)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return Experiment(
@@ -151,9 +148,8 @@ def parse_experiment(raw: Mapping[str, Any], source: str = "<experiment>") -> Ex
         axes=axes,
         seeds=list(seeds),
         exclude=[{k: sanitize_label(v) for k, v in e.items()} for e in exclude],
-        report=dict(report),
+        report=report,
         raw=dict(raw),
-        claims=claims,
         source_name=source,
     )
 
@@ -246,10 +242,10 @@ def check_claims(exp: Experiment, runs: Sequence[RunSpec]) -> list[str]:
     """The axis names of ``report.claims`` against the grid (and the planned runs' config keys), before any run
     starts: an unknown axis is a one-line :class:`ConfigError`; a label the grid lacks (the claim will read
     ``no runs``) and fewer than two seeds (every claim will read ``n too small``) are returned as warnings."""
-    if not exp.claims:
+    if not exp.report.claims:
         return []
     try:
-        warnings = check_claim_axes(exp.claims, {a.name: a.labels for a in exp.axes},
+        warnings = check_claim_axes(exp.report.claims, {a.name: a.labels for a in exp.axes},
                                     (to_dict(r.config) for r in runs), where=f"{exp.source_name}: report")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -149,7 +149,7 @@ def test_cli_baseline_flag(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ claims tables
 def test_claims_evaluated_by_hand(tmp_path):
     sw = _sweep(tmp_path)
-    results = evaluate_claims(sw, report_spec(sw)["claims"], "final")
+    results = evaluate_claims(sw, report_spec(sw).claims, "final")
     kl, acc, pr2 = results
     # per-seed ratios r3/grpo: 0.01, 0.015, 1/75 -> 10**(mean of log10) = their geometric mean (2e-6)**(1/3)
     assert kl.comparison.estimate == pytest.approx((2e-6) ** (1 / 3), rel=1e-9)
@@ -178,7 +178,7 @@ report:
        where: {ministep: multi}, expect: lower, agg: "mean_last:2"}
 """
     sw = _sweep(tmp_path, exp)
-    a, b = evaluate_claims(sw, report_spec(sw)["claims"], "final")
+    a, b = evaluate_claims(sw, report_spec(sw).claims, "final")
     assert a.verdict == OPPOSITE and a.comparison.n == 2 and a.failed == ("algorithm=tis__ministep=single__seed=2",)
     # mean_last:2 of the series (0, acc): tis - grpo = 0.15 - (0.15, 0.175, 0.2) = 0, -0.025, -0.05: mean -0.025,
     # sd 0.025, half width 4.302653 * 0.025 / sqrt(3) = 0.062103 -> [-0.0871, +0.0371] contains 0
@@ -386,7 +386,7 @@ report:
 
 def test_same_and_one_sample_claims_by_hand(tmp_path):
     sw = _sweep(tmp_path, SAME_AND_ONE_SAMPLE)
-    res = evaluate_claims(sw, report_spec(sw)["claims"], "final")
+    res = evaluate_claims(sw, report_spec(sw).claims, "final")
     loose, close, exact, kl_same, above, kl_low, flat, pr2 = res
     # tis - grpo, multi: 0, -0.05, -0.1 -> mean -0.05, sd 0.05, half 4.302653 * 0.05 / sqrt(3) = 0.124207
     assert loose.comparison.lo == pytest.approx(-0.174207, abs=1e-6)

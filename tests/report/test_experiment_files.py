@@ -7,7 +7,7 @@ import pytest
 
 from offpolicy_moe.config import ConfigError, validate
 from offpolicy_moe.sweep.plan import load_experiment, plan_runs
-from offpolicy_moe.report.spec import PLOT_KEYS, TABLE_KEYS
+from offpolicy_moe.report.spec import PlotSpec, TableSpec
 
 ROOT = Path(__file__).resolve().parents[2] / "experiments"
 NAMES = ["r3_ablation", "m2po_staleness", "pr2_offpolicy"]
@@ -28,10 +28,8 @@ def test_cpu_experiment_plans_validates_and_fits_budget(name):
     assert n == len(runs), f"{name}: the budget counts {n} runs, the grid plans {len(runs)}"
     assert abs(n * per_run / 2 / 60 - total) <= 1, f"{name}: {n} x {per_run} s / 2 is not {total} min"
     assert total <= 45, f"{name}: {total} min is over the 45-minute budget on 2 cores"
-    for t in exp.report["tables"]:
-        assert set(t) <= TABLE_KEYS
-    for p in exp.report["plots"]:
-        assert set(p) <= PLOT_KEYS
+    assert all(isinstance(t, TableSpec) for t in exp.report.tables)     # parsed and checked at load
+    assert all(isinstance(p, PlotSpec) for p in exp.report.plots)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -61,6 +59,6 @@ def test_gpu_twin_makes_the_same_claims(name):
         return (c.claim, c.treatment, c.baseline, c.baseline_value, c.where, c.expect, c.margin, c.scale)
     cpu = load_experiment(ROOT / f"{name}.yaml")
     gpu = load_experiment(ROOT / "gpu" / f"{name}.yaml")
-    assert cpu.claims and [key(c) for c in gpu.claims] == [key(c) for c in cpu.claims]
-    layout = [(t.get("rows"), t.get("cols"), t.get("baseline"), t.get("where")) for t in cpu.report["tables"]]
-    assert [(t.get("rows"), t.get("cols"), t.get("baseline"), t.get("where")) for t in gpu.report["tables"]] == layout
+    assert cpu.report.claims and [key(c) for c in gpu.report.claims] == [key(c) for c in cpu.report.claims]
+    layout = [(t.rows, t.cols, t.baseline, t.where) for t in cpu.report.tables]
+    assert [(t.rows, t.cols, t.baseline, t.where) for t in gpu.report.tables] == layout
