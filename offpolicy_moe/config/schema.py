@@ -163,6 +163,9 @@ class CorrectionConfig:
     level: str = ranged("token", choices=CORRECTION_LEVELS)             # token | sequence | geometric
     high: float = ranged(2.0, gt=0)
     low: Optional[float] = ranged(None, ge=0, optional=True)
+    # OPSM (off-policy sequence masking): with mode=opsm the KL threshold (None = 1e-4); with truncate or mask a
+    # number adds the OPSM mask on top of those weights
+    opsm_delta: Optional[float] = ranged(None, ge=0, optional=True)
 
 
 @dataclass

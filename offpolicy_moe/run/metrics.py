@@ -80,6 +80,7 @@ DOCUMENTED_PREFIXES: tuple[str, ...] = (
     "routing/",    # engine route vs the trainer's own top-k at the rollout policy (old-log-prob pass)
     "drift/",      # engine route vs the current router's own top-k at off-policy mini-steps (drift_metrics)
     "dynamic_sampling/",   # dropped_groups, kept_share (algo.dynamic_sampling=drop)
+    "dppo/", "sapo/", "gmpo/", "vespo/",   # the 2026 objectives' own statistics (docs/losses.md)
 )
 
 

@@ -185,14 +185,16 @@ class PolicyUpdate:
         metrics["reward/adv_abs_mean"] = float(adv.abs().mean())
         return adv, metrics
 
-    def behaviour_weights(self, batch: RolloutBatch) -> tuple[Optional[torch.Tensor], dict[str, float]]:
+    def behaviour_weights(self, batch: RolloutBatch,
+                          adv: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], dict[str, float]]:
         """Per-token off-policy correction weights (``algo.correction``, from ``old_logp`` vs ``behav_logp``), or
         under ``old_logp_source=proximal`` without correction the plain decoupled-PPO weight ``pi_prox / mu``
         (AReaL, arXiv 2505.24298); None when neither applies."""
         src, corr = self.cfg.algo.old_logp_source, self.cfg.algo.correction
         if src in ("trainer", "proximal") and corr.mode != "none":
             weights, wm = correction_weights(batch.old_logp, batch.behav_logp, batch.response_mask, level=corr.level,
-                                             mode=corr.mode, high=corr.high, low=corr.low)
+                                             mode=corr.mode, high=corr.high, low=corr.low, advantages=adv,
+                                             opsm_delta=corr.opsm_delta)
             return weights, metrics_to_floats(wm, drop_nonfinite=True)
         if src == "proximal":
             lw = (batch.old_logp - batch.behav_logp).clamp(-20, 20)
@@ -207,14 +209,14 @@ class PolicyUpdate:
             return None
         return FusedOldLogp(tuple(batch.response_mask.shape), self.device, False)
 
-    def proximal_weights(self, prox: torch.Tensor, behav: torch.Tensor,
-                         mask: torch.Tensor) -> tuple[Optional[torch.Tensor], dict]:
+    def proximal_weights(self, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor,
+                         adv: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], dict]:
         """The behaviour weights of one micro-batch from its proximal log-probs: the configured correction, or the
         plain decoupled-PPO weight ``pi_prox / mu`` (as :meth:`behaviour_weights` for the whole batch)."""
         corr = self.cfg.algo.correction
         if corr.mode != "none":
             return correction_weights(prox, behav, mask, level=corr.level, mode=corr.mode, high=corr.high,
-                                      low=corr.low)
+                                      low=corr.low, advantages=adv, opsm_delta=corr.opsm_delta)
         lw = (prox - behav).clamp(-20, 20)
         return torch.where(mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
 
@@ -253,7 +255,7 @@ class PolicyUpdate:
         prox = self.begin_proximal(batch, step)
         if prox is None:
             metrics.update(self.old_pass.at_consumption(batch, routes))
-            weights, wm = self.behaviour_weights(batch)
+            weights, wm = self.behaviour_weights(batch, adv)
             metrics.update(wm)
         else:      # loglinear: taken in each micro-batch from its update forward, no pass
             weights = None
@@ -424,7 +426,7 @@ class PolicyUpdate:
         if self._prox is not None:
             old_lp = self._prox.add(rows, loglinear_proximal(logp.detach(), p, mb.index, self._prox_step,
                                                              cfg.trainer.updates_per_step))
-            w_rows, wm = self.proximal_weights(old_lp, p.behav_logp.to(dev), mask)
+            w_rows, wm = self.proximal_weights(old_lp, p.behav_logp.to(dev), mask, adv.index_select(0, rows).to(dev))
             lm_extra = wm
         else:
             old_lp = fused.add(rows, logp) if fused is not None else p.old_logp.to(dev)
