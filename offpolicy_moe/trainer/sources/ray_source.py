@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import socket
 import sys
 import time
@@ -142,7 +143,10 @@ class RayBatchSource(AsyncBatchSource):
         if step != self.cursor:
             raise RuntimeError(f"async pipeline: trainer step {step} but the pipeline's next iteration is "
                                f"{self.cursor} (a checkpoint from another buffer mode?)")
-        self._registry = self.ray.remote(WeightRegistry).options(num_cpus=0).remote()
+        strategies = importlib.import_module("ray.util.scheduling_strategies")
+        here = strategies.NodeAffinitySchedulingStrategy(
+            node_id=self.ray.get_runtime_context().get_node_id(), soft=True)     # on the trainer's node if it is one
+        self._registry = self.ray.remote(WeightRegistry).options(num_cpus=0, scheduling_strategy=here).remote()
         self._board = _ObjectStoreWeights(self.ray, self._registry)
         self._board.publish(self.ring[self.published], self.published)
         for i in range(self.n_workers):
@@ -224,7 +228,7 @@ class RayBatchSource(AsyncBatchSource):
             try:
                 iteration, attempt, state, timings = self.ray.get(ref, timeout=self.timeout)
             except self.ray.exceptions.RayActorError as e:
-                self._on_actor_death(actor, _cause(e), died=True)
+                self._on_actor_death(actor, _cause(e), died=True, raw=str(e))
                 continue
             except self.ray.exceptions.RayTaskError as e:
                 self._on_actor_death(actor, _cause(e), died=False)
@@ -235,10 +239,11 @@ class RayBatchSource(AsyncBatchSource):
     def _node_alive(self, node_id: str) -> bool:
         return any(n.get("NodeID") == node_id and n.get("Alive") for n in self.ray.nodes())
 
-    def _on_actor_death(self, actor: _Actor, reason: str, *, died: bool) -> None:
+    def _on_actor_death(self, actor: _Actor, reason: str, *, died: bool, raw: str = "") -> None:
         """Actor ``actor`` died (``died``) or a call of it raised: name it, then restart it, go on without it, or
         stop, as configured; its iterations in flight are issued again (same seeds)."""
-        node_lost = died and not self._node_alive(actor.info["node_id"])
+        node_lost = died and ("node has died" in raw
+                              or not self._node_alive(actor.info["node_id"]))
         lost = self.dispatch.worker_lost(actor.index)
         self._calls = {r: c for r, c in self._calls.items() if c.worker != actor.index}
         doing = f" while generating iteration(s) {lost}" if lost else ""
@@ -273,6 +278,12 @@ class RayBatchSource(AsyncBatchSource):
 
 
 def _cause(e: BaseException) -> str:
-    """The last informative line of a Ray error (its cause), for a one-line message."""
-    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
-    return lines[-1] if lines else type(e).__name__
+    """A Ray error's cause in one short line: a dead actor's exit type and detail, else the error's last line (a
+    call's exception)."""
+    text = str(e)
+    kind = re.search(r"Worker exit type: (\w+)", text)
+    if kind:
+        detail = re.search(r"Worker exit detail: (.*?\.)", text)
+        return f"its process died ({kind.group(1)}{': ' + detail.group(1) if detail else ''})"
+    lines = [x.strip() for x in text.strip().splitlines() if x.strip()]
+    return lines[-1][:300] if lines else type(e).__name__
