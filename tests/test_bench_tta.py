@@ -187,3 +187,32 @@ def test_end_to_end_two_arms_one_seed(tmp_path):
     assert all(not x["tta"]["reached"] for x in data["runs"])
     assert data["summary"]["sync"]["reached"] == 0 and data["summary"]["sync"]["vs_trl"]["n"] == 1
     assert (out / "tta.png").stat().st_size > 0 and "| sync | 0/1 |" in (out / "table.md").read_text()
+
+
+def _record(times: dict[str, list[float]]) -> dict:
+    """A runs.json record: per arm, one run per seed whose clock is ROWS' scaled by the given factor."""
+    runs = []
+    for arm, factors in times.items():
+        for seed, f in enumerate(factors):
+            rows = [{k: (v * f if k in ("perf/elapsed_s", "perf/time_eval_s", "perf/time_step_s") else v)
+                     for k, v in r.items()} for r in ROWS]
+            runs.append({"arm": arm, "seed": seed, "curve": curve(rows).__dict__, "startup_s": 1.0,
+                         "s_per_step": 0.1})
+    return {"date": "d", "command": "c", "arms": list(times), "wall_s": 1.0, "load_start": [1, 1, 1],
+            "load_end": [1, 1, 1], "warm_start_s": {"0": 1.0}, "runs": runs}
+
+
+def test_reanalyse_summarises_a_record_again(tmp_path, capsys):
+    src = tmp_path / "runs.json"
+    src.write_text(json.dumps(_record({"trl": [4.0, 4.0], "sync": [2.0, 2.0], "async-k2-m2po_tis": [1.0, 1.0]})))
+    bench_tta.main(["--reanalyse", str(src), "--target", "0.5", "--out", str(tmp_path / "o")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    # TTA at step 4: 3.5 s x factor; async 3.5, sync 7, trl 14 -> 4x TRL, 2x sync, every seed alike
+    assert last == "time to accuracy: best arm async-k2-m2po_tis 4.00x TRL, 2.00x ours sync"
+    out = json.loads((tmp_path / "o" / "runs.json").read_text())
+    s = out["summary"]["async-k2-m2po_tis"]
+    assert out["target"] == 0.5 and s["reached"] == 2 and s["median_tta_s"] == 3.5 and s["median_tta_no_eval_s"] == 3.0
+    assert s["vs_trl"]["estimate"] == pytest.approx(4.0) and s["vs_sync_per_seed"] == {"0": 2.0, "1": 2.0}
+    assert (tmp_path / "o" / "tta.png").is_file()
+    with pytest.raises(SystemExit):
+        bench_tta.parse_args(["--reanalyse", str(tmp_path / "missing.json")])

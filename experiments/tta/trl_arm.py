@@ -52,7 +52,8 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
     model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
     ro, tc = cfg.rollout, cfg.trainer
     rows = [r for i in range(tc.steps) for r in task.sample_prompts(i, ro.prompts_per_step)]
-    ds = Dataset.from_dict({"prompt": [tok.bos_token + r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]})
+    ds = Dataset.from_dict({"prompt": [tok.bos_token + r["prompt"] for r in rows],
+                            "answer": [r["answer"] for r in rows]})
     seen: list[list[str]] = []
 
     def reward(prompts, completions, answer, **_):
