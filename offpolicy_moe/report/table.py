@@ -100,7 +100,7 @@ class Table:
     caption: str
     failed: list[tuple[str, str]] = field(default_factory=list)  # (run name, first error line)
     incomplete: list[tuple[str, str]] = field(default_factory=list)  # (run name, status)
-    missing_metric: list[tuple[str, str]] = field(default_factory=list)  # (run name, metric)
+    missing_metric: list[tuple[str, str, str]] = field(default_factory=list)  # (cell, metric, run name)
     baseline: Optional[str] = None   # the row label every other row is compared with
     paired: dict[tuple[str, str], Comparison] = field(default_factory=dict)   # (row, col) -> vs the baseline row
 
@@ -116,11 +116,23 @@ class Table:
                 + "; ".join(f"{n} (status {s})" for n, s in self.incomplete)
             )
         if self.missing_metric:
-            out.append(
-                f"Runs without the metric ({len(self.missing_metric)}): "
-                + "; ".join(f"{n} ({m})" for n, m in self.missing_metric)
-            )
+            out.append(f"Runs without the metric ({len(self.missing_metric)}), by cell:")
+            out += missing_by_cell(self.missing_metric)
         return out
+
+
+def missing_by_cell(missing: Sequence[tuple[str, str, str]], shown: int = 3) -> list[str]:
+    """One line per (cell, metric) of the runs that lack the metric: how many, and the first ``shown`` names (a
+    sweep of 100 such runs reads as a few lines, not 100)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for cell, metric, name in missing:
+        groups.setdefault((cell, metric), []).append(name)
+    lines = []
+    for (cell, metric), names in groups.items():
+        more = f", +{len(names) - shown} more" if len(names) > shown else ""
+        lines.append(f"  {cell}: {metric}: {len(names)} run{'s' if len(names) != 1 else ''} "
+                     f"({', '.join(names[:shown])}{more})")
+    return lines
 
 
 def parse_metrics(spec: str | Sequence[str], default_higher: bool = True) -> list[MetricSpec]:
@@ -351,7 +363,7 @@ def _fill_cells(sel: list[RunRecord], rows: list[str], cols: list[str], mspecs: 
             pts = r.series(m.name)
             v = aggregate_series([y for _, y in pts], agg, m.higher, steps=[x for x, _ in pts])
             if v is None:
-                missing.append((r.name, m.name))
+                missing.append((" / ".join(x for x in (rl, cl) if x), m.name, r.name))
                 continue
             cell = cells.setdefault((rl, col_key[(cl, m.name)]), Cell())
             if math.isinf(v):       # collapse aggregation: this run never collapsed

@@ -179,3 +179,17 @@ def test_cli_table_and_plot(tmp_path, capsys):
                  "--staleness-axis", "staleness"]) == 0
     assert (tmp_path / "pp" / "eval_accuracy.png").is_file()
     assert (tmp_path / "pp" / "staleness_eval_accuracy.png").is_file()
+
+
+def test_runs_without_the_metric_are_summarised_one_line_per_cell():
+    """A sweep where many runs lack the metric lists each (cell, metric) once with its count, not every run."""
+    from offpolicy_moe.report.table import Table
+
+    missing = [("grpo / 4", "m2po/m2_before", f"grpo_s4_seed{i}") for i in range(10)]
+    missing += [("m2po / 4", "m2po/m2_before", "m2po_s4_seed0")]
+    t = Table(row_header="algorithm", row_labels=[], col_labels=[], col_metrics=[],
+              cells={}, best=set(), caption="", missing_metric=missing)
+    notes = t.notes()
+    assert notes[0] == "Runs without the metric (11), by cell:"
+    assert notes[1:] == ["  grpo / 4: m2po/m2_before: 10 runs (grpo_s4_seed0, grpo_s4_seed1, grpo_s4_seed2, +7 more)",
+                         "  m2po / 4: m2po/m2_before: 1 run (m2po_s4_seed0)"]
