@@ -184,6 +184,7 @@ def test_end_to_end_two_arms_one_seed(tmp_path):
     assert runs["trl"]["curve"]["steps"] == runs["sync"]["curve"]["steps"] == [0, 2, 4]
     assert runs["trl"]["curve"]["accuracy"][0] == runs["sync"]["curve"]["accuracy"][0]
     assert runs["trl"]["fairness"]["first_step_prompts_match_ours"] is True
+    assert runs["trl"]["fairness"]["prompt_ids_match_ours"] is True
     assert all(not x["tta"]["reached"] for x in data["runs"])
     assert data["summary"]["sync"]["reached"] == 0 and data["summary"]["sync"]["vs_trl"]["n"] == 1
     assert (out / "tta.png").stat().st_size > 0 and "| sync | 0/1 |" in (out / "table.md").read_text()
@@ -216,3 +217,16 @@ def test_reanalyse_summarises_a_record_again(tmp_path, capsys):
     assert (tmp_path / "o" / "tta.png").is_file()
     with pytest.raises(SystemExit):
         bench_tta.parse_args(["--reanalyse", str(tmp_path / "missing.json")])
+
+
+def test_trl_prompt_tokens_equal_ours_without_a_bos_in_the_text():
+    """TRL tokenizes text prompts with ``processing_class(text=...)``, whose post-processor adds bos: the trl arm
+    passes the bare task text (a bos in the text, as bench_vs_trl.py writes it, gives two)."""
+    from offpolicy_moe.tasks.tokenizer import build_char_tokenizer
+    from tta.prompts import prompt_ids_match
+
+    tok = build_char_tokenizer()
+    assert prompt_ids_match(tok, ["1+2+3=", "9+9+9=", "0+0+0="])
+    doubled = tok(text=[tok.bos_token + "1+2+3="])["input_ids"][0]
+    assert doubled[:2] == [tok.bos_token_id, tok.bos_token_id]
+    assert not prompt_ids_match(tok, [])

@@ -32,6 +32,8 @@ from offpolicy_moe.models import load_policy
 from offpolicy_moe.tasks import make_task
 from offpolicy_moe.tasks.evaluation import evaluate_greedy
 
+from .prompts import prompt_ids_match
+
 
 def evaluate(model, tok, task, max_new_tokens: int, batch_size: int) -> dict[str, float]:
     """Greedy accuracy on the held-out split and on as many training prompts (the first ones), as our trainer."""
@@ -52,8 +54,9 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
     model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
     ro, tc = cfg.rollout, cfg.trainer
     rows = [r for i in range(tc.steps) for r in task.sample_prompts(i, ro.prompts_per_step)]
-    ds = Dataset.from_dict({"prompt": [tok.bos_token + r["prompt"] for r in rows],
-                            "answer": [r["answer"] for r in rows]})
+    # TRL tokenizes a text prompt with ``processing_class(text=prompts)`` (special tokens added: the tokenizer's
+    # post-processor puts bos in front), so the prompt is the task's text; a bos in the text would be doubled
+    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]})
     seen: list[list[str]] = []
 
     def reward(prompts, completions, answer, **_):
@@ -109,7 +112,7 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
     finally:
         log.close()
     first = sorted(set(seen[0])) if seen else []
-    want = sorted({tok.bos_token + r["prompt"] for r in task.sample_prompts(0, ro.prompts_per_step)})
-    return {"first_step_prompts_match_ours": first == want, "sequences_per_step": len(seen[0]) if seen else 0,
+    want = sorted({r["prompt"] for r in task.sample_prompts(0, ro.prompts_per_step)})
+    return {"first_step_prompts_match_ours": first == want, "prompt_ids_match_ours": prompt_ids_match(tok, first), "sequences_per_step": len(seen[0]) if seen else 0,
             "reward_calls": len(seen), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
             "experts_implementation": model.config._experts_implementation, "pid": os.getpid()}
