@@ -19,6 +19,15 @@ token over the busier async process's) beside the wall ratio: the wall ratio on 
 process.
 
     python experiments/bench_async.py --pairs 3 --steps 12 --staleness 1
+
+``--backend ray``: the pairs are the local asynchronous pipeline against the same job with its workers as Ray
+actors (``rollout.backend=ray``, a Ray cluster on this machine unless ``RAY_ADDRESS`` names one), interleaved
+local/ray and ray/local: the Ray backend's overhead.  ``--publish-cost``: the cost of one published version against
+model size on the Ray backend: ``ray.put`` of the weights by the trainer, and an actor's pull of them from the object
+store plus the copy into its engine (median over ``--repeats``), for the ``--hidden`` x ``--layers`` sizes given.
+
+    python experiments/bench_async.py --backend ray --pairs 3 --steps 12 --staleness 1
+    python experiments/bench_async.py --publish-cost --sizes 64x2 256x4 512x8 1024x8
 """
 from __future__ import annotations
 
@@ -32,13 +41,17 @@ import time
 from pathlib import Path
 
 from offpolicy_moe.config.load import load_config
+from offpolicy_moe.models import load_policy
+from offpolicy_moe.rollout.ray_actor import RolloutActor, WeightRegistry, encode_weights
+from offpolicy_moe.rollout.worker import Order, WorkerSpec
+from offpolicy_moe.tasks import make_task
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer
 
 
-def _config(args, mode: str, run_dir: str):
+def _config(args, mode: str, run_dir: str, backend: str = "local"):
     threads = args.sync_threads if mode == "fixed" else args.async_trainer_threads
-    return load_config(None, [
+    return load_config(None, [f"rollout.backend={backend}",
         f"run_dir={run_dir}", f"buffer.mode={mode}", f"buffer.staleness={args.staleness}",
         f"trainer.steps={args.steps}", "trainer.sft_warmup_steps=0", "trainer.eval_every=0",
         "trainer.checkpoint_every=0", "logging.progress=false", "logging.loggers=[jsonl]",
@@ -89,7 +102,7 @@ def cpu_ratio(sync: dict, asyn: dict) -> float:
     return (sync["trainer_cpu_s"] / sync["tokens"]) / (busiest / asyn["tokens"])
 
 
-def run_once(args, mode: str) -> dict:
+def run_once(args, mode: str, backend: str = "local") -> dict:
     """One run; trained tokens/s over the steps after ``--skip`` and the time breakdown."""
     ends, cpu, tokens, metrics = [], [], [], []
 
@@ -102,7 +115,7 @@ def run_once(args, mode: str) -> dict:
         metrics.append(dict(m))
 
     with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as d:
-        summary = Trainer(_config(args, mode, d), callbacks=[FunctionCallback(on_batch=on_batch, on_step_end=on_step_end)]).run()
+        summary = Trainer(_config(args, mode, d, backend), callbacks=[FunctionCallback(on_batch=on_batch, on_step_end=on_step_end)]).run()
     if summary["status"] != "completed":
         raise RuntimeError(f"{mode} run ended {summary['status']}: {summary.get('error')}")
     s = args.skip          # steps s+1 .. N-1: the last step also evaluates and checkpoints, left out
@@ -128,6 +141,81 @@ def run_once(args, mode: str) -> dict:
     return out
 
 
+def ray_pairs(args) -> None:
+    """``--backend ray``: interleaved pairs of the local asynchronous pipeline and the Ray backend on the same job;
+    the median ratio of their trained tokens/s (1 = no overhead)."""
+    load_before = os.getloadavg()
+    pairs = []
+    for i in range(args.pairs):
+        order = ("local", "ray") if i % 2 == 0 else ("ray", "local")
+        res = {b: run_once(args, "async", b) for b in order}
+        ratio = res["ray"]["tokens_per_s"] / res["local"]["tokens_per_s"]
+        pairs.append({"local": res["local"], "ray": res["ray"], "ratio": ratio})
+        print(f"pair {i} ({'/'.join(order)}): local {res['local']['tokens_per_s']:.0f} tok/s, ray "
+              f"{res['ray']['tokens_per_s']:.0f} tok/s, ray/local {ratio:.3f}  (load {os.getloadavg()[0]:.1f})",
+              flush=True)
+    load_after = os.getloadavg()
+    ratios = [q["ratio"] for q in pairs]
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+              "load_before": load_before, "load_after": load_after, "args": vars(args),
+              "median_ratio": statistics.median(ratios), "pairs": pairs}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"median ray/local trained-tokens/s ratio: {statistics.median(ratios):.3f} over {len(pairs)} pairs "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}; k={args.staleness}, {args.workers} worker(s), load "
+          f"{load_before[0]:.1f} -> {load_after[0]:.1f})")
+    for b in ("local", "ray"):
+        m = statistics.median
+        print(f"  {b:5s}: median over pairs of wall_s {m(q[b]['wall_s'] for q in pairs):.2f}, trainer_wait_s "
+              f"{m(q[b]['trainer_wait_s'] for q in pairs):.2f}, weight_sync_s {m(q[b]['weight_sync_s'] for q in pairs):.3f}, "
+              f"worker_generate_s {m(q[b]['worker_generate_s'] for q in pairs):.2f}")
+    print(f"written {args.out}")
+
+
+def publish_cost(args) -> None:
+    """``--publish-cost``: per model size, the trainer's ``ray.put`` of one version and one actor's pull and engine
+    copy of it (the object-store path of rollout.backend=ray), median over ``--repeats``."""
+    import ray      # the optional extra, imported only by this mode
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, logging_level="ERROR",
+             configure_logging=False)
+    rows = []
+    for size in args.sizes:
+        hidden, layers = (int(x) for x in size.split("x"))
+        a = argparse.Namespace(**{**vars(args), "hidden": hidden, "layers": layers, "prompts": 1, "group": 1,
+                                  "max_new_tokens": 1})
+        cfg = _config(a, "async", tempfile.mkdtemp(prefix="bench_publish_"), "ray")
+        model, _ = load_policy(cfg.model, seed=cfg.seed, task=make_task(cfg.task))
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        nbytes = sum(v.numel() * v.element_size() for v in state.values())
+        registry = ray.remote(WeightRegistry).options(num_cpus=0).remote()
+        spec = WorkerSpec(cfg=cfg, index=0, rank=0, world=1, parent_pid=os.getpid())
+        actor = ray.remote(RolloutActor).options(num_cpus=1).remote(spec, registry)
+        ray.get(actor.ready.remote())
+        put_s, pull_s = [], []
+        for v in range(1, args.repeats + 1):
+            for t in state.values():
+                t.add_(0.0)
+            t0 = time.perf_counter()
+            ref = ray.put(encode_weights(state))
+            ray.get(registry.set.remote(v, [ref]))
+            put_s.append(time.perf_counter() - t0)
+            _, _, _, timings = ray.get(actor.generate.remote(Order(iteration=0, seed=0, min_version=0), v, [ref]))
+            pull_s.append(timings["sync_s"])
+        ray.kill(actor)
+        ray.kill(registry)
+        row = {"hidden": hidden, "layers": layers, "mbytes": nbytes / 2**20, "put_s": statistics.median(put_s),
+               "pull_and_copy_s": statistics.median(pull_s)}
+        rows.append(row)
+        print(f"{hidden}x{layers}: {row['mbytes']:.1f} MiB, put {row['put_s'] * 1e3:.1f} ms, actor pull+copy "
+              f"{row['pull_and_copy_s'] * 1e3:.1f} ms", flush=True)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg(), "rows": rows,
+              "args": vars(args)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"written {args.out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=3, help="interleaved sync/async pairs")
@@ -146,10 +234,26 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2, help="model.num_layers")
     p.add_argument("--update-in-flight", action="store_true", help="rollout.update_in_flight=true (async)")
     p.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for both modes")
-    p.add_argument("--out", default="experiments/results/speed/bench_async.json")
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local: sync against the local async pipeline (default); ray: the local async pipeline "
+                        "against rollout.backend=ray")
+    p.add_argument("--publish-cost", action="store_true", help="measure one published version's cost per model size")
+    p.add_argument("--sizes", nargs="*", default=["64x2", "256x4", "512x8"], help="--publish-cost: HIDDENxLAYERS")
+    p.add_argument("--repeats", type=int, default=5, help="--publish-cost: versions published per size")
+    p.add_argument("--out", default=None, help="JSON report (default: experiments/results/speed/bench_async"
+                                               "[_ray|_publish].json)")
     args = p.parse_args()
+    if args.out is None:
+        tail = "_publish" if args.publish_cost else "_ray" if args.backend == "ray" else ""
+        args.out = f"experiments/results/speed/bench_async{tail}.json"
+    if args.publish_cost:
+        publish_cost(args)
+        return
     if args.skip < 1 or args.steps <= args.skip + 2:
         p.error("need --skip >= 1 and --steps > --skip + 2")
+    if args.backend == "ray":
+        ray_pairs(args)
+        return
 
     load_before = os.getloadavg()
     ceiling = [parallel_ceiling()]

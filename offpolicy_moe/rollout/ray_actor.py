@@ -22,7 +22,8 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from typing import Any, Optional
+import warnings
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -30,13 +31,34 @@ from offpolicy_moe.models import load_policy
 from offpolicy_moe.rollout.worker import Order, WorkerSpec, build_engine, generate_iteration
 from offpolicy_moe.tasks import make_task
 
-__all__ = ["RolloutActor", "WeightRegistry"]
+__all__ = ["RolloutActor", "WeightRegistry", "encode_weights", "decode_weights"]
 
 _POLL_S = 0.05          # update_in_flight: the registry is asked at most this often between decode steps
 
 
 def _ray() -> Any:
     return importlib.import_module("ray")
+
+
+def encode_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, str, tuple]]:
+    """``{name: (bytes as a uint8 NumPy array, dtype name, shape)}``: how a version goes into Ray's object store.
+    NumPy arrays are stored out of band and read back without a copy (a ``torch.Tensor`` would be pickled, i.e.
+    copied, on both sides); the byte view keeps every dtype (bfloat16 too) bit for bit."""
+    out = {}
+    for k, v in state_dict.items():
+        t = v.detach().to("cpu").contiguous()
+        out[k] = (t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    return out
+
+
+def decode_weights(encoded: Mapping[str, tuple[Any, str, tuple]]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`encode_weights`: tensors viewing the (read-only, shared) object-store buffers; read them
+    only (:meth:`RolloutEngine.sync` copies them into the engine)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {k: (torch.from_numpy(arr).view(getattr(torch, dtype)).reshape(shape) if arr.size
+                    else torch.empty(shape, dtype=getattr(torch, dtype)))
+                for k, (arr, dtype, shape) in encoded.items()}
 
 
 class WeightRegistry:
@@ -87,7 +109,7 @@ class RolloutActor:
         if version < floor:
             version, ref = floor, floor_ref
         if version > self.engine.version:
-            self.engine.sync(ray.get(ref[0], timeout=timeout), version)
+            self.engine.sync(decode_weights(ray.get(ref[0], timeout=timeout)), version)
         return time.perf_counter() - t0
 
     def _poll(self, engine: Any) -> None:

@@ -38,7 +38,7 @@ import torch
 
 from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.rollout.batch import RolloutBatch
-from offpolicy_moe.rollout.ray_actor import RolloutActor, WeightRegistry
+from offpolicy_moe.rollout.ray_actor import RolloutActor, WeightRegistry, encode_weights
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.worker import Order, WorkerSpec
 from offpolicy_moe.trainer.sources.asynchronous import AsyncBatchSource, PipelineTimeout, WorkerDied
@@ -115,10 +115,10 @@ class _ObjectStoreWeights:
         self.version, self.ref = -1, None
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
-        """Put ``state_dict`` as ``version`` (CPU tensors); returns the seconds spent."""
+        """Put ``state_dict`` as ``version`` (:func:`encode_weights`: NumPy byte views, stored without pickling
+        the tensors); returns the seconds spent."""
         t0 = time.perf_counter()
-        cpu = {k: v.detach().to("cpu") for k, v in state_dict.items()}
-        self.ref, self.version = self.ray.put(cpu), int(version)
+        self.ref, self.version = self.ray.put(encode_weights(state_dict)), int(version)
         self.registry.set.remote(self.version, [self.ref])
         return time.perf_counter() - t0
 
