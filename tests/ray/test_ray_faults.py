@@ -19,6 +19,7 @@ from offpolicy_moe.trainer.trainer import Trainer
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 RAY = ("buffer.mode=async", "rollout.backend=ray", "buffer.staleness=1", "algo.correction.mode=truncate",
+       "rollout.update_in_flight=true",
        "algo.routing.replay=r3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0")
 
 

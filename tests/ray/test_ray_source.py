@@ -1,6 +1,7 @@
 """buffer.mode=async rollout.backend=ray end to end on a real two-node Ray cluster (tests/ray/conftest.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import torch
 
 from offpolicy_moe.config.load import to_yaml
 from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.trainer.sources.asynchronous import PipelineTimeout
 from offpolicy_moe.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.ray
@@ -97,3 +99,25 @@ def test_an_unreachable_cluster_is_a_one_line_error_naming_the_address(make_cfg)
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
     assert f"cannot reach the Ray cluster at {address} (rollout.ray_address)" in last
+
+
+def test_an_actor_that_stops_answering_makes_a_timeout_that_names_it(cluster, make_cfg):
+    """SIGSTOP of the actor's process once it runs: the trainer gives up after rollout.worker_timeout_s (set to 2 s
+    for the wait, after the actor has started), naming the iteration, the actor, its pid and its node's IP."""
+    cfg = make_cfg(*RAY, "buffer.staleness=0")
+    stopped = []
+
+    def freeze(trainer, step, m):
+        if step == 1:
+            trainer.source.timeout = 2.0
+            stopped.append(trainer.source.worker_pids()[0])
+            os.kill(stopped[0], signal.SIGSTOP)
+
+    try:
+        with pytest.raises(PipelineTimeout, match=r"waited 2 s \(rollout.worker_timeout_s\) for the batch of "
+                                                  r"iteration [12] from Ray rollout actor 0 \(pid \d+ on "):
+            _train(cfg, on_step_end=freeze)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
