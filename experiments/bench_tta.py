@@ -59,9 +59,9 @@ has no ratio and is left out (counted as ``met_at_start``).  ``--reanalyse RUNS_
 record again (another ``--target``) without running anything.
 
 **--quick**: arms ``trl,sync,async-k2-m2po_tis``, 2 seeds, 200 steps, eval every 25 (about 6-9 min on 2 cores
-under load 7); ``--arms/--seeds/--steps`` given explicitly still win.  Measured 2026-11-25 04:29 UTC with
-``nice -n 5`` on the shared 2-core machine: 9 min 47 s, load average 7.70 -> 11.99
-(experiments/results/tta/quick/).  At 200 steps accuracy has barely begun to rise (the full job's rise comes over
+under load 7); ``--arms/--seeds/--steps`` given explicitly still win.  Measured 2026-11-25 on the shared 2-core machine
+with ``nice -n 5``: 7 min 11 s at 04:50 UTC, load average 8.91 -> 7.42 (experiments/results/tta/quick/), and
+9 min 47 s at 04:29 UTC, load 7.70 -> 11.99.  At 200 steps accuracy has barely begun to rise (the full job's rise comes over
 steps 150-500), so the quick target (sync's final - 0.03) can fall below a run's start: such runs are counted
 (``met_at_start``, a warning line) and left out of the ratios.  The quick run checks the machinery; the figure is
 the full run.
