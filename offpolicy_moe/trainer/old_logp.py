@@ -21,7 +21,7 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
 from offpolicy_moe.trainer.forward import RoutedForward, eval_mode
 from offpolicy_moe.losses import metrics_to_floats, mismatch_metrics
-from offpolicy_moe.routing import routing_metrics
+from offpolicy_moe.routing import replay_guardrails, routing_metrics
 
 __all__ = ["OldLogpPass", "FusedOldLogp"]
 
@@ -138,7 +138,11 @@ class OldLogpPass:
         if replay == "r2":
             batch.trainer_routes = own_routes
         if self.measure_routing and batch.routes is not None:
-            extras.update(metrics_to_floats(routing_metrics(batch.routes, own_routes, batch.attention_mask), drop_nonfinite=True))
+            extras.update(metrics_to_floats(routing_metrics(batch.routes, own_routes, batch.attention_mask),
+                                            drop_nonfinite=True))
+            if replay in REPLAY_ENGINE:    # what replaying the engine's routes will override in this trainer
+                extras.update(replay_guardrails(batch.routes, own_routes, batch.attention_mask,
+                                                unreplayed_layers=len(self.forward.controller.unreplayed)))
         return lp_own.cpu()
 
     def _fused_r3_counterfactual(self, batch: RolloutBatch) -> dict[str, float]:
