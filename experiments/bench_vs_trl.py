@@ -99,7 +99,7 @@ def run_trl(args) -> dict:
         forbid_token(model, tok.eos_token_id)
     n_prompts = args.prompts * (args.steps + 2)
     rows = task.sample_prompts(0, n_prompts)
-    ds = Dataset.from_dict({"prompt": [tok.bos_token + r["prompt"] for r in rows],
+    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in rows],   # TRL's tokenizer adds the bos itself
                             "answer": [r["answer"] for r in rows]})
 
     seqs_per_call: list[int] = []

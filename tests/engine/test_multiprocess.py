@@ -100,7 +100,7 @@ def _fixed_batches(tmp_path):
     batch.old_logp = (batch.old_logp + 0.1 * noise) * batch.response_mask
     tr2 = Trainer(_cfg(tmp_path / "gen_pr2", PR2))
     tr2.unwrapped.load_state_dict(init)
-    tr2.sync_engine(0)
+    tr2.publish(0)
     pr2_batch = tr2.source.generate(0)
     tr2.prepare(pr2_batch)
     pr2_batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(pr2_batch.answers,
