@@ -1,7 +1,7 @@
 """A real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), started once for the Ray tests.
 
-The Ray tests are marked ``ray`` and run only when asked for (``python -m pytest -q -m ray`` with the ``[ray]`` extra
-installed): the default suite stays Ray-free even where Ray is installed."""
+The Ray tests are marked ``ray``; the default suite leaves them out (pyproject's ``addopts``) and they run with
+``python -m pytest -q -m ray`` once the ``[ray]`` extra is installed."""
 from __future__ import annotations
 
 import os
@@ -10,19 +10,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "ray: tests on a local multi-node Ray cluster (pip install -e '.[ray]')")
-
-
-def pytest_collection_modifyitems(config, items):
-    if "ray" in (config.option.markexpr or ""):
-        return
-    skip = pytest.mark.skip(reason="Ray tests run with -m ray")
-    for item in items:
-        if "ray" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
