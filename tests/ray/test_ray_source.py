@@ -121,3 +121,19 @@ def test_an_actor_that_stops_answering_makes_a_timeout_that_names_it(cluster, ma
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_publishing_every_2_steps_with_drop_keeps_the_bound_and_only_published_versions(cluster, make_cfg):
+    """rollout.publish_every=2, buffer.on_stale=drop, k=1: every token was sampled by a published (even) version,
+    no token lags more than k, and every iteration is trained exactly once, in order."""
+    cfg = make_cfg(*RAY, "buffer.staleness=1", "buffer.on_stale=drop", "rollout.publish_every=2",
+                   "algo.correction.mode=truncate", "trainer.steps=5")
+    versions = []
+    trainer = Trainer(cfg, callbacks=[FunctionCallback(on_batch=lambda tr, b: versions.append(
+        set(b.token_versions[b.response_mask.bool()].tolist())))])
+    summary = trainer.run()
+    assert summary["status"] == "completed", summary.get("error")
+    assert versions and all(v and all(x % 2 == 0 for x in v) for v in versions)
+    rows = [r for r in _rows(cfg.run_dir) if r["step"] > 0]
+    assert [r["offpolicy/generated_at"] for r in rows] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert all(r["offpolicy/staleness_max"] <= 1.0 for r in rows)
