@@ -1,4 +1,4 @@
-"""experiments/bench_tta.py: time to accuracy from metric rows (first crossing, censoring, evaluation excluded, the
+"""experiments/bench/bench_tta.py: time to accuracy from metric rows (first crossing, censoring, evaluation excluded, the
 clock fallback), the default target, paired speed-ups on known inputs, arm names and their configs, the command line's
 one-line errors; one end-to-end run behind ``slow``."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "experiments" / "bench"))
 
 import bench_tta  # noqa: E402
 from tta.analysis import (ASYNC_STALENESS, LOSSES, curve, default_target, parse_arms, per_seed_ratios,  # noqa: E402
@@ -173,7 +173,7 @@ def test_end_to_end_two_arms_one_seed(tmp_path):
     """TRL and ours sync from the same warm start: identical step-0 accuracy (same weights, tokenizer, evaluation),
     runs.json / table.md / tta.png written, every run censored at an unreachable target, the last line."""
     out = tmp_path / "tta"
-    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_tta.py"), "--arms", "trl,sync",
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench" / "bench_tta.py"), "--arms", "trl,sync",
                         "--seeds", "1", "--steps", "4", "--eval-every", "2", "--eval-size", "32", "--sft-steps", "5",
                         "--target", "1.01", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

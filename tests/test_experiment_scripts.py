@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p for p in (ROOT / "experiments").glob("*.py") if not p.name.startswith("_"))
+SCRIPTS = sorted(p for p in [*(ROOT / "experiments").glob("*.py"), *(ROOT / "experiments" / "bench").glob("*.py")]
+                 if not p.name.startswith("_"))
 
 
 def test_scripts_are_found():

@@ -7,7 +7,7 @@ thread.  Ways are interleaved within each repeat; the figure is the median proce
 <= 1 at every length is the claim of :mod:`offpolicy_moe.trainer.forward_plan`.  Packing is skipped where its dense
 mask would exceed ``--max-mask`` entries.
 
-    python experiments/bench_share_prompt.py --lengths 8 32 64 128 256 --groups 4 8 16 --repeats 5
+    python experiments/bench/bench_share_prompt.py --lengths 8 32 64 128 256 --groups 4 8 16 --repeats 5
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ ratio eager / compiled.  ``--update`` measures the update instead: the training 
 (``response_logprobs``, plain forward) and their backward over ``--rows`` sequences of 7 + ``--lengths`` tokens.
 The 1-minute load average is printed at the start and the end.
 
-    python experiments/bench_compile.py --lengths 64 256 --rounds 3
-    python experiments/bench_compile.py --update --lengths 64 256 --rounds 3
+    python experiments/bench/bench_compile.py --lengths 64 256 --rounds 3
+    python experiments/bench/bench_compile.py --update --lengths 64 256 --rounds 3
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 downloaded): training tokens/s and model FLOPs utilisation (MFU), generation tokens/s.  Meant for a GPU
 (``--size 0.9b``: 16 layers, hidden 1024, 32 experts, top-4, ~0.9B parameters, ~0.2B active); ``--size tiny`` runs
 anywhere (the CPU smoke test).  R3 record/replay overhead ratios at the same size come from
-``experiments/bench_routing.py --device cuda --dtype bfloat16 --layers 16 --hidden 1024 --experts 32 --top-k 4``.
+``experiments/bench/bench_routing.py --device cuda --dtype bfloat16 --layers 16 --hidden 1024 --experts 32 --top-k 4``.
 
 Training step: bf16 autocast forward + backward of next-token cross-entropy on ``--batch x --seq`` random tokens,
 fp32 master weights, fused AdamW.  FLOPs per token = 6 * N_active (non-embedding parameters a token touches: the
@@ -11,8 +11,8 @@ values, forward + backward); MFU = FLOPs/s / ``--peak-tflops`` (default: 989 for
 Generation: ``model.generate`` with a KV cache on a bf16 copy, ``--batch`` prompts of ``--prompt`` tokens, exactly
 ``--new-tokens`` sampled tokens each.
 
-    python experiments/bench_gpu.py --size 0.9b --device cuda --json gpu.json
-    python experiments/bench_gpu.py --size tiny --device cpu --steps 2
+    python experiments/bench/bench_gpu.py --size 0.9b --device cuda --json gpu.json
+    python experiments/bench/bench_gpu.py --size tiny --device cpu --steps 2
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ trainers, and reports the median of the update phase (``perf/time_update_s``) pe
 whether the final weights agree (max |difference|; bit for bit when the zero groups fill whole micro-batches,
 ``--group-micro-batches``).  Speed figures only: run it on a quiet machine and quote the load average it prints.
 
-    python experiments/bench_zero_skip.py --shares 0.25 0.5 0.75 --rounds 3
+    python experiments/bench/bench_zero_skip.py --shares 0.25 0.5 0.75 --rounds 3
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ caches more than in a real decode step.  Rounds alternate the two functions; the
 of the mean time per call, and the ratio SDPA / ours of the medians (> 1: ours faster).  The largest absolute
 difference of the outputs is printed beside it.
 
-    python experiments/bench_decode_attention.py --lengths 16 64 135 263 --batches 32 128 --rounds 7
+    python experiments/bench/bench_decode_attention.py --lengths 16 64 135 263 --batches 32 128 --rounds 7
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ With ``--threads`` > 1 a quick matmul calibration runs first: if 2 threads are n
 faster than 1 on a 512^3 matmul the cores are not really available and the run stops (a 2-thread run on a shared
 machine once came out 12x slow with no sign in the load average).
 
-    python experiments/bench_scaling.py --lengths 8 32 64 128 256 --groups 4 8 16 --repeats 3 \\
+    python experiments/bench/bench_scaling.py --lengths 8 32 64 128 256 --groups 4 8 16 --repeats 3 \\
         --out experiments/results/speed/scaling.json
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Time to accuracy: wall-clock seconds until held-out greedy accuracy first reaches a target (issue 25, item 1).
 
-    python experiments/bench_tta.py --arms trl,sync,async --seeds 5            # the full benchmark
-    python experiments/bench_tta.py --quick                                    # <= 10 min on 2 cores
+    python experiments/bench/bench_tta.py --arms trl,sync,async --seeds 5            # the full benchmark
+    python experiments/bench/bench_tta.py --quick                                    # <= 10 min on 2 cores
 
-**Arms** (``--arms``, comma list): ``trl`` = TRL's GRPOTrainer, synchronous (experiments/tta/trl_arm.py, the
+**Arms** (``--arms``, comma list): ``trl`` = TRL's GRPOTrainer, synchronous (experiments/bench/tta/trl_arm.py, the
 settings of bench_vs_trl.py); ``sync`` = ours, ``buffer.mode=fixed buffer.staleness=0``, GRPO; ``async`` = ours with
 ``buffer.mode=async rollout.workers=1`` at staleness k in {1, 2, 4} x loss in {grpo, m2po, m2po_tis} (presets
 ``[grpo]``, ``[m2po]``, ``[m2po,tis]``); a single one is named ``async-k2-m2po_tis``.  Ours run through the CLI
@@ -34,7 +34,7 @@ under load 6, measured 2026-11-25; TRL and ours warm up), reported in the ``firs
 ``start-up s`` (process wall time minus the timed loop: imports, model load, step-0 evaluation, first step, final
 checkpoint).  **TTA** at the first eval step s with ``eval/accuracy >= target``: ``tta_s`` charges every
 earlier evaluation (the clock at s minus the evaluation at s), ``tta_no_eval_s`` excludes all evaluation time
-(experiments/tta/analysis.py ``curve``); s/step is the timed loop without evaluation over steps 2..N.  A run
+(experiments/bench/tta/analysis.py ``curve``); s/step is the timed loop without evaluation over steps 2..N.  A run
 that never reaches the target is **censored** at its end (the loop's end time,
 with or without evaluation) and counted in the ``reached`` column; a censored time is a lower bound, so a ratio
 with a censored arm overstates that arm's speed-up and one with a censored reference understates it.
@@ -315,7 +315,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for s in args.set:
         if "=" not in s:
             p.error(f"--set {s!r}: expected KEY=VALUE")
-    args.out = Path(args.out or HERE / "results" / "tta" / ("quick" if args.quick else "full"))
+    args.out = Path(args.out or HERE.parent / "results" / "tta" / ("quick" if args.quick else "full"))
     return args
 
 
@@ -341,7 +341,7 @@ def collect(args) -> dict:
                       f"(eval {c['eval_s']:.1f} s), process {r['process_wall_s']:.1f} s, load "
                       f"{r['load_after'][0]:.2f}", flush=True)
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
-            "command": "python experiments/bench_tta.py " + " ".join(args.argv),
+            "command": "python experiments/bench/bench_tta.py " + " ".join(args.argv),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "arm_list"},
             "arms": [a.name for a in arms], "wall_s": time.time() - t_start, "load_start": load_start,
             "load_end": os.getloadavg(), "warm_start_s": warm, "runs": runs}
@@ -395,7 +395,7 @@ def main(argv=None) -> None:
 
 
 def trl_child(argv: list[str]) -> None:
-    """``bench_tta.py --trl-child RUN_DIR [--trl-...] -- OVERRIDES``: one TRL run (experiments/tta/trl_arm.py)."""
+    """``bench_tta.py --trl-child RUN_DIR [--trl-...] -- OVERRIDES``: one TRL run (experiments/bench/tta/trl_arm.py)."""
     from tta import trl_arm
 
     sep = argv.index("--")

@@ -9,7 +9,7 @@ Measures, interleaving the variants round by round and reporting medians:
   * generate with route recording vs without (ratio; target <= 1.03); PR2 offsets + feature cache for reference;
   * bytes per token of a stored RouteTrace vs int32 storage (target L_moe * K bytes when experts <= 255).
 
-Usage: python experiments/bench_routing.py [--threads 2] [--rounds 7] [--device cpu] [--json out.json]
+Usage: python experiments/bench/bench_routing.py [--threads 2] [--rounds 7] [--device cpu] [--json out.json]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Cost of the divergence guard (trainer/step_guard.py) on the optimizer step: ``optimizer.step()`` alone vs
 ``snapshot() + optimizer.step() + params_max_abs()`` (with its host sync), interleaved, median over ``--reps``.
 
-    python experiments/bench_step_guard.py [--reps 50] [--threads 1]
+    python experiments/bench/bench_step_guard.py [--reps 50] [--threads 1]
 
 Prints the parameter count, both medians, their ratio and the load average (the machine may be shared).
 """

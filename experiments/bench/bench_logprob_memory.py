@@ -7,7 +7,7 @@ Each cell is a fresh process: hidden states ``[rows, T, hidden]`` (requiring gra
 backward.  Peak RSS above the inputs (MiB) and the median wall time of ``--repeats`` after a warm-up; variants run
 interleaved per dtype.
 
-    python experiments/bench_logprob_memory.py --rows 16 --dtypes bfloat16 float32
+    python experiments/bench/bench_logprob_memory.py --rows 16 --dtypes bfloat16 float32
 """
 from __future__ import annotations
 

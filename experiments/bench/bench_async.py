@@ -18,7 +18,7 @@ cap (``parallel_ceiling``: two busy processes against one), and prints the CPU-t
 token over the busier async process's) beside the wall ratio: the wall ratio on a machine with a free core per
 process.
 
-    python experiments/bench_async.py --pairs 3 --steps 12 --staleness 1
+    python experiments/bench/bench_async.py --pairs 3 --steps 12 --staleness 1
 
 ``--backend ray``: the pairs are the local asynchronous pipeline against the same job with its workers as Ray
 actors (``rollout.backend=ray``, a Ray cluster on this machine unless ``RAY_ADDRESS`` names one), interleaved
@@ -26,8 +26,8 @@ local/ray and ray/local: the Ray backend's overhead.  ``--publish-cost``: the co
 model size on the Ray backend: ``ray.put`` of the weights by the trainer, and an actor's pull of them from the object
 store plus the copy into its engine (median over ``--repeats``), for the ``--hidden`` x ``--layers`` sizes given.
 
-    python experiments/bench_async.py --backend ray --pairs 3 --steps 12 --staleness 1
-    python experiments/bench_async.py --publish-cost --sizes 64x2 256x4 512x8 1024x8
+    python experiments/bench/bench_async.py --backend ray --pairs 3 --steps 12 --staleness 1
+    python experiments/bench/bench_async.py --publish-cost --sizes 64x2 256x4 512x8 1024x8
 """
 from __future__ import annotations
 

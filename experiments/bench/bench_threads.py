@@ -1,7 +1,7 @@
 """Wall time of the README's ``train`` example (20 steps) at ``trainer.threads`` = 1, 2 and 0 (auto), on an idle
 machine and with one other busy process, interleaved in one run.  Used to choose the ``threads`` default.
 
-    python experiments/bench_threads.py --repeats 2
+    python experiments/bench/bench_threads.py --repeats 2
 
 Each figure is the whole command (start-up, SFT warm start, 20 RL steps), as a user sees it; the load average is
 recorded before each one.  ``OMP_NUM_THREADS`` is removed from the runs' environment so that the torch default is

@@ -8,7 +8,7 @@ keys stored transposed, ``K q^T``, broadcast multiply-and-sum, rows in chunks, a
 Times are microseconds per layer call (keys and values of one layer), mean over the calls after a warm-up, variants
 run one after the other; the 1-minute load average is printed.
 
-    python experiments/probe_decode_matmuls.py --lengths 135 263 --compile
+    python experiments/bench/probe_decode_matmuls.py --lengths 135 263 --compile
 """
 from __future__ import annotations
 

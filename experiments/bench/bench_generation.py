@@ -5,8 +5,8 @@ training), then the engine generates the same prompt batches alternately with co
 the median over rounds of the mean process CPU time per ``Trainer.generate`` call (CPU time: insensitive to time
 stolen by other tenants of a shared machine).
 
-    python experiments/bench_generation.py --max-new-tokens 16 --dtype bfloat16 --replay r3
-    python experiments/bench_generation.py --max-new-tokens 16 --dtype float32 --replay none
+    python experiments/bench/bench_generation.py --max-new-tokens 16 --dtype bfloat16 --replay r3
+    python experiments/bench/bench_generation.py --max-new-tokens 16 --dtype float32 --replay none
 """
 from __future__ import annotations
 

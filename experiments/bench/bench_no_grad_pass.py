@@ -7,8 +7,8 @@ sequences of ``--prompt`` + ``--response`` tokens, ``RoutedForward.logp_pieces``
 the process's peak RSS above its RSS after building the model and batch (MiB), and the pass's wall time (median of
 ``--repeats`` after one warm-up pass).  Cells are run interleaved (whole, pieces, whole, ...) so machine load hits both alike.
 
-    python experiments/bench_no_grad_pass.py --rows 16 32 64 128 --vocab 32000
-    python experiments/bench_no_grad_pass.py --blocks --rows 32      # token_logprobs' block size alone
+    python experiments/bench/bench_no_grad_pass.py --rows 16 32 64 128 --vocab 32000
+    python experiments/bench/bench_no_grad_pass.py --blocks --rows 32      # token_logprobs' block size alone
 
 ``--blocks``: ``token_logprobs`` on random logits ``[rows, response + 1, vocab]`` with blocks of 2^18 .. 2^26
 elements and in one piece (median of ``--repeats`` after a warm-up call, blocks interleaved round by round).

@@ -11,7 +11,7 @@
 Prints a markdown table (median of ``--repeats`` runs after one warm-up); ``--json PATH`` also
 writes the numbers.  Example::
 
-    python experiments/bench_losses.py --repeats 5 --json runs/bench_losses.json
+    python experiments/bench/bench_losses.py --repeats 5 --json runs/bench_losses.json
 """
 from __future__ import annotations
 

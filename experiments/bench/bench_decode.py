@@ -12,7 +12,7 @@ Three ways of sampling, each its own ``HFRolloutEngine`` on a copy of the same w
 Rounds alternate the three; the figure is response tokens per second of process CPU time (prompts x G x T / CPU
 seconds of one ``generate`` call), median over rounds, and the ratio of each to ``generate``.
 
-    python experiments/bench_decode.py --lengths 64 128 256 512 --dtypes float32 bfloat16 --rounds 3
+    python experiments/bench/bench_decode.py --lengths 64 128 256 512 --dtypes float32 bfloat16 --rounds 3
 """
 from __future__ import annotations
 

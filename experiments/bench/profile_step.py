@@ -2,15 +2,15 @@
 metrics (generation, old-log-prob recompute, update, whole step), median over the timed steps, optionally with a
 ``torch.profiler`` table of the top operators of one step.
 
-The default job is the one of ``experiments/bench_vs_trl.py`` (tiny Qwen3-MoE, 16 prompts x 8 samples, 6 new tokens,
+The default job is the one of ``experiments/bench/bench_vs_trl.py`` (tiny Qwen3-MoE, 16 prompts x 8 samples, 6 new tokens,
 GRPO, no replay, fp32 engine, 1 thread, default measurements: routing metrics and the counterfactual R3 mismatch);
 any trainer key can be overridden with ``--set key=value`` (bench_vs_trl's lean set:
 ``--set algo.routing.metrics=false --set trainer.mismatch_metrics=false``).  "whole step" is the trainer's
 ``perf/time_step_s``: it excludes the metrics logging after the step (bench_vs_trl's wall clock includes it).
 
-    python experiments/profile_step.py --steps 8 --out /tmp/after.json
-    python experiments/profile_step.py --compare /tmp/before.json /tmp/after.json     # before/after table
-    python experiments/profile_step.py --torch-profile                                # + top operators
+    python experiments/bench/profile_step.py --steps 8 --out /tmp/after.json
+    python experiments/bench/profile_step.py --compare /tmp/before.json /tmp/after.json     # before/after table
+    python experiments/bench/profile_step.py --torch-profile                                # + top operators
 
 ``--label`` names the row in the JSON (e.g. the git commit measured).
 """

@@ -5,7 +5,7 @@ backward of one layer's experts of the anchor model (hidden 128, 8 experts, inte
 The tokens' routes come from the layer's own router on random hidden states; rounds alternate the implementations;
 the figure is the median over rounds of the CPU time per call, and the ratio grouped_mm / auto (> 1: auto faster).
 
-    python experiments/bench_experts.py --tokens 1024 8448 33664 --rounds 7
+    python experiments/bench/bench_experts.py --tokens 1024 8448 33664 --rounds 7
 """
 from __future__ import annotations
 

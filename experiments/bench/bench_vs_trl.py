@@ -27,7 +27,7 @@ counterfactual "with R3" mismatch pass (``trainer.mismatch_metrics=false``).  ``
 trainer overrides for ours, e.g. ``--ours-set algo.routing.metrics=true``.
 
     pip install -e ".[bench]"          # TRL is an optional benchmark extra
-    python experiments/bench_vs_trl.py --repeats 7 --steps 20 --threads 1
+    python experiments/bench/bench_vs_trl.py --repeats 7 --steps 20 --threads 1
 
 Prints a markdown table (median of the repeats) and writes JSON with --out.
 """
