@@ -140,12 +140,13 @@ def check_correction(cfg: Any, found: Findings) -> None:
         found.warn(f"algo.correction.high={corr.high} < 1 with correction.mode=truncate: every TIS weight is capped "
                    "below 1")
     check_proximal(cfg, found)
-    opts = cfg.algo.loss.options or {}
-    if (cfg.algo.loss.name == "vespo" and opts.get("fold_weights", True) is not False and corr.mode != "none"
-            and corr.level != "token"):
-        found.warn(f"algo.loss.name=vespo folds the correction weights into its per-token kernel, so a "
-                   f"{corr.level}-level correction weight counts once per token; use algo.correction.level=token "
-                   "or algo.loss.options.fold_weights=false")
+    loss = cfg.algo.loss
+    if (corr.mode != "none" and corr.level != "token" and loss.name in list_policy_losses()
+            and not loss_options_problem(loss.name, loss.options)
+            and resolve_loss_options(loss.name, loss.options).get("fold_weights") is True):
+        found.warn(f"algo.loss.name={loss.name} folds the correction weights into its per-token kernel "
+                   f"(fold_weights), so a {corr.level}-level correction weight counts once per token; use "
+                   "algo.correction.level=token or algo.loss.options.fold_weights=false")
 
 
 def check_proximal(cfg: Any, found: Findings) -> None:

@@ -50,6 +50,9 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "async/worker_cpu_s": "CPU seconds of the workers (weight loading and generation)",
     "async/worker_restarts": "cumulative rollout worker restarts",
     "async/trained_tokens": "response tokens of the consumed batch",
+    # the update's levers
+    "actor/zero_adv_share": "share of the consumed batch's rows whose advantage is exactly 0",
+    "actor/rows_skipped_share": "share of rows whose update forward and backward were skipped (skip_zero_advantage)",
     # performance
     "perf/gen_tokens_per_s": "generated response tokens per second (this iteration's generation)",
     "perf/update_tokens_per_s": "tokens (prompt + response) per second through the update forward/backward",
