@@ -22,6 +22,7 @@ import torch
 
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.tasks import RewardScores
 from offpolicy_moe.trainer.trainer import Trainer
 
 
@@ -51,7 +52,8 @@ def run(args, share: float, skip: bool, seed: int) -> tuple[list[float], dict]:
         cfg = load_config(overrides=overrides + [f"run_dir={d}/run"])
         tr = Trainer(cfg, callbacks=[FunctionCallback(on_step_end=lambda t, step, m: times.append(
             m["perf/time_update_s"]))])
-        tr.task.reward = share_rewards(args.group, share)
+        rule = share_rewards(args.group, share)
+        tr.task.score = lambda completions, answers, **columns: RewardScores(rule(completions, answers))
         tr.run()
         weights = {k: v.clone() for k, v in tr.unwrapped.state_dict().items()}
     return times[1:], weights

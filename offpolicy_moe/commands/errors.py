@@ -37,7 +37,8 @@ USER_ERRORS = (("offpolicy_moe.commands.errors", "UsageError"), ("offpolicy_moe.
                ("offpolicy_moe.run.faults", "RunDirError"))
 #: a run that started and failed (exit code 1)
 RUN_ERRORS = (("offpolicy_moe.commands.errors", "RunFailed"), ("offpolicy_moe.run.checkpoint", "CheckpointError"),
-              ("offpolicy_moe.run.faults", "NonFiniteLossError"))
+              ("offpolicy_moe.run.faults", "NonFiniteLossError"),
+              ("offpolicy_moe.tasks.custom_rewards", "RewardError"))
 
 
 def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type, ...]:

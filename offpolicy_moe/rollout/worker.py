@@ -26,7 +26,7 @@ from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
 from offpolicy_moe.rollout.engine import RolloutEngine, make_engine
 from offpolicy_moe.models import is_moe, load_policy
-from offpolicy_moe.tasks import make_task
+from offpolicy_moe.tasks import apply_chat_template, make_task
 
 __all__ = ["Order", "WorkerSpec", "generate_iteration", "build_engine", "worker_main", "pack", "unpack"]
 
@@ -130,6 +130,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
         cfg = spec.cfg
         task = make_task(cfg.task)
         model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+        apply_chat_template(task, tok, cfg.task.chat_template)      # the prompts the trainer's engine would see
         engine = build_engine(cfg, model, tok)
         engine.version = -1                       # nothing loaded yet: the first order loads the board
         if spec.update_in_flight:

@@ -102,11 +102,14 @@ class RunDir:
         """Bytes of ``metrics.jsonl`` written so far (fsynced), 0 before the loggers are open."""
         return self.jsonl.offset() if self.jsonl is not None else 0
 
-    def write_run_files(self, cfg: Any) -> None:
-        """``config.yaml`` (the resolved config) and ``env.json`` (:func:`environment_info`)."""
+    def write_run_files(self, cfg: Any, chat_template: Optional[dict] = None) -> None:
+        """``config.yaml`` (the resolved config), ``env.json`` (:func:`environment_info`) and ``chat_template.json``
+        (whether the tokenizer's chat template was applied to the prompts, its sha256 and a rendered example)."""
         if not self.is_main:
             return
         (self.path / "config.yaml").write_text(to_yaml(cfg))
+        if chat_template is not None:
+            (self.path / "chat_template.json").write_text(json.dumps(chat_template, indent=2))
         try:
             env = environment_info()
         except Exception as exc:  # noqa: BLE001 - env info is best effort

@@ -62,7 +62,7 @@ from offpolicy_moe.run.signals import RunInterrupted, StopRequest, graceful_stop
 from offpolicy_moe.trainer.update import PolicyUpdate, loss_setup
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
-from offpolicy_moe.tasks import evaluate_greedy, make_task
+from offpolicy_moe.tasks import RewardError, apply_chat_template, evaluate_greedy, make_task
 
 __all__ = ["Trainer", "TrainingStopped"]
 
@@ -122,6 +122,8 @@ class Trainer:
         seed_everything(cfg.seed)
         self.task = checked.task if checked.task is not None else make_task(cfg.task)
         model, self.tok = load_policy(cfg.model, seed=cfg.seed, task=self.task)
+        # prompts in the tokenizer's chat template when it has one (task.chat_template=auto); recorded in the run
+        self.chat = apply_chat_template(self.task, self.tok, cfg.task.chat_template)
         self.is_moe = bool(is_moe(model))
         if not self.is_moe and rt.replay != "none":
             raise ValueError(f"algo.routing.replay={rt.replay!r} needs a Mixture-of-Experts model, but "
@@ -272,7 +274,7 @@ class Trainer:
         """Greedy accuracy on the held-out split (``eval/accuracy``, ``eval/partial``) and on as many training
         prompts (the first ones of the train split: ``eval/train_accuracy``, ``eval/train_partial``)."""
         kw = dict(max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=self.cfg.trainer.eval_batch_size)
-        out = evaluate_greedy(self.unwrapped, self.tok, self.task.eval_dataset, **kw)
+        out = evaluate_greedy(self.unwrapped, self.tok, self.task.eval_dataset, task=self.task, **kw)
         train_ds = self.task.train_dataset
         n = min(len(train_ds), max(len(self.task.eval_dataset), 1))
         out.update(evaluate_greedy(self.unwrapped, self.tok, train_ds.select(range(n)), prefix="eval/train_", **kw))
@@ -358,7 +360,7 @@ class Trainer:
                 self.load(resumed_from)
             elif self.resume:
                 self.run_dir.truncate_metrics(0)
-            self.run_dir.write_run_files(self.cfg)
+            self.run_dir.write_run_files(self.cfg, self.chat.to_dict())
             self.open_loggers()
             if resumed_from is not None:
                 self.console.write(f"resumed from {resumed_from} (step {self.step}, iteration {self.iteration})")
@@ -378,6 +380,13 @@ class Trainer:
             raise
         except TrainingStopped as exc:
             status, error = "stopped", str(exc)
+        except RewardError as exc:      # outside the loop's own handler (the step-0 evaluation): checkpoint here
+            error = f"{type(exc).__name__}: {exc}"
+            if "checkpointed in" not in str(exc):
+                path = self.save()
+                error = f"{error}; the last good state (step {self.step}) is checkpointed in {path}"
+                raise RewardError(error.split(": ", 1)[1], fn=exc.fn, row=exc.row) from exc
+            raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise
@@ -423,7 +432,7 @@ class Trainer:
         try:
             while self.step < tc.steps:
                 self.stop_if_requested()
-                boundary = self._boundary() if tc.on_nan == "stop" else None
+                boundary = self._boundary()       # restored when the step stops before it trains (checkpoint)
                 t_step = time.perf_counter()
                 try:
                     batch, source_metrics = self.source.next(self.step)
@@ -434,6 +443,10 @@ class Trainer:
                 t0 = time.perf_counter()
                 try:
                     m = self.update(batch)
+                except RewardError as exc:      # task.on_reward_error=stop: nothing was trained on this batch yet
+                    path = self._save_boundary(boundary)
+                    raise RewardError(f"{exc}; the last good state (step {self.step}) is checkpointed in {path}",
+                                      fn=exc.fn, row=exc.row) from exc
                 except NonFiniteLossError as exc:     # on_nan=stop: the update put the weights back; checkpoint them
                     path = self._save_boundary(boundary)
                     raise NonFiniteLossError(f"{exc} The last good state (step {self.step}) is checkpointed in "
@@ -446,6 +459,7 @@ class Trainer:
                 self._end_step(m, t_step, t_loop)
         finally:
             self.source.close()
+            self.task.rewards.close()         # the math reward's math-verify process, if one was started
 
     def _end_step(self, m: dict[str, float], t_step: float, t_loop: float) -> None:
         """Evaluate when due, log, checkpoint when due, call back.  ``perf/elapsed_s``: wall seconds of the training

@@ -175,11 +175,17 @@ class PolicyUpdate:
 
     # ------------------------------------------------------------------ the named steps
     def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Task rewards of the completions → group advantages (``algo.loss.adv_norm``) and ``reward/*``."""
-        rewards = torch.tensor(self.task.reward(batch.completions, batch.answers), dtype=torch.float32)
+        """Task rewards of the completions (every reward of ``task.rewards``, summed with weights) → group advantages
+        (``algo.loss.adv_norm``) and ``reward/*`` (``reward/<name>`` per reward)."""
+        # every configured reward (task.rewards), with the rows' prompts and dataset columns; RewardError under
+        # task.on_reward_error=stop (the trainer checkpoints and stops)
+        scores = self.task.score(batch.completions, batch.answers,
+                                 **self.task.batch_context(batch.group_ids, self.cfg.rollout.prompts_per_step))
+        rewards = torch.tensor(scores.total, dtype=torch.float32)
         adv, rmetrics = group_advantages(rewards, batch.group_ids, norm=self.cfg.algo.loss.adv_norm,
                                          return_metrics=True)
         metrics = metrics_to_floats(rmetrics, drop_nonfinite=True)
+        metrics.update(scores.metrics())
         metrics["reward/std"] = float(rewards.std(unbiased=False)) if rewards.numel() > 1 else 0.0
         metrics["reward/response_len"] = float(batch.response_mask.sum(-1).float().mean())
         metrics["reward/adv_abs_mean"] = float(adv.abs().mean())

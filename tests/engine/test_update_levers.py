@@ -9,6 +9,7 @@ from offpolicy_moe.losses import get_policy_loss, list_policy_losses
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.tasks import RewardScores
 from offpolicy_moe.trainer.trainer import Trainer
 from offpolicy_moe.trainer.update import drop_constant_groups, loglinear_proximal
 from tests.engine.tiny import tiny_config
@@ -27,7 +28,7 @@ def _run(tmp_path, name, *overrides, steps=3):
                       "buffer.staleness=1", "rollout.dtype=float32", "trainer.threads=1", "algo.routing.metrics=false",
                       "trainer.mismatch_metrics=false", *overrides)
     tr = Trainer(cfg)
-    tr.task.reward = _zero_groups
+    tr.task.score = lambda completions, answers, **columns: RewardScores(_zero_groups(completions, answers))
     tr.run()
     return tr
 
