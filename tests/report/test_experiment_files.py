@@ -10,10 +10,11 @@ from offpolicy_moe.sweep.plan import load_experiment, plan_runs
 from offpolicy_moe.report.spec import PlotSpec, TableSpec
 
 ROOT = Path(__file__).resolve().parents[2] / "experiments"
-NAMES = ["r3_ablation", "m2po_staleness", "pr2_offpolicy"]
+NAMES = ["r3_ablation", "m2po_staleness", "pr2_offpolicy"]      # each with a GPU twin in experiments/gpu/
+CPU_ONLY = ["m2po_regime"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + CPU_ONLY)
 def test_cpu_experiment_plans_validates_and_fits_budget(name):
     exp = load_experiment(ROOT / f"{name}.yaml")
     assert len(exp.seeds) >= 3
