@@ -95,6 +95,13 @@ class RolloutActor:
         if spec.update_in_flight:
             self.engine.between_tokens = self._poll
 
+    def watch(self) -> None:
+        """Never returns while the actor lives (called in its own concurrency group, beside the orders): the
+        trainer's pending call fails the moment the actor or its node dies, as a process sentinel does locally,
+        even when the actor has no order in flight."""
+        while True:
+            time.sleep(3600)
+
     def ready(self) -> dict:
         """Where this actor runs: ``{"pid", "node_id", "ip"}``."""
         ctx = _ray().get_runtime_context()

@@ -15,7 +15,8 @@ the metric names (``async/*``).  What differs:
   (once per version it uses) when it starts an order (``async/weight_sync_s``: the trainer's put);
 * an order is an actor call; the trainer waits on the calls' results (``ray.wait``, at most
   ``rollout.worker_timeout_s`` without news, then a :class:`PipelineTimeout` naming the iteration and the actor);
-* an actor that dies (or whose call raises) is named with its node; under ``rollout.on_worker_death=restart`` a
+* an actor that dies (seen at once through its ``watch`` call, pending for the actor's life like a process
+  sentinel, even when it has no order in flight), or whose call raises, is named with its node; under ``rollout.on_worker_death=restart`` a
   new actor takes its place and its iterations are issued again with their seeds (``stop``: :class:`WorkerDied`,
   the loop checkpoints and stops).  When the actor's NODE is gone, ``rollout.ray_on_node_loss`` decides:
   ``continue`` with the remaining actors, or ``stop``.
@@ -47,6 +48,7 @@ from offpolicy_moe.trainer.sources.schedule import Assignment
 __all__ = ["RayBatchSource", "connect", "ray_address"]
 _MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
 _CONNECT_TIMEOUT_S = 5.0
+_NODE_GRACE_S = 15.0       # how long a dead actor's node is watched for its own death before a restart
 
 
 def ray_address(cfg: Any) -> Optional[str]:
@@ -135,6 +137,7 @@ class RayBatchSource(AsyncBatchSource):
         self.on_node_loss = cfg.rollout.ray_on_node_loss
         self._actors: dict[int, _Actor] = {}
         self._calls: dict[Any, _Call] = {}          # object ref of a generate call -> what it generates
+        self._watch: dict[Any, _Actor] = {}         # object ref of an actor's watch call (fails when it dies)
         self._registry: Any = None
 
     # ------------------------------------------------------------------ actors
@@ -159,7 +162,7 @@ class RayBatchSource(AsyncBatchSource):
         spec = WorkerSpec(cfg=self.cfg, index=index, rank=self.rank, world=self.world, parent_pid=os.getpid(),
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
                           update_in_flight=bool(ro.update_in_flight))
-        handle = self.ray.remote(RolloutActor).options(
+        handle = self.ray.remote(concurrency_groups={"watch": 1})(RolloutActor).options(
             num_cpus=int(ro.worker_threads), max_restarts=0, max_task_retries=0,
             name=f"offpolicy-moe-rollout-{os.getpid()}-{self.rank}-{index}-{restarts}").remote(spec, self._registry)
         try:
@@ -170,7 +173,9 @@ class RayBatchSource(AsyncBatchSource):
                                   f"{index} to start (no node with {ro.worker_threads} free CPU(s)?)") from None
         except self.ray.exceptions.RayError as e:
             raise WorkerDied(f"Ray rollout actor {index} failed to start: {_cause(e)}") from None
-        return _Actor(index=index, handle=handle, info=info, restarts=restarts)
+        actor = _Actor(index=index, handle=handle, info=info, restarts=restarts)
+        self._watch[handle.watch.options(concurrency_group="watch").remote()] = actor
+        return actor
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live actors (slot order)."""
@@ -214,13 +219,24 @@ class RayBatchSource(AsyncBatchSource):
 
     def _receive(self, timeout: float) -> bool:
         """Handle the calls that finished within ``timeout`` seconds (batches, errors, deaths); True if any."""
-        if not self._calls:
+        refs = list(self._calls) + list(self._watch)
+        if not refs:
             time.sleep(min(timeout, 0.05))
             return False
-        done, rest = self.ray.wait(list(self._calls), num_returns=1, timeout=timeout)
+        done, rest = self.ray.wait(refs, num_returns=1, timeout=timeout)
         if done and rest:
             done += self.ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         for ref in done:
+            if ref in self._watch:
+                actor = self._watch.pop(ref)
+                if self._actors.get(actor.index) is actor:
+                    try:
+                        self.ray.get(ref, timeout=self.timeout)
+                        cause, raw = "its watch call returned", ""
+                    except self.ray.exceptions.RayError as e:
+                        cause, raw = _cause(e), str(e)
+                    self._on_actor_death(actor, cause, died=True, raw=raw)
+                continue
             call = self._calls.pop(ref, None)
             if call is None or call.worker not in self._actors:
                 continue                     # a call of an actor already replaced
@@ -239,13 +255,24 @@ class RayBatchSource(AsyncBatchSource):
     def _node_alive(self, node_id: str) -> bool:
         return any(n.get("NodeID") == node_id and n.get("Alive") for n in self.ray.nodes())
 
+    def _node_dies(self, node_id: str) -> bool:
+        """True when node ``node_id`` is, or within ``_NODE_GRACE_S`` seconds is reported, dead: an actor's death
+        is often reported before its node's (the cluster's health checks take a few seconds to declare a node
+        dead), so a dead actor's node is watched that long before the actor is restarted on the same slot."""
+        deadline = time.perf_counter() + _NODE_GRACE_S
+        while self._node_alive(node_id):
+            if time.perf_counter() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
     def _on_actor_death(self, actor: _Actor, reason: str, *, died: bool, raw: str = "") -> None:
         """Actor ``actor`` died (``died``) or a call of it raised: name it, then restart it, go on without it, or
         stop, as configured; its iterations in flight are issued again (same seeds)."""
-        node_lost = died and ("node has died" in raw
-                              or not self._node_alive(actor.info["node_id"]))
+        node_lost = died and ("node has died" in raw or self._node_dies(actor.info["node_id"]))
         lost = self.dispatch.worker_lost(actor.index)
         self._calls = {r: c for r, c in self._calls.items() if c.worker != actor.index}
+        self._watch = {r: a for r, a in self._watch.items() if a is not actor}
         doing = f" while generating iteration(s) {lost}" if lost else ""
         what = f"its node {actor.info['node_id'][:12]} ({actor.info['ip']}) left the cluster" if node_lost else reason
         msg = f"{self._name(actor)} died{doing}: {what}"
@@ -274,7 +301,7 @@ class RayBatchSource(AsyncBatchSource):
             self.ray.kill(a.handle, no_restart=True)
         if self._registry is not None:
             self.ray.kill(self._registry, no_restart=True)
-        self._actors, self._calls, self._registry = {}, {}, None
+        self._actors, self._calls, self._watch, self._registry = {}, {}, {}, None
 
 
 def _cause(e: BaseException) -> str:
