@@ -52,7 +52,7 @@ class TaskConfig:
     reward: str = ranged("exact", choices=REWARD_KINDS)            # exact | partial (per-digit credit) | math
     train_size: int = ranged(4096, ge=1)
     eval_size: int = ranged(128, ge=1)
-    seed: int = 1234
+    seed: int = ranged(1234, ge=0, lt=2**32)
     # reward functions summed with weights, replacing `reward`: [{fn: "pkg.module:function" | "file.py:function" |
     # exact | partial | math, weight: 1.0, name: optional}, ...]; each logged as reward/<name>
     rewards: list = ranged(default_factory=list)
@@ -256,7 +256,7 @@ class LoggingConfig:
 class TrainConfig:
     """A whole run."""
 
-    seed: int = 0
+    seed: int = ranged(0, ge=0, lt=2**32)   # numpy and the data loaders refuse seeds outside [0, 2^32)
     run_dir: str = "runs/default"
     preset: list = field(default_factory=list)   # names of YAML presets merged in order
     task: TaskConfig = field(default_factory=TaskConfig)
