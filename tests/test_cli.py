@@ -103,7 +103,7 @@ def test_one_line_joins_a_problem_list():
 
 
 def test_auto_threads_policy():
-    # small machines: 1 thread whatever the load (measured: experiments/bench_threads.py)
+    # small machines: 1 thread whatever the load (measured: experiments/bench/bench_threads.py)
     for load in (0.0, 1.0, 5.0):
         assert choose_threads(0, SMALL_MACHINE_CORES, load).threads == 1
     assert choose_threads(0, 16, 0.0).threads == 16

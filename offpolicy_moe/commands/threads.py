@@ -1,6 +1,6 @@
 """``trainer.threads: 0`` (auto): how many CPU threads one training process uses.
 
-Measured with ``experiments/bench_threads.py`` (the README's ``train`` example, 20 steps, whole command) on a 2-core
+Measured with ``experiments/bench/bench_threads.py`` (the README's ``train`` example, 20 steps, whole command) on a 2-core
 x86-64 VM shared with other jobs (1-minute load average 2.2-3.6), 2026-11-22: 1 thread took 12.8 s and 8.8 s against
 73.8 s and 11.8 s for 2 threads; with one extra busy process, 11.4 s and 28.5 s against 36.5 s and 179.3 s. The
 small models this project trains on a CPU are bound by per-operator dispatch, not by arithmetic, so

@@ -7,7 +7,7 @@ the family's own loop, one dense matmul per expert and projection.  On the CPU n
 kernel is faster for small calls (a decode step, a short prompt) and slows down sharply above a size, e.g. for one
 layer of the anchor model (hidden 128, 8 experts, top-2) forward at 640 tokens 1.64 ms against the loop's 1.76, at
 768 tokens 3.38 against 2.03, at 33,664 tokens (an update at 256 response tokens) 202 against 119 ms
-(``experiments/bench_experts.py``, docs/benchmarks.md).  The crossover measured at hidden 32 / 64 / 128 / 256 lies
+(``experiments/bench/bench_experts.py``, docs/benchmarks.md).  The crossover measured at hidden 32 / 64 / 128 / 256 lies
 at about ``N * K * H = 2^18`` gathered values (N tokens, K experts each, hidden size H).  On a GPU the grouped
 kernel is the fast one.  The config's default, ``auto``, therefore runs, at every call, the family's own loop when
 the hidden states are on the CPU and ``N * K * H >=`` :data:`LOOP_MIN_ELEMENTS`, and ``grouped_mm`` otherwise (other

@@ -13,7 +13,7 @@ __all__ = ["token_logprobs", "CPU_LOGPROB_BLOCK", "ACCELERATOR_LOGPROB_BLOCK"]
 # logits handled per block of token_logprobs: the float32 copy, the temperature division and logsumexp's exp
 # temporary exist for one block at a time, never for the whole [B, T, V] tensor.  CPU: 2^20 float32 (4 MiB) was
 # the fastest block on the 2-core machine (32 x 257 x 32k logits without gradient: 0.26 s at 2^20, 0.27-0.29 s at
-# 2^18 and 2^22, 0.68 s at 2^24 and above or in one piece; experiments/bench_no_grad_pass.py --blocks,
+# 2^18 and 2^22, 0.68 s at 2^24 and above or in one piece; experiments/bench/bench_no_grad_pass.py --blocks,
 # docs/benchmarks.md); on an accelerator, 2^26 (256 MiB) keeps the number of kernel launches small (not measured).
 CPU_LOGPROB_BLOCK = 1 << 20
 ACCELERATOR_LOGPROB_BLOCK = 1 << 26

@@ -2,7 +2,7 @@
 
 A decode step feeds ONE new token per row.  PyTorch's CPU ``scaled_dot_product_attention`` kernel is tiled for many
 queries; with one query per row it took 1.1-1.7x (float32) and 2.3-4.2x (bfloat16) the time of the computation below
-at 16-263 cached positions and 32-128 rows (``experiments/bench_decode_attention.py``, docs/benchmarks.md), and
+at 16-263 cached positions and 32-128 rows (``experiments/bench/bench_decode_attention.py``, docs/benchmarks.md), and
 decode attention was about half of the sampling loop's time at 256 new tokens.  For a query ``q`` of head ``h``
 (key/value head ``h // g`` under grouped-query attention, ``g = heads / kv_heads``), keys ``K`` and values ``V`` of the ``L`` cached positions and the additive mask ``m``
 (0 where a position may be attended, ``-inf`` where not)::

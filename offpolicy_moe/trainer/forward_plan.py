@@ -20,7 +20,7 @@ pays for short responses only.  The estimate, in units of one fed token's forwar
 with ``w = ENTRY_FACTOR * macs_per_entry / macs_per_token`` read from the model's config (attention multiply-adds
 per query-key pair against a token's projection, expert and head multiply-adds), ``o`` a fixed per-forward overhead
 and ``k`` the per-position cost of repeating the prompt cache.  The constants were fitted on the 4-layer, hidden-128,
-8-expert top-2 model on one CPU thread (``experiments/bench_share_prompt.py``); the model is conservative: a shared
+8-expert top-2 model on one CPU thread (``experiments/bench/bench_share_prompt.py``); the model is conservative: a shared
 forward is chosen only when its estimate is below ``MARGIN`` times the plain forward's, so where the estimate is
 unsure the plain forward runs.  The choice is a deterministic function of the shapes and the config.
 """
