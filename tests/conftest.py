@@ -1,4 +1,5 @@
-"""Shared test settings: small thread counts (CI has 2 cores), wandb never goes online."""
+"""Shared test settings (small thread counts: CI has 2 cores; wandb never goes online) and the fixtures of the
+tiny job (:mod:`tests.tiny`)."""
 import os
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -6,6 +7,28 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.tiny import free_port as _free_port  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
+
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """``make_cfg(*overrides, run_dir=None)``: a tiny config in a fresh run folder under ``tmp_path``."""
+    counter = {"n": 0}
+
+    def make(*overrides, run_dir=None):
+        counter["n"] += 1
+        return tiny_config(run_dir or tmp_path / f"run{counter['n']}", *overrides)
+
+    return make
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A free local TCP port."""
+    return _free_port()

@@ -11,7 +11,7 @@
 * the task's characters can be encoded, and its answers fit in ``rollout.max_new_tokens`` (an error when none does:
   the exact-match reward would always be 0; a warning when some do not).
 
-The staleness buffer's feasibility depends on the engine layer; see ``offpolicy_moe.trainer.buffer``.
+The staleness buffer's feasibility is checked by the sources layer; see ``offpolicy_moe.sources.buffer``.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ The weights of one call come from one object (one version) and are copied into t
 so an actor never mixes two versions within a forward; with ``rollout.update_in_flight`` it may load a newer
 version between decode steps, and every token keeps the version that sampled it, as the local worker does.
 
-Neither class imports Ray: :mod:`~offpolicy_moe.trainer.sources.ray_source` wraps them with ``ray.remote``, and
+Neither class imports Ray: :mod:`~offpolicy_moe.sources.ray_source` wraps them with ``ray.remote``, and
 ``ray`` is looked up (``importlib``) only by the code that runs inside an actor, so ``import offpolicy_moe`` stays
 Ray-free.  A different engine (vLLM, SGLang) plugs in through the engine registry (``rollout.engine``,
 :mod:`~offpolicy_moe.rollout.engine`); see docs/scale-out.md for what it must return.

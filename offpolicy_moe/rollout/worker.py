@@ -1,6 +1,6 @@
 """The rollout worker process: its own engine copy, weights by version, one batch per work order.
 
-A worker is started by :class:`~offpolicy_moe.trainer.sources.asynchronous.AsyncBatchSource` with
+A worker is started by :class:`~offpolicy_moe.sources.asynchronous.AsyncBatchSource` with
 ``multiprocessing``'s ``spawn`` method.  It builds the policy and rollout engine from the run's config exactly as
 the trainer builds its own engine, then serves :class:`Order` s: for each, it loads the newest published weights
 (waiting, if needed, for the order's minimum version), samples the iteration's prompts with the iteration's seed,

@@ -10,6 +10,8 @@ from __future__ import annotations
 DOCUMENTED_KEYS: dict[str, str] = {
     # reward (computed when the batch is consumed)
     "reward/mean": "mean reward of the consumed batch",
+    "reward/errors": "rows whose reward function failed and scored 0 (task.on_reward_error=zero)",
+    "reward/math_timeouts": "answers the math reward gave up on after task.math_timeout_s",
     "reward/std": "std of the rewards of the consumed batch",
     "reward/frac_zero_std": "fraction of groups whose rewards are all equal (advantage 0)",
     "reward/response_len": "mean response length in tokens (EOS included)",
@@ -71,6 +73,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "eval/partial": "greedy per-digit partial credit on the held-out split",
     "eval/train_accuracy": "greedy exact-match accuracy on the first training prompts (as many as the eval split)",
     "eval/train_partial": "greedy partial credit on the same training prompts",
+    "eval/reward": "mean task reward (the weighted sum over the configured rewards) of the greedy held-out answers",
 }
 
 #: families whose keys vary with the objective or mechanism (documented in the losses/routing modules)
@@ -83,10 +86,14 @@ DOCUMENTED_PREFIXES: tuple[str, ...] = (
     "routing/",    # engine route vs the trainer's own top-k at the rollout policy (old-log-prob pass)
     "drift/",      # engine route vs the current router's own top-k at off-policy mini-steps (drift_metrics)
     "dynamic_sampling/",   # dropped_groups, kept_share (algo.dynamic_sampling=drop)
-    "dppo/", "sapo/", "gmpo/", "vespo/",   # the 2026 objectives' own statistics (docs/losses.md)
+    "dppo/", "sapo/", "gmpo/", "vespo/",
+    "eval/reward/",  # one per configured reward: eval/reward/<name>, the mean of that reward before its weight   # the 2026 objectives' own statistics (docs/losses.md)
 )
 
 
-def is_documented(key: str) -> bool:
-    """True iff ``key`` is ``step``, a documented key, or in a documented family."""
-    return key == "step" or key in DOCUMENTED_KEYS or key.startswith(DOCUMENTED_PREFIXES)
+def is_documented(key: str, reward_names: tuple[str, ...] = ()) -> bool:
+    """True iff ``key`` is ``step``, a documented key, in a documented family, or ``reward/<name>`` /
+    ``eval/reward/<name>`` for one of the run's configured ``reward_names`` (``task.rewards``, docs/tasks.md)."""
+    if key == "step" or key in DOCUMENTED_KEYS or key.startswith(DOCUMENTED_PREFIXES):
+        return True
+    return any(key in (f"reward/{name}", f"eval/reward/{name}") for name in reward_names)

@@ -7,7 +7,7 @@ from typing import Any
 from offpolicy_moe.config.preflight import CheckedConfig, preflight_checked
 from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.rollout.engine import check_engine_name
-from offpolicy_moe.trainer.buffer import check_buffer_feasible
+from offpolicy_moe.sources.buffer import check_buffer_feasible
 
 __all__ = ["CheckedConfig", "check_config"]
 

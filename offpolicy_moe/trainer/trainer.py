@@ -50,11 +50,11 @@ from offpolicy_moe.run.faults import NonFiniteLossError
 from offpolicy_moe.run.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.trainer.old_logp import OldLogpPass
 from offpolicy_moe.trainer.optim import adamw, lr_schedule
-from offpolicy_moe.trainer.sources.asynchronous import AsyncBatchSource
-from offpolicy_moe.trainer.sources.base import BatchSource, SourceStopped
-from offpolicy_moe.trainer.sources.ray_source import RayBatchSource
-from offpolicy_moe.trainer.sources.sync import SyncBatchSource
-from offpolicy_moe.trainer.versions import token_lag
+from offpolicy_moe.sources.asynchronous import AsyncBatchSource
+from offpolicy_moe.sources.base import BatchSource, SourceStopped
+from offpolicy_moe.sources.ray_source import RayBatchSource
+from offpolicy_moe.sources.sync import SyncBatchSource
+from offpolicy_moe.sources.versions import token_lag
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE, make_engine
 from offpolicy_moe.run.run_dir import RunDir
 from offpolicy_moe.trainer.sft import sft_warm_start

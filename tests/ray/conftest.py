@@ -8,8 +8,12 @@ import os
 
 import pytest
 
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+try:
+    import ray
+    from ray.cluster_utils import Cluster
+except ImportError:     # the default suite runs before the [ray] extra is installed (.ci/run): leave the cluster
+    ray = None          # tests uncollected; test_ray_weights.py needs no Ray and still runs
+    collect_ignore = ["test_ray_source.py", "test_ray_faults.py"]
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +36,8 @@ def cluster():
 
 @pytest.fixture
 def make_cfg(tmp_path):
-    """``make_cfg(*overrides)``: the engine tests' tiny config in a fresh run folder under ``tmp_path``."""
-    from tests.engine.tiny import tiny_config
+    """``make_cfg(*overrides)``: the tiny config in a fresh run folder under ``tmp_path``."""
+    from tests.tiny import tiny_config
     counter = {"n": 0}
 
     def make(*overrides):

@@ -14,7 +14,7 @@ import torch
 
 from offpolicy_moe.config.load import to_yaml
 from offpolicy_moe.trainer.callbacks import FunctionCallback
-from offpolicy_moe.trainer.sources.asynchronous import PipelineTimeout
+from offpolicy_moe.sources.asynchronous import PipelineTimeout
 from offpolicy_moe.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.ray
@@ -38,7 +38,7 @@ def _train(cfg, *, on_step_end=None):
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     """The local pipeline at staleness 0, workers waiting for every version: the reference."""
-    from tests.engine.tiny import tiny_config
+    from tests.tiny import tiny_config
     cfg = tiny_config(tmp_path_factory.mktemp("local"), "buffer.mode=async", "buffer.staleness=0",
                       "algo.routing.replay=r3")
     summary, seen, weights, _ = _train(cfg)
@@ -89,7 +89,7 @@ def test_an_actor_killed_mid_run_is_named_restarted_and_its_iteration_reissued_w
 
 def test_an_unreachable_cluster_is_a_one_line_error_naming_the_address(make_cfg):
     """Nothing listens on the address: the trainer refuses at construction, in one line, naming it."""
-    from tests.engine.tiny import free_port
+    from tests.tiny import free_port
     address = f"127.0.0.1:{free_port()}"
     cfg = make_cfg(*RAY, f"rollout.ray_address={address}")
     path = Path(cfg.run_dir).parent / "unreachable.yaml"

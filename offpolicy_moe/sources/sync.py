@@ -1,0 +1,113 @@
+"""The synchronous batch source (``buffer.mode=fixed|bounded``): generation in the trainer's process, through a
+staleness buffer.
+
+Each :meth:`SyncBatchSource.next` runs generation iterations until the buffer releases a batch: generate
+iteration ``i`` with the rollout engine (the process's share of its prompts, seeded by ``(seed, i, rank)``), take
+its old log-probs (``prepare``: the trainer's old-logp pass, under the weights that generated it, which are the
+trainer's own at that moment), push it into the :class:`~offpolicy_moe.sources.buffer.StalenessBuffer`, and pop
+the batch to train on: the one of iteration ``i - k`` (``fixed``), or the earliest-generated one that has arrived
+within the bound (``bounded``).  During the first ``k`` iterations of a fixed delay nothing is released, so the
+first ``next`` generates ``k + 1`` iterations.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.rollout.seeds import iteration_seed
+from offpolicy_moe.sources.buffer import StalenessBuffer, iteration_budget
+from offpolicy_moe.sources.base import BatchSource
+
+__all__ = ["SyncBatchSource"]
+
+
+class SyncBatchSource(BatchSource):
+    """Generation by ``engine`` in this process, released through a staleness buffer (module docstring).
+
+    ``prepare(batch)`` sets ``batch.old_logp`` and the batch's measurements; ``rank`` / ``world``: this process
+    generates prompts ``rank, rank + world, ...`` of each iteration."""
+
+    def __init__(self, cfg: Any, *, engine: Any, task: Any, prepare: Callable[[RolloutBatch], None],
+                 rank: int = 0, world: int = 1):
+        b = cfg.buffer
+        self.cfg, self.engine, self.task, self.prepare = cfg, engine, task, prepare
+        self.rank, self.world = int(rank), int(world)
+        self.buffer = StalenessBuffer(b.staleness, b.mode, max_delay=b.max_delay, seed=cfg.seed)
+        self.max_iterations = iteration_budget(cfg.trainer.steps, b.staleness, b.mode)
+        self.publish_every = int(cfg.rollout.publish_every)
+        self.iteration = 0
+        self.published = 0          # the version the engine holds
+        self._released = False      # a batch was handed out and its iteration is not yet completed (publish)
+
+    @property
+    def dropped(self) -> int:
+        return self.buffer.dropped
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    def generate(self, iteration: int) -> RolloutBatch:
+        """Iteration ``iteration``'s batch: this process's share of its ``rollout.prompts_per_step`` prompts,
+        ``rollout.group_size`` responses each, with globally unique group ids ``iteration * prompts + j``."""
+        ro = self.cfg.rollout
+        rows = self.task.sample_prompts(iteration, ro.prompts_per_step)
+        mine = list(range(self.rank, ro.prompts_per_step, self.world))
+        if not mine:
+            raise ValueError(f"rollout.prompts_per_step={ro.prompts_per_step} < number of processes {self.world}")
+        batch = self.engine.generate([rows[j]["prompt"] for j in mine], [rows[j]["answer"] for j in mine],
+                                     group_size=ro.group_size, seed=iteration_seed(self.cfg.seed, iteration, self.rank),
+                                     iteration=iteration)
+        batch.group_ids = (iteration * ro.prompts_per_step
+                           + torch.tensor(mine, dtype=torch.long).repeat_interleave(ro.group_size))
+        return batch
+
+    def next(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate and prepare iterations until the buffer releases the batch of step ``step``.  A bounded buffer
+        that drops every batch raises once the run's iteration budget is spent (``check_buffer_feasible`` refuses
+        such configurations before the run)."""
+        t_gen = t_old = 0.0
+        tokens = 0
+        while True:
+            if self.iteration >= self.max_iterations:
+                raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {step} "
+                                   "trained steps (every batch dropped?)")
+            t0 = time.perf_counter()
+            batch = self.generate(self.iteration)
+            t1 = time.perf_counter()
+            self.prepare(batch)
+            t_gen, t_old = t_gen + (t1 - t0), t_old + (time.perf_counter() - t1)
+            tokens += batch.num_tokens()
+            self.buffer.push(batch, self.iteration)
+            consumed, _ = self.buffer.pop(self.iteration, step)
+            if consumed is not None:
+                self._released = True
+                return consumed, {"perf/time_generate_s": t_gen, "perf/time_old_logp_s": t_old,
+                                  "perf/gen_tokens_per_s": tokens / max(t_gen, 1e-9)}
+            self.iteration += 1         # warm-up (fixed) or nothing arrived yet (bounded): only generated
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int,
+                predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
+        """After a trained step this completes the iteration whose batch it trained on; the engine takes
+        ``weights`` as version ``version`` when ``version`` is a multiple of ``rollout.publish_every`` (or
+        ``force``), and keeps the version it holds otherwise."""
+        if self._released:
+            self.iteration += 1
+            self._released = False
+        if force or version % self.publish_every == 0:
+            self.engine.sync(weights, version, predictors)
+            self.published = int(version)
+
+    def state_dict(self) -> dict:
+        return {"mode": self.buffer.mode, "iteration": self.iteration, "published": self.published,
+                "buffer": self.buffer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") != self.buffer.mode:
+            raise ValueError(f"checkpointed batch source has buffer.mode={state.get('mode')!r}, but the config asks "
+                             f"for buffer.mode={self.buffer.mode!r}")
+        self.buffer.load_state_dict(state["buffer"])
+        self.iteration, self._released = int(state["iteration"]), False
+        self.published = int(state["published"])

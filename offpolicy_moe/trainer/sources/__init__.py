@@ -1,1 +1,0 @@
-"""Batch sources: where the training loop gets each step's batch (see :mod:`.base`)."""

@@ -1,1 +1,0 @@
-"""Engine tests: trainer, rollout engine, buffer, packing; shared helpers in :mod:`tests.engine.tiny`."""
