@@ -14,7 +14,9 @@ Calling convention (every registered function must accept it)::
 * ``**options`` the user's options of this loss (``clip_low``, ``tau``, ...): the keyword-only
   parameters of its signature, minus the ``runtime`` ones the caller supplies (a process group, a
   precomputed selection);
-* returns a scalar loss tensor and a ``dict[str, Tensor | float]`` of detached metrics.
+* returns a scalar loss tensor and a ``dict[str, Tensor | float]`` of detached metrics, to which the
+  registration adds the importance-ratio diagnostics ``actor/m2`` and ``actor/ess`` of
+  :mod:`offpolicy_moe.losses.diagnostics` (the same statistics for every loss; a loss's own value wins).
 
 A loss registers itself in its own module with :func:`register_policy_loss`, declaring its
 capabilities in a :class:`LossSpec`: whether it clips the ratio, whether it is sequence-level,
@@ -26,11 +28,14 @@ The registry is a module-level mapping filled at import time by those registrati
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+
+from .diagnostics import ratio_diagnostics
 
 PolicyLoss = Callable[..., tuple]
 GlobalPass = Callable[..., list]
@@ -143,6 +148,38 @@ def _check_signature(name: str, fn: PolicyLoss) -> None:
         )
 
 
+def with_ratio_diagnostics(fn: PolicyLoss) -> PolicyLoss:
+    """``fn`` wrapped so that its metrics gain :func:`ratio_diagnostics` of its ``logp``, ``old_logp`` and ``mask``.
+
+    The wrapper keeps ``fn``'s name, docstring and signature (``functools.wraps``: options are still read from
+    it); a key ``fn`` returns itself is kept.  The statistics are computed after ``fn`` returns, so its own input
+    checks come first.  A function that is already wrapped is returned as it is.
+    """
+    if getattr(fn, "__ratio_diagnostics__", False):
+        return fn
+
+    @functools.wraps(fn)
+    def loss_with_diagnostics(*args: Any, **kwargs: Any) -> tuple:
+        out = fn(*args, **kwargs)
+        names = ("logp", "old_logp", "advantages", "mask")
+        got = dict(zip(names, args))
+        got.update({k: kwargs[k] for k in names if k in kwargs})
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            return out
+        tensors = [got.get(k) for k in ("logp", "old_logp", "mask")]
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            return out
+        loss, metrics = out
+        return loss, {**ratio_diagnostics(*tensors), **metrics}
+
+    loss_with_diagnostics.__ratio_diagnostics__ = True  # type: ignore[attr-defined]
+    return loss_with_diagnostics
+
+
+def _unwrapped(fn: PolicyLoss) -> PolicyLoss:
+    return fn.__wrapped__ if getattr(fn, "__ratio_diagnostics__", False) else fn
+
+
 def register_policy_loss(
     name: str,
     *,
@@ -158,22 +195,26 @@ def register_policy_loss(
     """Decorator registering ``fn`` under ``name`` with its capabilities (see :class:`LossSpec`).
 
     Raises ValueError if ``name`` is taken (unless ``overwrite=True``), TypeError if ``fn`` cannot
-    accept the calling convention.  Returns ``fn`` unchanged.
+    accept the calling convention.  Returns (and registers) ``fn`` wrapped by :func:`with_ratio_diagnostics`, so
+    every registered loss reports ``actor/m2`` and ``actor/ess``; use the returned function as the loss.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy loss name must be a non-empty string, got {name!r}")
 
     def decorate(fn: PolicyLoss) -> PolicyLoss:
         _check_signature(name, fn)
+        wrapped = with_ratio_diagnostics(fn)
         old = _REGISTRY.get(name)
-        if old is not None and old.fn is not fn and not overwrite:
+        if old is not None and _unwrapped(old.fn) is _unwrapped(wrapped):
+            wrapped = old.fn                # the same loss registered again: keep its wrapper
+        elif old is not None and not overwrite:
             raise ValueError(f"policy loss {name!r} is already registered; pass overwrite=True to replace it")
         _REGISTRY[name] = LossSpec(
-            name=name, fn=fn, clips=clips, sequence_level=sequence_level, runtime=tuple(runtime),
+            name=name, fn=wrapped, clips=clips, sequence_level=sequence_level, runtime=tuple(runtime),
             global_pass=global_pass, global_pass_when=global_pass_when, check_options=check_options,
             option_defaults=_option_defaults(name, fn, tuple(runtime)), reference=reference,
         )
-        return fn
+        return wrapped
 
     return decorate
 
@@ -252,6 +293,7 @@ __all__ = [
     "loss_options_problem",
     "register_policy_loss",
     "unregister_policy_loss",
+    "with_ratio_diagnostics",
     "get_loss_spec",
     "get_policy_loss",
     "list_policy_losses",
