@@ -100,6 +100,7 @@ class RolloutConfig:
     max_new_tokens: int = ranged(4, ge=1)          # answers of the default task are <= 2 characters, + eos
     temperature: float = ranged(1.0, gt=0)
     top_p: float = ranged(1.0, gt=0, le=1)
+    top_k: int = ranged(0, ge=0)                   # sample among the k most likely tokens (0: off), before top-p
     batch_size: int = ranged(128, ge=1)            # sequences per generate call
     # native (own KV-cache loop, shares each group's prompt prefill) | hf (model.generate)
     sampler: str = ranged("native", choices=SAMPLERS)

@@ -1,12 +1,16 @@
 """Per-token log-probs from logits, ``log softmax(z / τ)[x] = z[x] / τ - logsumexp(z / τ)``, without a
 whole-vocabulary float32 copy: over blocks of positions, and under autograd with a backward that recomputes each
-block's softmax from the logits as they came (:func:`token_logprobs`)."""
+block's softmax from the logits as they came (:func:`token_logprobs`).  With the engine's kept sets ``K``
+(top-k / top-p, :class:`~offpolicy_moe.models.kept_tokens.KeptTokens`) the softmax is restricted to them and
+renormalised: ``z[x] / τ - logsumexp_{j in K}(z_j / τ)``."""
 from __future__ import annotations
 
 import math
 from typing import Optional
 
 import torch
+
+from offpolicy_moe.models.kept_tokens import KeptTokens
 
 __all__ = ["token_logprobs", "CPU_LOGPROB_BLOCK", "ACCELERATOR_LOGPROB_BLOCK"]
 
@@ -20,7 +24,7 @@ ACCELERATOR_LOGPROB_BLOCK = 1 << 26
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                   block_elements: Optional[int] = None) -> torch.Tensor:
+                   block_elements: Optional[int] = None, kept: Optional[KeptTokens] = None) -> torch.Tensor:
     """``[B, T]`` float32 (float64 for float64 logits) ``z[x] / τ - logsumexp(z / τ)`` of logits
     ``z [B, T, V]`` at ``targets [B, T]``, over blocks of positions of at most ``block_elements`` logits (at least
     one position).  With a real vocabulary the float32 copy and logsumexp's temporaries of the whole tensor would
@@ -30,8 +34,17 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     logits and one float per position is kept (autograd through the float32 arithmetic would keep a float32 copy
     of every block, twice a bfloat16 model's logits, and each block's gradient before joining them).
     ``block_elements``: :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere.
+
+    ``kept``: the sampling engine's kept set ``K_{b,t}`` of every position (top-k / top-p; count 0: none, the whole
+    vocabulary).  The log-prob is then that of the truncated, renormalised distribution the engine sampled from,
+    ``z[x] / τ - logsumexp_{j in K}(z_j / τ)`` (nucleus sampling: Holtzman et al. 2019, arXiv 1904.09751), and its
+    gradient ``d/dz_j = g (1[j = x] - softmax_K(z / τ)_j) / τ`` on ``K``, 0 outside: the renormalisation is
+    differentiated, the choice of ``K`` (the engine's) is not.  Each block's boolean mask exists for that block
+    only.  Finite logits give finite values in any dtype, since ``x`` is always in ``K``.
+
     Refuses (``ValueError``, naming the problem) logits that are not ``[B, T, V]`` floats, targets of another shape
-    or out of ``[0, V)``, a temperature that is not finite and positive."""
+    or out of ``[0, V)``, a temperature that is not finite and positive, kept sets of another shape or vocabulary,
+    a target outside its kept set."""
     if logits.dim() != 3 or not logits.is_floating_point():
         raise ValueError(f"token_logprobs: logits must be a float [B, T, V] tensor, got {logits.dtype} "
                          f"{tuple(logits.shape)}")
@@ -49,9 +62,24 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         if lo < 0 or hi >= logits.shape[-1]:
             raise ValueError(f"token_logprobs: target ids must be in [0, {logits.shape[-1]}) (the logits' "
                              f"vocabulary), got ids from {lo} to {hi}")
+    if kept is not None:
+        kept = kept.to(logits.device) if kept.counts.device != logits.device else kept
+        _check_kept(kept, logits, targets)
     if logits.requires_grad and torch.is_grad_enabled():
-        return _BlockedLogprob.apply(logits, targets, float(temperature), int(block_elements))
-    return _forward(logits, targets, float(temperature), int(block_elements))[0]
+        return _BlockedLogprob.apply(logits, targets, float(temperature), int(block_elements), kept)
+    return _forward(logits, targets, float(temperature), int(block_elements), kept)[0]
+
+
+def _check_kept(kept: KeptTokens, logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """One-line ``ValueError`` when ``kept`` does not fit the logits or a target lies outside its kept set."""
+    if kept.shape != tuple(targets.shape) or kept.vocab_size != logits.shape[-1]:
+        raise ValueError(f"token_logprobs: kept sets {kept.shape} over {kept.vocab_size} tokens do not fit logits "
+                         f"{tuple(logits.shape)}")
+    inside = kept.contains(targets)
+    if not bool(inside.all()):
+        b, t = (~inside).nonzero()[0].tolist()
+        raise ValueError(f"token_logprobs: token {int(targets[b, t])} at (row {b}, position {t}) is outside its "
+                         f"kept set of {int(kept.counts[b, t])} ids: the kept sets do not belong to these tokens")
 
 
 def _blocks(shape: torch.Size, block_elements: int) -> list[tuple[slice, slice]]:
@@ -70,9 +98,10 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.promote_types(logits.dtype, torch.float32)
 
 
-def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log-probs, lse)`` ``[B, T]`` in the compute dtype, ``lse = logsumexp(z / τ)``, block by block."""
+def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int,
+             kept: Optional[KeptTokens] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs, lse)`` ``[B, T]`` in the compute dtype, ``lse = logsumexp(z / τ)`` (over each position's kept
+    set when ``kept`` is given), block by block."""
     B, T, _ = logits.shape
     dtype = _compute_dtype(logits)
     out = torch.empty(B, T, dtype=dtype, device=logits.device)
@@ -80,6 +109,8 @@ def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, bl
     for rows, pos in _blocks(logits.shape, block_elements):
         z = logits[rows, pos]
         z = z.to(dtype) / temperature if temperature != 1.0 else z.to(dtype)
+        if kept is not None:
+            z = z.masked_fill(~kept.dense(rows, pos), float("-inf"))
         l_blk = torch.logsumexp(z, dim=-1)
         lse[rows, pos] = l_blk
         out[rows, pos] = z.gather(-1, targets[rows, pos].unsqueeze(-1)).squeeze(-1) - l_blk
@@ -90,10 +121,11 @@ class _BlockedLogprob(torch.autograd.Function):
     """:func:`token_logprobs` under autograd (see there); saves the logits, the targets and ``lse``."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int):
-        out, lse = _forward(logits, targets, temperature, block_elements)
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int,
+                kept: Optional[KeptTokens] = None):
+        out, lse = _forward(logits, targets, temperature, block_elements, kept)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.block_elements = temperature, block_elements
+        ctx.temperature, ctx.block_elements, ctx.kept = temperature, block_elements, kept
         return out
 
     @staticmethod
@@ -106,9 +138,12 @@ class _BlockedLogprob(torch.autograd.Function):
             z, l_blk = logits[rows, pos].to(dtype), lse[rows, pos].unsqueeze(-1)
             blk = (z / tau).sub_(l_blk) if tau != 1.0 else z - l_blk          # a new tensor either way
             g = grad_out[rows, pos].to(dtype).unsqueeze(-1)
-            blk.exp_().mul_(-g)                                               # -g softmax(z / τ)
+            blk.exp_()                                                        # softmax(z / τ)
+            if ctx.kept is not None:       # softmax over K: exp(z / τ - lse_K) on K (inf possible outside), 0 off K
+                blk.masked_fill_(~ctx.kept.dense(rows, pos), 0.0)
+            blk.mul_(-g)                                                      # -g softmax(z / τ)
             blk.scatter_add_(-1, targets[rows, pos].unsqueeze(-1), g)
             if tau != 1.0:
                 blk.div_(tau)
             grad[rows, pos] = blk
-        return grad, None, None, None
+        return grad, None, None, None, None

@@ -16,6 +16,10 @@ positions, right-padded after the end-of-sequence token):
 * ``generated_at``    the trainer iteration that generated the batch (used to check no batch is lost or reused)
 * ``token_versions``  ``[B, T]`` the policy version that sampled each response token (None: all ``version``);
                       tokens of one sequence may span versions when weights are updated in flight (docs/async.md)
+* ``kept_tokens``     ``[B, T]`` the kept set of each sampled response token when the engine truncated its
+                      distribution (``rollout.top_k > 0`` or ``rollout.top_p < 1``; None otherwise):
+                      :class:`~offpolicy_moe.models.kept_tokens.KeptTokens`, ragged token ids (count 0 outside the
+                      response); the trainer's log-probs are renormalised over them (docs/config.md)
 
 Rewards and advantages are NOT stored: they are computed when the batch is consumed.
 """
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 import torch
+
+from offpolicy_moe.models.kept_tokens import KeptTokens
 
 __all__ = ["RolloutBatch"]
 
@@ -90,6 +96,7 @@ class RolloutBatch:
     extras: dict = field(default_factory=dict)   # float metrics measured at generation time
     old_logp_fused: bool = False       # on-policy, one update: old_logp = the update forward's detached logp
     token_versions: Optional[torch.Tensor] = None   # [B, T] version that sampled each token (None: all `version`)
+    kept_tokens: Optional[KeptTokens] = None        # [B, T] kept sets of top-k / top-p (None: no truncation)
 
     def __post_init__(self) -> None:
         B, S = self.input_ids.shape
@@ -100,6 +107,8 @@ class RolloutBatch:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B, T):
                 raise ValueError(f"{name} shape {tuple(t.shape)} != (batch, response length) {(B, T)}")
+        if self.kept_tokens is not None and self.kept_tokens.shape != (B, T):
+            raise ValueError(f"kept_tokens shape {self.kept_tokens.shape} != (batch, response length) {(B, T)}")
         if self.group_ids.shape != (B,):
             raise ValueError(f"group_ids shape {tuple(self.group_ids.shape)} != ({B},)")
         if len(self.answers) != B or len(self.completions) != B:
@@ -141,11 +150,16 @@ class RolloutBatch:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Plain-python/tensor dict (torch.save-able); inverse of :meth:`from_state_dict`."""
-        return {f.name: _to_state(getattr(self, f.name)) for f in fields(self)}
+        state = {f.name: _to_state(getattr(self, f.name)) for f in fields(self) if f.name != "kept_tokens"}
+        # plain tensors (no class record): a checkpoint's restricted loader reads them as they are
+        state["kept_tokens"] = self.kept_tokens.state_dict() if self.kept_tokens is not None else None
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "RolloutBatch":
         state = dict(state)
         if "old_logp_deferred" in state:     # the field's name before the trainer split
             state["old_logp_fused"] = state.pop("old_logp_deferred")
-        return cls(**{k: _from_state(v) for k, v in state.items()})
+        kept = state.pop("kept_tokens", None)     # absent in states written before kept sets existed
+        return cls(**{k: _from_state(v) for k, v in state.items()},
+                   kept_tokens=KeptTokens.from_state_dict(kept) if kept is not None else None)

@@ -6,14 +6,18 @@ train/inference mismatch; optional Gaussian router-logit noise and a fixed, seed
 ``dW``: the engine routes on ``logits + h dW^T`` as if its router weights were ``W + dW``), at an integer version,
 and samples ``G`` responses per prompt with its own KV-cache sampling loop (``sampler="native"``: one prefill
 forward, one forward per token, none of ``generate``'s per-step machinery) or with ``model.generate``
-(``sampler="hf"``); temperature, top-p, top-k disabled; both draw the same ``torch.multinomial`` samples from the
-same scores.  The native sampler's decode steps run attention through
+(``sampler="hf"``); both apply temperature, then top-k, then top-p, as ``generate`` orders them, and draw the same
+``torch.multinomial`` samples from the same scores.  The native sampler's decode steps run attention through
 :mod:`offpolicy_moe.rollout.decode_attention` (one query per row, float32 matmuls) unless
 ``rollout.decode_attention=sdpa``.
 
 Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
 masking to -inf (the tensor ``generate`` hands its last logits processor) are the very tensor that ``softmax`` +
-``multinomial`` sampled from, so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.
+``multinomial`` sampled from, so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.  When they truncate
+(``rollout.top_k > 0`` or ``rollout.top_p < 1``) the finite entries of that same tensor are the kept set ``K_t`` of
+the token, recorded per sampled token as ragged token ids (``RolloutBatch.kept_tokens``,
+:class:`~offpolicy_moe.models.kept_tokens.KeptTokens`): the trainer renormalises its own probabilities over them,
+so its log-probs and ``behav_logp`` describe the same truncated distribution.
 They are computed in float32 from the engine's (bf16) logits; the native sampler takes them as soon as the steps
 it holds reach :data:`SCORES_HELD_ELEMENTS` floats, so with a real vocabulary it holds one step's ``[B, V]``
 scores; ``model.generate`` (``sampler="hf"``) gets :class:`StepLogprobs` as its last logits processor, which
@@ -32,12 +36,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.decode_attention import use_single_query_decode
 from offpolicy_moe.rollout.kv_cache import preallocated_cache
 from offpolicy_moe.models.layout import accepts_kwarg, cache_kwarg
+from offpolicy_moe.models.kept_tokens import KeptTokens, step_support
 from offpolicy_moe.models.token_logprobs import token_logprobs
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, cat_features, cat_traces,
                                    router_perturbation)
@@ -53,11 +59,14 @@ REPLAY_ENGINE = ("r3", "pr2")    # replay modes whose routes come from the rollo
 
 @dataclass(frozen=True)
 class EngineCapabilities:
-    """What a rollout engine can do beyond sampling: return its route trace (R3 / PR2 / routing metrics) and apply
-    router-logit offsets (PR2 predictors, router noise, router perturbation)."""
+    """What a rollout engine can do beyond sampling: return its route trace (R3 / PR2 / routing metrics), apply
+    router-logit offsets (PR2 predictors, router noise, router perturbation), and return the kept set of each token
+    it sampled from a truncated distribution (``RolloutBatch.kept_tokens``; needed by ``rollout.top_k > 0`` or
+    ``rollout.top_p < 1``)."""
 
     records_routes: bool = False
     router_offsets: bool = False
+    records_kept_tokens: bool = False
 
 
 class RolloutEngine(abc.ABC):
@@ -112,16 +121,24 @@ def _held_logprobs(held: list) -> torch.Tensor:
 class StepLogprobs(LogitsProcessor):
     """The last logits processor of a ``generate`` call: it holds the current step's processed scores and, at the
     next step (whose ``input_ids`` end with the token drawn from them), takes that token's log-prob
-    ``s_t[x_t] - logsumexp(s_t)``; :meth:`finish` takes the last step's.  Scores pass through unchanged."""
+    ``s_t[x_t] - logsumexp(s_t)``; :meth:`finish` takes the last step's.  With ``record_kept`` it also takes each
+    step's kept set (the finite scores, :func:`~offpolicy_moe.models.kept_tokens.step_support`) into
+    :attr:`kept_steps`.  Scores pass through unchanged."""
 
-    def __init__(self):
+    def __init__(self, record_kept: bool = False):
         self._held: Optional[torch.Tensor] = None
         self._logps: list[torch.Tensor] = []
+        self.record_kept = bool(record_kept)
+        self.kept_steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.vocab_size: Optional[int] = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self._held is not None:
             self._logps.append(token_logprobs(self._held.unsqueeze(1), input_ids[:, -1:]))
         self._held = scores
+        if self.record_kept:
+            self.kept_steps.append(step_support(scores))
+            self.vocab_size = int(scores.shape[-1])
         return scores
 
     def finish(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -157,7 +174,8 @@ def _supports_native_loop(model: torch.nn.Module) -> bool:
 class HFRolloutEngine(RolloutEngine):
     """Hugging Face ``generate``-based engine with its own copy of the policy (see module docstring)."""
 
-    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(records_routes=True, router_offsets=True)
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(records_routes=True, router_offsets=True,
+                                                                    records_kept_tokens=True)
 
     @classmethod
     def from_config(cls, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
@@ -198,6 +216,9 @@ class HFRolloutEngine(RolloutEngine):
         self.max_new_tokens = int(max_new_tokens)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
+        self.top_k = int(rollout.top_k)
+        # a truncated sampling distribution: each token's kept set goes to the trainer (RolloutBatch.kept_tokens)
+        self.truncates = self.top_p < 1.0 or self.top_k > 0
         self.batch_size = int(batch_size)
         self.record_routes = bool(record_routes)
         self.router_noise = float(router_noise)
@@ -267,34 +288,37 @@ class HFRolloutEngine(RolloutEngine):
     def _generation_kwargs(self, step_logprobs: Optional["StepLogprobs"] = None) -> dict:
         """``generate``'s arguments.  With ``step_logprobs`` the sampling warpers are passed as our own
         ``logits_processor`` list with ``step_logprobs`` after them (``generate`` would run a custom processor
-        before its own warpers), temperature and top-p are left at 1 so ``generate`` adds none of its own, and
+        before its own warpers), temperature, top-k and top-p are left off so ``generate`` adds none of its own, and
         ``output_scores`` is off: the same processed scores and draws, one step's scores held."""
         tok = self.tokenizer
-        kw = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0,
+        kw = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                   max_new_tokens=self.max_new_tokens, min_new_tokens=0,
                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                   return_dict_in_generate=True, output_scores=True, num_beams=1)
         if step_logprobs is not None:
-            kw.update(temperature=1.0, top_p=1.0, output_scores=False,
+            kw.update(temperature=1.0, top_p=1.0, top_k=0, output_scores=False,
                       logits_processor=LogitsProcessorList([*self._warpers(), step_logprobs]))
         return kw
 
     def _warpers(self) -> LogitsProcessorList:
         """The logits processors ``generate`` applies for this engine's sampling settings, in its order:
-        temperature (only when ≠ 1), then top-p (only when < 1)."""
+        temperature (only when ≠ 1), then top-k (only when > 0), then top-p (only when < 1)."""
         procs = LogitsProcessorList()
         if self.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k > 0:
+            procs.append(TopKLogitsWarper(self.top_k))
         if self.top_p < 1.0:
             procs.append(TopPLogitsWarper(self.top_p))
         return procs
 
     def _process_scores(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampling distribution's scores from float32 next-token logits, by the same logits processors
-        ``generate`` runs (transformers' ``TemperatureLogitsWarper`` then ``TopPLogitsWarper``): ``z / temperature``,
-        then top-p (nucleus, Holtzman et al. arXiv 1904.09751) sets to ``-inf`` the least likely tokens whose
-        cumulative probability is ``<= 1 - top_p`` (the most likely token is always kept).  Neither reads the
-        sequence so far."""
+        ``generate`` runs (transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``):
+        ``z / temperature``, then top-k sets to ``-inf`` every token below the k-th largest score (Fan et al. 2018,
+        arXiv 1805.04833), then top-p (nucleus, Holtzman et al. arXiv 1904.09751) sets to ``-inf`` the least likely
+        tokens whose cumulative probability is ``<= 1 - top_p`` (the most likely token is always kept).  None reads
+        the sequence so far."""
         warpers = self._warpers()
         return warpers(None, logits) if warpers else logits
 
@@ -318,10 +342,11 @@ class HFRolloutEngine(RolloutEngine):
         (``torch.multinomial``, the same draws ``generate`` makes); rows that emitted EOS get the pad token afterwards
         and, once a quarter of the decoded rows has finished, leave the decode batch (``compact_finished``; not with
         router noise or PR2, whose per-token draws follow the batch); stops when every row has finished or after
-        ``max_new_tokens``.  Returns ``(sequences [B, P+T'], logp [B, T'])``: ``logp`` of each drawn token under the
-        processed scores, ``s_t[x_t] - logsumexp(s_t)``, taken as soon as the held steps' scores reach
+        ``max_new_tokens``.  Returns ``(sequences [B, P+T'], logp [B, T'], kept)``: ``logp`` of each drawn token
+        under the processed scores, ``s_t[x_t] - logsumexp(s_t)``, taken as soon as the held steps' scores reach
         ``scores_held_elements`` floats (all ``T'`` of them would be ``B * T' * V`` floats: 128 x 4096 x 152k =
-        318 GB; a small vocabulary keeps them to the end, in one call)."""
+        318 GB; a small vocabulary keeps them to the end, in one call); ``kept``: when the engine truncates, the
+        kept set (finite scores) of each step of the rows not yet finished, as ``KeptTokens [B, T']``, else None."""
         model, tok = self.model, self.tokenizer
         B, P = ids.shape
         cache = preallocated_cache(model.config, P + self.max_new_tokens)      # no per-token torch.cat of the cache
@@ -342,6 +367,7 @@ class HFRolloutEngine(RolloutEngine):
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
         tokens, logps, held = [], [], []      # held: the steps' (scores, token) whose log-probs are not yet taken
+        kept_steps: list[tuple[torch.Tensor, torch.Tensor]] = []     # per step: (counts [B], ids) of the kept sets
         mask_buf = torch.cat([am, am.new_ones((B, self.max_new_tokens))], dim=1)    # mask[:, :P+t+1] at step t
         last_pos = pos[:, -1:]
         fed = torch.arange(B, device=ids.device)          # rows still fed to the model
@@ -353,6 +379,8 @@ class HFRolloutEngine(RolloutEngine):
             scores = self._process_scores(last)
             # every row draws (finished ones too, then padded): the random stream does not depend on compaction
             nxt = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+            if self.truncates:      # the kept set of the rows that draw a real token (finished ones are padded)
+                kept_steps.append(step_support(scores, unfinished))
             nxt = torch.where(unfinished, nxt, pad)
             tokens.append(nxt)
             held.append((scores, nxt))
@@ -381,7 +409,10 @@ class HFRolloutEngine(RolloutEngine):
             recorder.final_len = int(seq.shape[1])   # the last sampled token is never fed to the model
         if held:
             logps.append(_held_logprobs(held))
-        return seq, torch.cat(logps, dim=1)
+        kept = None
+        if self.truncates:
+            kept = KeptTokens.from_steps([c for c, _ in kept_steps], [i for _, i in kept_steps], last.shape[-1])
+        return seq, torch.cat(logps, dim=1), kept
 
     @torch.no_grad()
     def _generate_chunk(self, ids: torch.Tensor, am: torch.Tensor, feature_cache: Any, group_size: int = 1):
@@ -402,17 +433,24 @@ class HFRolloutEngine(RolloutEngine):
                 # no router hook: nothing produced here is kept by autograd-facing code, so inference mode (no
                 # version counters or view tracking) is safe; the outputs are cloned back into normal tensors
                 with torch.inference_mode():
-                    sequences, logp = self._sample_loop(ids, am, rec, group_size)
+                    sequences, logp, kept = self._sample_loop(ids, am, rec, group_size)
                 sequences, logp = sequences.clone(), logp.clone()
+                if kept is not None:
+                    kept = KeptTokens(kept.counts.clone(), kept.ids.clone(), kept.vocab_size)
             elif self.sampler == "native":
-                sequences, logp = self._sample_loop(ids, am, rec, group_size)
+                sequences, logp, kept = self._sample_loop(ids, am, rec, group_size)
             else:
-                step_lp = StepLogprobs()
+                step_lp = StepLogprobs(record_kept=self.truncates)
                 out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs(step_lp))
                 sequences = out.sequences
                 logp = step_lp.finish(sequences, ids.shape[1])
+                kept = None
+                if self.truncates:
+                    steps = step_lp.kept_steps[:sequences.shape[1] - ids.shape[1]]
+                    kept = KeptTokens.from_steps([c for c, _ in steps], [i for _, i in steps],
+                                                 int(step_lp.vocab_size))
         trace = rec.trace() if rec is not None else None
-        return sequences, logp, trace
+        return sequences, logp, trace, kept
 
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
                  iteration: int = 0) -> RolloutBatch:
@@ -430,16 +468,16 @@ class HFRolloutEngine(RolloutEngine):
         P = p_ids.shape[1]
         torch.manual_seed(seed)
         start_version = self.version
-        seqs, logps, traces, feats, sizes, versions = [], [], [], [], [], []
+        seqs, logps, traces, feats, sizes, versions, kepts = [], [], [], [], [], [], []
         for start in range(0, p_ids.shape[0], self.batch_size):
             cache = None
             if self.pr2_predictors is not None:
                 gen = torch.Generator().manual_seed(seed + start)
                 cache = FeatureCache(sample_rate=self.pr2_feature_sample_rate, generator=gen, store_device="cpu")
             chunk_ids = p_ids[start:start + self.batch_size]
-            s, lp, tr = self._generate_chunk(chunk_ids, p_am[start:start + self.batch_size], cache,
-                                             group_size if start % group_size == 0 else 1)
-            seqs.append(s); logps.append(lp); traces.append(tr); sizes.append(chunk_ids.shape[0])
+            s, lp, tr, kp = self._generate_chunk(chunk_ids, p_am[start:start + self.batch_size], cache,
+                                                 group_size if start % group_size == 0 else 1)
+            seqs.append(s); logps.append(lp); traces.append(tr); sizes.append(chunk_ids.shape[0]); kepts.append(kp)
             steps = s.shape[1] - P
             vs = self._step_versions if (self.sampler == "native" and len(self._step_versions) == steps) \
                 else [self.version] * steps
@@ -461,6 +499,12 @@ class HFRolloutEngine(RolloutEngine):
         response_mask = (~after_eos & in_chunk).long()
         attention_mask = torch.cat([p_am, response_mask], dim=1)
         behav = torch.where(response_mask.bool(), behav, torch.zeros_like(behav))   # -inf*0 would be NaN
+        kept = None
+        if self.truncates:    # the kept sets of the response tokens (count 0 after EOS and in padding)
+            kept = KeptTokens.cat([k.to("cpu").pad_to(T) for k in kepts]).masked(response_mask.cpu())
+            if not bool(kept.contains(resp.cpu())[response_mask.cpu().bool()].all()):
+                raise RuntimeError("rollout engine: a sampled token lies outside its own kept set (top-k / top-p); "
+                                   "the sampler's scores and its draws disagree")
         routes = _cat_traces(traces) if traces[0] is not None else None
         if routes is not None:
             routes = routes.to("cpu")
@@ -475,7 +519,7 @@ class HFRolloutEngine(RolloutEngine):
                             response_mask=response_mask.cpu(), behav_logp=behav.cpu(), group_ids=groups,
                             answers=answers_rep, completions=list(completions), prompt_len=P,
                             version=start_version, generated_at=iteration, routes=routes,
-                            pr2_features=features, token_versions=token_versions)
+                            pr2_features=features, token_versions=token_versions, kept_tokens=kept)
 
 
 ENGINES: dict[str, type[RolloutEngine]] = {}
@@ -502,15 +546,20 @@ def make_engine(policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record
     """The engine named by ``rollout.engine``, built from the ``rollout`` section (``seed``: the run's seed, which
     fixes ``rollout.router_perturb``'s perturbation: the trainer and every rollout worker pass the same one, so they
     draw the same ``dW``); one-line error for an unknown name or an engine that lacks a capability the run needs
-    (route recording, router offsets)."""
+    (route recording, router offsets, kept sets of a truncated sampling distribution)."""
     check_engine_name(rollout.engine)
     name = rollout.engine
     cls = ENGINES[name]
     needs_offsets = (router_offsets is not None or float(rollout.router_noise) > 0
                      or float(rollout.router_perturb) > 0)
+    truncates = float(rollout.top_p) < 1.0 or int(rollout.top_k) > 0
     for needed, have, what in ((record_routes, cls.capabilities.records_routes, "route recording (R3/PR2/routing "
                                 "metrics)"), (needs_offsets, cls.capabilities.router_offsets,
-                                              "router-logit offsets (PR2/router_noise/router_perturb)")):
+                                              "router-logit offsets (PR2/router_noise/router_perturb)"),
+                               (truncates, cls.capabilities.records_kept_tokens,
+                                "returning the kept sets of top-k/top-p sampling (rollout.top_k > 0 or "
+                                "rollout.top_p < 1); the trainer needs them to take its log-probs over the same "
+                                "distribution")):
         if needed and not have:
             raise ValueError(f"rollout.engine={name!r} does not support {what}")
     return cls.from_config(policy, tokenizer, rollout, record_routes=record_routes, router_offsets=router_offsets,

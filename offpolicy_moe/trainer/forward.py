@@ -91,7 +91,11 @@ class RoutedForward:
         With ``share_prompt`` each group's prompt is run once (:mod:`offpolicy_moe.trainer.packing`, or a shared KV
         cache).  Replayed traces are re-laid out like the packed batch and recorded ones back like the plain batch;
         router-logit capture (PR2) needs the plain ``[B, S]`` forward, so nothing is shared while a routing context
-        opened by the caller is active."""
+        opened by the caller is active.
+
+        When the engine truncated its sampling distribution (top-k / top-p) the batch's kept sets
+        (``batch.kept_tokens``) are replayed like its routes: every log-prob is over the engine's kept ids,
+        renormalised (:func:`~offpolicy_moe.trainer.logprobs.response_logprobs`)."""
         dev = self.device
         ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         if routes is not None and hasattr(routes, "to"):
@@ -114,10 +118,12 @@ class RoutedForward:
         self.last_plan = plan
         replay_ctx = ctl.replay(routes) if (routes is not None and ctl is not None) else contextlib.nullcontext()
         rec_ctx = ctl.record("used" if record is True else record) if record else contextlib.nullcontext()
+        kept = batch.kept_tokens.to(dev) if batch.kept_tokens is not None else None
         with replay_ctx, rec_ctx as rec:
             logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.temperature,
                                      response_mask=batch.response_mask.to(dev),
-                                     share_prompt="cache" if plan.mode == "cache" else False, packing=packing)
+                                     share_prompt="cache" if plan.mode == "cache" else False, packing=packing,
+                                     kept=kept)
         if not record:
             return logp
         trace = rec.trace()

@@ -2,8 +2,11 @@
 
 For a sequence ``x`` of prompt length ``P`` and response length ``T`` the log-prob of response token ``t`` is
 ``log softmax(z_{P-1+t} / temperature)[x_{P+t}]`` where ``z_j`` are the logits at position ``j``.  Dividing by the
-sampling temperature makes the trainer's distribution the same one the engine sampled from (top-p truncation is
-not applied on the trainer side, as in verl/TRL; keep ``top_p = 1`` for an exact match).
+sampling temperature makes the trainer's distribution the same one the engine sampled from.  When the engine
+truncated its distribution (``rollout.top_k > 0`` or ``rollout.top_p < 1``) the batch carries each token's kept set
+``K_t`` (:class:`~offpolicy_moe.models.kept_tokens.KeptTokens`), and the softmax is restricted to the engine's ids
+and renormalised, ``z_x / τ - logsumexp_{j in K_t}(z_j / τ)``: the same truncated distribution, by every way of
+running the forward below.
 
 Memory: only the ``T + 1`` last positions' logits are produced (``logits_to_keep``), and the log-prob is
 ``z[x] - logsumexp(z)`` computed over blocks of positions (:func:`token_logprobs`), which never materialises a
@@ -36,6 +39,7 @@ import torch
 from transformers import DynamicCache
 
 from offpolicy_moe.trainer.forward_plan import MODES, ForwardPlan, plan_forward
+from offpolicy_moe.models.kept_tokens import KeptTokens
 from offpolicy_moe.models.layout import accepts_kwarg, cache_kwarg, position_ids_from_mask, prompt_groups
 from offpolicy_moe.trainer.packing import (DEFAULT_MAX_MASK_ELEMENTS, GroupPacking, plan_group_packing,
                                           takes_4d_mask)
@@ -60,10 +64,12 @@ def _can_share(model: torch.nn.Module) -> bool:
 
 def _shared_prompt_logprobs(model: torch.nn.Module, base: torch.nn.Module, input_ids: torch.Tensor,
                             attention_mask: torch.Tensor, prompt_len: int, first: torch.Tensor,
-                            inverse: torch.Tensor, temperature: float) -> torch.Tensor:
+                            inverse: torch.Tensor, temperature: float,
+                            kept: Optional[KeptTokens] = None) -> torch.Tensor:
     """``[B, T]`` response log-probs: prompt pass on the distinct prompts (its last logits predict the first
     response token), cache repeated to the rows, response pass on tokens ``P .. P+T-2`` against it (the rest).  The
-    two passes' logits go to :func:`token_logprobs` separately (never joined into one ``[B, T, V]`` copy)."""
+    two passes' logits go to :func:`token_logprobs` separately (never joined into one ``[B, T, V]`` copy), each with
+    its columns of the kept sets ``kept``."""
     P = prompt_len
     pos = position_ids_from_mask(attention_mask)
     targets = input_ids[:, P:]
@@ -74,13 +80,17 @@ def _shared_prompt_logprobs(model: torch.nn.Module, base: torch.nn.Module, input
     # below is that forward, and its graph reaches the prompt pass's parameters through the cache)
     out = base(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=pos[first, :P],
                use_cache=True, **cache_arg, **keep)
-    first_lp = token_logprobs(out.logits[:, -1:].index_select(0, inverse), targets[:, :1], temperature)
-    if input_ids.shape[1] - P == 1:
+    T = input_ids.shape[1] - P
+    first_lp = token_logprobs(out.logits[:, -1:].index_select(0, inverse), targets[:, :1], temperature,
+                              kept=kept.narrow(0, 1) if kept is not None else None)
+    if T == 1:
         return first_lp
     cache.batch_select_indices(inverse)
     out = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos[:, P:-1],
                 use_cache=True, **cache_arg)
-    return torch.cat([first_lp, token_logprobs(out.logits, targets[:, 1:], temperature)], dim=1)
+    rest = token_logprobs(out.logits, targets[:, 1:], temperature,
+                          kept=kept.narrow(1, T) if kept is not None else None)
+    return torch.cat([first_lp, rest], dim=1)
 
 
 def plan_shared_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -132,7 +142,7 @@ def plan_shared_forward(model: torch.nn.Module, input_ids: torch.Tensor, attenti
 def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       prompt_len: int, *, temperature: float = 1.0,
                       response_mask: Optional[torch.Tensor] = None, share_prompt: bool | str = False,
-                      packing: Optional["GroupPacking"] = None) -> torch.Tensor:
+                      packing: Optional["GroupPacking"] = None, kept: Optional[KeptTokens] = None) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of ``input_ids[:, prompt_len:]`` (0 where ``response_mask`` is 0):
     ``log π(x_{P+t} | x_{<P+t}) = z_{P-1+t}[x_{P+t}] / τ - logsumexp(z_{P-1+t} / τ)``.
 
@@ -141,7 +151,12 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     forward (:mod:`offpolicy_moe.trainer.packing`) or a prompt pass whose KV cache the response pass reuses
     (module docstring), see :func:`plan_shared_forward`; ``"pack"`` / ``"cache"`` try only that way before the
     plain forward.  ``packing``: a layout planned by the caller (who re-laid out a replay trace the same way).  The
-    values are the plain forward's up to float rounding."""
+    values are the plain forward's up to float rounding.
+
+    ``kept``: the engine's kept set of every response token (``[B, T]``, top-k / top-p): the log-probs are then
+    those of the engine's truncated distribution, ``z_x / τ - logsumexp_{j in K_t}(z_j / τ)`` with the trainer's
+    own logits over the engine's ids (:func:`token_logprobs`), gradients through the renormalisation.  Refused in
+    one line when its shape is not ``[B, T]`` or a token of ``response_mask`` has no kept set."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must both be [B, S]")
@@ -153,6 +168,12 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if share_prompt not in _SHARE_MODES:
         raise ValueError(f"share_prompt must be one of {_SHARE_MODES}, got {share_prompt!r}")
+    if kept is not None:
+        if kept.shape != (input_ids.shape[0], T):
+            raise ValueError(f"kept sets {kept.shape} do not fit the batch's responses {(input_ids.shape[0], T)}")
+        if response_mask is not None and bool(((kept.counts == 0) & response_mask.to(kept.counts.device).bool()).any()):
+            raise ValueError("a response token has no kept set recorded although the batch carries kept sets "
+                             "(the engine truncated its sampling distribution): the batch is inconsistent")
     base = model.module if hasattr(model, "module") else model   # DDP wrapper
     mode = "pack"
     if packing is None:
@@ -167,11 +188,11 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
         dtype = next(base.parameters()).dtype
         out = model(input_ids=packing.input_ids, attention_mask=packing.attention_mask(dtype),
                     position_ids=packing.position_ids, use_cache=False)
-        logp = packing.response_logprobs(out.logits, input_ids[:, prompt_len:], temperature)
+        logp = packing.response_logprobs(out.logits, input_ids[:, prompt_len:], temperature, kept=kept)
     elif mode == "cache":
         first, inverse = prompt_groups(input_ids, attention_mask, prompt_len)
         logp = _shared_prompt_logprobs(model, base, input_ids, attention_mask, prompt_len, first, inverse,
-                                       temperature)
+                                       temperature, kept)
     else:
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False)
@@ -179,7 +200,7 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
             logits = model(**kwargs, logits_to_keep=T + 1).logits[:, :-1]
         else:
             logits = model(**kwargs).logits[:, prompt_len - 1:-1]
-        logp = token_logprobs(logits, input_ids[:, prompt_len:], temperature)
+        logp = token_logprobs(logits, input_ids[:, prompt_len:], temperature, kept=kept)
     if response_mask is not None:
         logp = logp * response_mask.to(logp.dtype)
     return logp

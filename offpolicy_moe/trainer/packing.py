@@ -97,22 +97,32 @@ class GroupPacking:
             return first
         return torch.cat([first, logits[self.rows, self.cols]], dim=1)
 
-    def response_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    def response_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          kept: Optional[Any] = None) -> torch.Tensor:
         """``[B, T]`` log-probs of the response tokens ``targets [B, T]`` from the packed logits ``[U, L, V]``,
         without laying the logits out like the plain batch (:meth:`response_logits` copies ``[B, T, V]``): token 0
         of each row from its prompt's last position, tokens ``t >= 1`` from one :func:`token_logprobs` call over the
         packed positions, each of which predicts at most one token (the others get a dummy target and no
-        gradient)."""
+        gradient).  ``kept`` (``KeptTokens [B, T]``): each token's kept set, laid out like the packed positions
+        (the others get none)."""
         P = self.prompt_len
         if tuple(logits.shape[:2]) != (self.num_rows, self.length):
             raise ValueError(f"packed logits have [U, L] = {tuple(logits.shape[:2])}, the packing "
                              f"{(self.num_rows, self.length)}")
-        first = token_logprobs(logits[:, P - 1:P].index_select(0, self.inverse), targets[:, :1], temperature)
+        first = token_logprobs(logits[:, P - 1:P].index_select(0, self.inverse), targets[:, :1], temperature,
+                               kept=kept.narrow(0, 1) if kept is not None else None)
         if self.fed == 0:
             return first
         packed_targets = torch.zeros(logits.shape[:2], dtype=targets.dtype, device=targets.device)
         packed_targets[self.rows, self.cols] = targets[:, 1:self.fed + 1]
-        lp = token_logprobs(logits, packed_targets, temperature)
+        packed_kept = None
+        if kept is not None:       # packed position (rows[b, t], cols[b, t]) predicts token t + 1 of row b
+            src = torch.full(logits.shape[:2], -1, dtype=torch.long, device=targets.device)
+            B, T = targets.shape
+            src[self.rows, self.cols] = (torch.arange(B, device=targets.device).unsqueeze(1) * T
+                                         + torch.arange(1, self.fed + 1, device=targets.device))
+            packed_kept = kept.relayout(src)
+        lp = token_logprobs(logits, packed_targets, temperature, kept=packed_kept)
         return torch.cat([first, lp[self.rows, self.cols]], dim=1)
 
     def pack_trace(self, trace: Any) -> Optional[Any]:

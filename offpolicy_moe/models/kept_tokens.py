@@ -1,0 +1,228 @@
+"""The kept set of each sampled token: the token ids a truncated sampling distribution (top-k, top-p) could draw.
+
+Nucleus sampling (top-p, Holtzman et al. 2019, arXiv 1904.09751) and top-k sampling draw token ``t`` from the
+softmax of the scores restricted to a kept set ``K_t`` (the scores outside ``K_t`` are ``-inf``):
+``mu(x | K_t) = exp(s_x) / sum_{j in K_t} exp(s_j)`` for ``x in K_t``.  A trainer that takes its log-probs over the
+whole vocabulary describes another distribution than the one sampled.  :class:`KeptTokens` carries ``K_t`` from
+the engine to the trainer, which then takes ``log pi(x | K_t) = z_x / tau - logsumexp_{j in K_t}(z_j / tau)`` with
+its own logits ``z`` (:func:`offpolicy_moe.models.token_logprobs.token_logprobs`, ``kept=``).
+
+The kept set is the ENGINE's set of token ids, replayed as routing replay replays expert ids: the trainer does not
+re-run top-p on its own logits (with other weights or another precision it would keep another set, and the
+behaviour and trainer log-probs would again describe different distributions); it renormalises its own
+probabilities over the engine's ids.
+
+Storage is ragged, not ``V`` floats per token: ``counts [B, T]`` (``|K_t|``; 0 = no kept set recorded, the whole
+vocabulary: padding, or positions outside the response) and ``ids [N]``, ``N = counts.sum()``, the kept ids of
+every position in row-major ``(b, t)`` order, ascending within a position.  Both are int16 when the vocabulary has
+at most 32767 tokens, else int32: ``2 + 2|K_t|`` or ``4 + 4|K_t|`` bytes per sampled token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["KeptTokens", "index_dtype", "step_support"]
+
+
+def index_dtype(vocab_size: int) -> torch.dtype:
+    """The integer dtype of kept ids and counts for a vocabulary of ``vocab_size`` tokens: int16 up to 32767
+    tokens, int32 above."""
+    return torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def step_support(scores: torch.Tensor, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts [B], ids [n])`` of one sampling step: the finite entries of the processed scores ``[B, V]`` (what
+    top-k / top-p left; the rest were set to ``-inf``), for the rows where ``rows [B]`` (bool) is true (the other
+    rows get count 0).  ``ids`` in row order, ascending within a row, in :func:`index_dtype`."""
+    if scores.dim() != 2:
+        raise ValueError(f"step_support: scores must be [B, V], got {tuple(scores.shape)}")
+    live = torch.isfinite(scores)
+    if rows is not None:
+        live &= rows.to(torch.bool).unsqueeze(1)
+    dtype = index_dtype(scores.shape[1])
+    return live.sum(-1).to(dtype), live.nonzero()[:, 1].to(dtype)
+
+
+def _segment_index(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Indices ``starts[m] + 0 .. starts[m] + counts[m] - 1`` for every ``m``, concatenated (int64)."""
+    counts = counts.long()
+    total = int(counts.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.long, device=counts.device)
+    offsets = torch.cumsum(counts, 0) - counts
+    base = torch.repeat_interleave(starts.long() - offsets, counts, output_size=total)
+    return base + torch.arange(total, device=counts.device)
+
+
+@dataclass
+class KeptTokens:
+    """Kept sets of a ``[B, T]`` grid of sampled tokens (see the module docstring): ``counts [B, T]``, ``ids [N]``
+    and the vocabulary size ``V``.  Refuses (``ValueError``) counts that are not ``[B, T]`` non-negative integers,
+    ids that are not ``counts.sum()`` integers in ``[0, V)``."""
+
+    counts: torch.Tensor
+    ids: torch.Tensor
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        c, i, V = self.counts, self.ids, int(self.vocab_size)
+        if V < 1:
+            raise ValueError(f"KeptTokens: vocab_size must be >= 1, got {V}")
+        if c.dim() != 2 or c.is_floating_point() or c.dtype == torch.bool:
+            raise ValueError(f"KeptTokens: counts must be integer [B, T], got {c.dtype} {tuple(c.shape)}")
+        if i.dim() != 1 or i.is_floating_point() or i.dtype == torch.bool:
+            raise ValueError(f"KeptTokens: ids must be a 1-D integer tensor, got {i.dtype} {tuple(i.shape)}")
+        if c.numel():
+            lo, hi, total = torch.stack([c.min().long(), c.max().long(), c.long().sum()]).tolist()
+            if lo < 0 or hi > V:
+                raise ValueError(f"KeptTokens: counts must be in [0, {V}], got {lo} to {hi}")
+        else:
+            total = 0
+        if i.numel() != total:
+            raise ValueError(f"KeptTokens: {i.numel()} ids for counts summing to {total}")
+        if i.numel():
+            lo, hi = torch.stack([i.min().long(), i.max().long()]).tolist()
+            if lo < 0 or hi >= V:
+                raise ValueError(f"KeptTokens: ids must be in [0, {V}), got {lo} to {hi}")
+        self.vocab_size = V
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_steps(cls, step_counts: Sequence[torch.Tensor], step_ids: Sequence[torch.Tensor],
+                   vocab_size: int) -> "KeptTokens":
+        """The ``[B, T]`` kept sets of ``T`` sampling steps, step ``t`` given by :func:`step_support`
+        ``(counts [B], ids)``."""
+        if len(step_counts) != len(step_ids):
+            raise ValueError(f"KeptTokens.from_steps: {len(step_counts)} count steps, {len(step_ids)} id steps")
+        dtype = index_dtype(vocab_size)
+        if not step_counts:
+            return cls(torch.zeros(0, 0, dtype=dtype), torch.zeros(0, dtype=dtype), vocab_size)
+        counts_tb = torch.stack([c.to(dtype) for c in step_counts], 0)          # [T, B], steps in order
+        ids_tb = torch.cat([i.to(dtype) for i in step_ids])
+        starts_tb = (torch.cumsum(counts_tb.flatten().long(), 0) - counts_tb.flatten().long()).view_as(counts_tb)
+        counts = counts_tb.t().contiguous()
+        ids = ids_tb[_segment_index(starts_tb.t().flatten(), counts.flatten())]
+        return cls(counts, ids, vocab_size)
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "KeptTokens":
+        """The kept sets of a boolean mask ``[B, T, V]`` (True: kept; an all-False position gets count 0)."""
+        if mask.dim() != 3 or mask.dtype != torch.bool:
+            raise ValueError(f"KeptTokens.from_mask: mask must be bool [B, T, V], got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+        dtype = index_dtype(mask.shape[2])
+        return cls(mask.sum(-1).to(dtype), mask.nonzero()[:, 2].to(dtype), int(mask.shape[2]))
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.counts.shape[0]), int(self.counts.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (counts and ids)."""
+        return self.counts.numel() * self.counts.element_size() + self.ids.numel() * self.ids.element_size()
+
+    def to(self, device: torch.device | str) -> "KeptTokens":
+        """The same kept sets on ``device``."""
+        return KeptTokens(self.counts.to(device), self.ids.to(device), self.vocab_size)
+
+    # ------------------------------------------------------------------ re-layout
+    def _starts(self) -> torch.Tensor:
+        flat = self.counts.flatten().long()
+        return torch.cumsum(flat, 0) - flat
+
+    def relayout(self, positions: torch.Tensor) -> "KeptTokens":
+        """Kept sets on a new grid: ``positions [B', T']`` (int) holds, for each new position, the flat index
+        ``b * T + t`` of the old position whose set it takes, or ``-1`` for none (count 0)."""
+        if positions.dim() != 2:
+            raise ValueError(f"KeptTokens.relayout: positions must be [B', T'], got {tuple(positions.shape)}")
+        pos = positions.to(self.counts.device).long().flatten()
+        n = self.counts.numel()
+        if pos.numel() and int(pos.max()) >= n:
+            raise ValueError(f"KeptTokens.relayout: position {int(pos.max())} is outside the {self.shape} grid")
+        valid = pos >= 0
+        safe = pos.clamp(min=0)
+        flat = self.counts.flatten()
+        if n == 0:
+            counts = torch.zeros(pos.shape, dtype=flat.dtype, device=flat.device)
+            starts = torch.zeros(pos.shape, dtype=torch.long, device=flat.device)
+        else:
+            counts = torch.where(valid, flat[safe], torch.zeros_like(flat[safe]))
+            starts = self._starts()[safe]
+        ids = self.ids[_segment_index(starts, counts).to(self.ids.device)]
+        return KeptTokens(counts.view(positions.shape), ids, self.vocab_size)
+
+    def _grid(self) -> torch.Tensor:
+        B, T = self.shape
+        return torch.arange(B * T, device=self.counts.device).view(B, T)
+
+    def index_select(self, idx: torch.Tensor) -> "KeptTokens":
+        """Rows ``idx`` (a RolloutBatch row selection)."""
+        return self.relayout(self._grid().index_select(0, torch.as_tensor(idx, dtype=torch.long,
+                                                                          device=self.counts.device)))
+
+    def narrow(self, start: int, stop: int) -> "KeptTokens":
+        """Columns (sampled positions) ``start .. stop - 1``."""
+        return self.relayout(self._grid()[:, start:stop])
+
+    def masked(self, mask: torch.Tensor) -> "KeptTokens":
+        """The kept sets where ``mask [B, T]`` is true, count 0 elsewhere."""
+        grid = self._grid()
+        return self.relayout(torch.where(mask.to(grid.device).bool(), grid, torch.full_like(grid, -1)))
+
+    def pad_to(self, length: int) -> "KeptTokens":
+        """Right-padded to ``length`` columns with count 0 (the ids keep their order)."""
+        B, T = self.shape
+        if length < T:
+            raise ValueError(f"KeptTokens.pad_to: {length} columns is fewer than the {T} held")
+        counts = torch.nn.functional.pad(self.counts, (0, length - T))
+        return KeptTokens(counts, self.ids, self.vocab_size)
+
+    @classmethod
+    def cat(cls, parts: Sequence["KeptTokens"]) -> "KeptTokens":
+        """Rows of ``parts`` one after the other (same number of columns and vocabulary)."""
+        if not parts:
+            raise ValueError("KeptTokens.cat: nothing to concatenate")
+        if len({p.shape[1] for p in parts}) != 1 or len({p.vocab_size for p in parts}) != 1:
+            raise ValueError(f"KeptTokens.cat: parts differ in columns or vocabulary: "
+                             f"{[(p.shape, p.vocab_size) for p in parts]}")
+        return cls(torch.cat([p.counts for p in parts], 0), torch.cat([p.ids for p in parts]), parts[0].vocab_size)
+
+    # ------------------------------------------------------------------ reading
+    def dense(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        """Boolean ``[b, t, V]`` mask of positions ``[rows, cols]`` (True: kept); a position of count 0 is all True
+        (no kept set: the whole vocabulary).  ``rows`` / ``cols`` are unit-step slices."""
+        grid = self._grid()[rows, cols]
+        sub = self.relayout(grid)
+        c = sub.counts.flatten().long()
+        M = c.numel()
+        mask = torch.zeros(M, self.vocab_size, dtype=torch.bool, device=self.counts.device)
+        if sub.ids.numel():
+            owner = torch.repeat_interleave(torch.arange(M, device=c.device), c, output_size=sub.ids.numel())
+            mask[owner, sub.ids.long().to(c.device)] = True
+        mask[c == 0] = True
+        return mask.view(*grid.shape, self.vocab_size)
+
+    def contains(self, targets: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` bool: ``targets[b, t]`` is in its kept set (True where the count is 0)."""
+        if tuple(targets.shape) != self.shape:
+            raise ValueError(f"KeptTokens.contains: targets {tuple(targets.shape)} != kept sets {self.shape}")
+        c = self.counts.flatten().long()
+        owner = torch.repeat_interleave(torch.arange(c.numel(), device=c.device), c, output_size=self.ids.numel())
+        hit = (self.ids.long() == targets.to(c.device).flatten().long()[owner]).long()
+        found = torch.zeros(c.numel(), dtype=torch.long, device=c.device).index_add_(0, owner, hit)
+        return ((found > 0) | (c == 0)).view(self.shape)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Plain tensors and an int (``torch.load(weights_only=True)``-safe); inverse of :meth:`from_state_dict`."""
+        return {"counts": self.counts, "ids": self.ids, "vocab_size": int(self.vocab_size)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "KeptTokens":
+        """Inverse of :meth:`state_dict`."""
+        return cls(state["counts"], state["ids"], int(state["vocab_size"]))
