@@ -5,8 +5,8 @@ Two classes of failure, the same for every command:
 * a **user mistake** (a bad option, config key or value, an unknown metric or axis, a run folder that cannot be
   used, a resume that would change the run): ``offpolicy-moe <command>: error: <one line>`` on stderr, exit code
   :data:`USER_ERROR` (2), raised before any folder is created or any compute starts;
-* a **run that started and failed** (non-finite loss with ``on_nan=stop``, an unreadable checkpoint, a failed
-  sweep run): ``offpolicy-moe <command>: error: <one line>``, exit code :data:`RUN_FAILED` (1).
+* a **run that started and failed** (a diverged run: a NaN/Inf under ``trainer.on_nan=stop`` or too many skips
+  in a row; an unreadable checkpoint, a failed sweep run): ``offpolicy-moe <command>: error: <one line>``, exit code :data:`RUN_FAILED` (1).
 
 An interrupt (Ctrl-C) exits with :data:`INTERRUPTED` (130) and one line. Anything else is a bug and keeps its
 traceback.
@@ -37,7 +37,7 @@ USER_ERRORS = (("offpolicy_moe.commands.errors", "UsageError"), ("offpolicy_moe.
                ("offpolicy_moe.run.faults", "RunDirError"))
 #: a run that started and failed (exit code 1)
 RUN_ERRORS = (("offpolicy_moe.commands.errors", "RunFailed"), ("offpolicy_moe.run.checkpoint", "CheckpointError"),
-              ("offpolicy_moe.run.faults", "NonFiniteLossError"),
+              ("offpolicy_moe.run.nonfinite", "NonFiniteError"),
               ("offpolicy_moe.tasks.custom_rewards", "RewardError"))
 
 

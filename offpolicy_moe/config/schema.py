@@ -230,7 +230,10 @@ class TrainerConfig:
     eval_every: int = ranged(25, ge=0)
     log_every: int = ranged(10, ge=1)
     checkpoint_every: int = ranged(50, ge=0)       # also at the last step; 0 = only at the end (a stop loses the run)
-    on_nan: str = ranged("skip", choices=ON_NAN)             # skip (count in actor/nan_skipped) | stop
+    # a NaN/Inf in any stage of a step (docs/faults.md): skip (drop the batch or update, count it in
+    # actor/nan_skipped and nan/<stage>) | stop (checkpoint the last finite state, status diverged)
+    on_nan: str = ranged("skip", choices=ON_NAN)
+    max_nan_skips: int = ranged(10, ge=1)          # on_nan=skip: this many skips in a row end the run as diverged
     deterministic: bool = True
     threads: int = ranged(0, ge=0)                 # 0 = auto (commands/threads.py: 1 per process on <= 2 cores)
     fuse_old_logp: bool = True        # on-policy single update: take old_logp from the update forward (no extra pass)

@@ -9,6 +9,9 @@ worker killed mid-send corrupts nothing shared).  With ``rollout.update_in_fligh
 between decode steps, and every token carries the version that sampled it (``RolloutBatch.token_versions``).
 
 A worker exits when it receives ``None``, when its parent (the trainer) is gone, or after reporting an error.
+Sampling that meets non-finite values (NaN logits, non-finite behaviour log-probs) is not an error of the worker:
+it reports ``("nonfinite", ...)`` for that order, like any other stage's non-finite value, and serves the next one;
+the trainer applies ``trainer.on_nan``.
 """
 from __future__ import annotations
 
@@ -26,9 +29,12 @@ from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
 from offpolicy_moe.rollout.engine import RolloutEngine, make_engine
 from offpolicy_moe.models import is_moe, load_policy
+from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.tasks import apply_chat_template, make_task
 
-__all__ = ["Order", "WorkerSpec", "generate_iteration", "build_engine", "worker_main", "pack", "unpack"]
+__all__ = ["Order", "WorkerSpec", "generate_iteration", "checked_generation", "build_engine", "worker_main", "pack",
+           "unpack"]
 
 @dataclass(frozen=True)
 class Order:
@@ -53,6 +59,7 @@ class WorkerSpec:
     threads: int = 1
     weight_timeout_s: float = 600.0
     update_in_flight: bool = False
+    faults: tuple = ()          # armed test faults (run/fault_injection.py); empty in every real run
 
 
 def pack(obj: Any) -> bytes:
@@ -94,6 +101,23 @@ def generate_iteration(engine: Any, task: Any, rollout: Any, *, iteration: int, 
     return batch
 
 
+def checked_generation(engine: Any, task: Any, rollout: Any, *, iteration: int, seed: int, rank: int = 0,
+                       world: int = 1) -> RolloutBatch:
+    """:func:`generate_iteration`, raising :class:`~offpolicy_moe.run.nonfinite.NonFiniteError` (stage
+    ``generation``) when sampling met non-finite probabilities or a sampled token's log-prob is not finite."""
+    with faults.poisoned("generation", iteration + 1, getattr(engine, "model", None)):
+        try:
+            batch = generate_iteration(engine, task, rollout, iteration=iteration, seed=seed, rank=rank, world=world)
+        except (ValueError, RuntimeError) as exc:
+            err = as_nonfinite(exc, "generation", "sampling probabilities")
+            if err is None:
+                raise
+            raise NonFiniteError(err.stage, err.what, iteration=iteration) from exc
+    if not all_finite(batch.behav_logp, batch.response_mask):
+        raise NonFiniteError("generation", "behaviour log-probs of the sampled tokens", iteration=iteration)
+    return batch
+
+
 def pid_alive(pid: Optional[int]) -> bool:
     """True while process ``pid`` exists (signal 0 checks without sending anything); False for None."""
     if pid is None:
@@ -123,9 +147,11 @@ def _next_order(conn: Any, trainer_pid: int) -> Optional[Order]:
 def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any) -> None:
     """Entry point of a rollout worker process (see module docstring); messages sent on ``results``:
     ``("ready", index, pid)``, ``("batch", index, iteration, attempt, batch_state, timings)``,
+    ``("nonfinite", index, iteration, attempt, (stage, what))`` (the worker goes on),
     ``("error", index, iteration, traceback_text)``."""
     iteration = -1
     try:
+        faults.install(tuple(spec.faults))
         torch.set_num_threads(max(int(spec.threads), 1))
         cfg = spec.cfg
         task = make_task(cfg.task)
@@ -147,8 +173,13 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
             t1, c1 = time.perf_counter(), time.process_time()
             board.load_into(engine)
             t2 = time.perf_counter()
-            batch = generate_iteration(engine, task, cfg.rollout, iteration=order.iteration, seed=order.seed,
-                                       rank=spec.rank, world=spec.world)
+            try:
+                batch = checked_generation(engine, task, cfg.rollout, iteration=order.iteration, seed=order.seed,
+                                           rank=spec.rank, world=spec.world)
+            except NonFiniteError as exc:
+                results.send_bytes(pack(("nonfinite", spec.index, order.iteration, order.attempt,
+                                         (exc.stage, exc.what))))
+                continue
             t3 = time.perf_counter()
             timings = {"wait_s": t1 - t0, "sync_s": t2 - t1, "generate_s": t3 - t2, "cpu_s": time.process_time() - c1}
             results.send_bytes(pack(("batch", spec.index, order.iteration, order.attempt, batch.state_dict(),

@@ -1,7 +1,8 @@
 """Fail-fast checks and the non-finite-loss policy.
 
 A run must fail at START when its folder is unwritable or the disk is (nearly) full, not after an hour, and a
-NaN/Inf loss must never be silently applied (skip-and-count or stop naming the step).
+NaN/Inf must never be silently applied (skip-and-count or stop naming the stage and the step:
+:mod:`~offpolicy_moe.run.nonfinite`).
 """
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RunDirError", "NonFiniteLossError", "check_run_dir", "is_finite"]
+from offpolicy_moe.run.nonfinite import NonFiniteError
+
+__all__ = ["RunDirError", "NonFiniteError", "NonFiniteLossError", "check_run_dir", "is_finite"]
 
 
 class RunDirError(RuntimeError):
     """The run folder cannot be used (unwritable, not a folder, disk full)."""
 
 
-class NonFiniteLossError(RuntimeError):
-    """A loss or gradient norm was NaN/Inf and ``trainer.on_nan = stop``."""
+#: the error a non-finite value raises in any stage of a step (:mod:`~offpolicy_moe.run.nonfinite`); the name is
+#: kept for the callers that catch it by its first name
+NonFiniteLossError = NonFiniteError
 
 
 def check_run_dir(run_dir: str | os.PathLike, min_free_mb: float = 50.0) -> Path:

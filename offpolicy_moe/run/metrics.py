@@ -23,7 +23,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "actor/ppo_kl": "masked mean of old_logp - logp",
     "actor/ratio_mean": "masked mean of r = pi_theta / pi_old",
     "actor/lr": "learning rate of the policy parameter group",
-    "actor/nan_skipped": "cumulative number of optimizer updates skipped for a non-finite loss or gradient",
+    "actor/nan_skipped": "cumulative batches and optimizer updates skipped for a NaN/Inf (trainer.on_nan=skip), all stages",
     "actor/updates": "cumulative optimizer updates applied",
     "actor/kl_ref": "reference-KL penalty value (when algo.kl.coef > 0)",
     # train/inference mismatch between engine behav_logp and trainer old_logp
@@ -68,6 +68,15 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "perf/time_eval_s": "seconds in evaluation",
     "perf/time_step_s": "seconds of the whole step (generation of warm-up iterations and evaluation included)",
     "perf/elapsed_s": "wall seconds of the training loop so far (evaluation included, start-up and SFT not), over segments",
+    # non-finite values skipped, by the stage where they appeared (trainer.on_nan=skip; docs/faults.md)
+    "nan/generation": "cumulative batches dropped: sampling met non-finite logits or behaviour log-probs",
+    "nan/old_logp": "cumulative batches dropped: the old-log-prob pass gave NaN/Inf",
+    "nan/reference": "cumulative batches dropped: the reference model's log-probs were NaN/Inf",
+    "nan/metrics": "cumulative batches dropped: the mismatch/routing measurement pass gave NaN/Inf",
+    "nan/loss": "cumulative optimizer updates skipped: a NaN/Inf loss (or loss input)",
+    "nan/gradients": "cumulative optimizer updates skipped: a NaN/Inf gradient norm",
+    "nan/optimizer": "cumulative optimizer updates undone: NaN/Inf parameters after the optimizer step",
+    "nan/evaluation": "cumulative steps undone: greedy evaluation met NaN/Inf logits",
     # evaluation
     "eval/accuracy": "greedy exact-match accuracy on the held-out split",
     "eval/partial": "greedy per-digit partial credit on the held-out split",

@@ -12,7 +12,10 @@
   ``t`` to trainer step ``t``;
 * watches the workers: a death (or an error report) names the worker, its pid and the cause, then either restarts
   it and re-issues its orders (``rollout.on_worker_death=restart``) or raises :class:`WorkerDied` (``stop``); a
-  wait longer than ``rollout.worker_timeout_s`` raises :class:`PipelineTimeout` naming what it waited for.
+  wait longer than ``rollout.worker_timeout_s`` raises :class:`PipelineTimeout` naming what it waited for;
+* routes non-finite values to the trainer's policy (``on_nonfinite``): a worker whose sampling met NaN/Inf reports
+  it (it does not die), and a batch whose old-log-prob pass meets NaN/Inf is not kept; the policy raises (the run
+  stops) or the iteration is dropped and issued again (same prompts, same seed).
 
 A checkpoint holds the cursor (next iteration to train on), the batches received and prepared but not trained on
 (with their per-token versions) and the counters.  Generations in flight are not saved: on resume their iterations
@@ -36,7 +39,9 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import Order, WorkerSpec, pack, pid_alive, unpack, worker_main
+from offpolicy_moe.run import fault_injection as faults
 from offpolicy_moe.run.full_state import is_sharded
+from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.base import BatchSource, SourceStopped
 from offpolicy_moe.sources.schedule import Assignment, Dispatcher
 from offpolicy_moe.sources.versions import VersionRing, prepare_at_versions
@@ -102,13 +107,14 @@ def _context() -> Any:
 class AsyncBatchSource(BatchSource):
     """Rollout workers generating ahead of the trainer within ``buffer.staleness`` versions (see module
     docstring).  ``model``: the trainer's bare policy (old log-probs of older versions are taken with their weights
-    loaded into it); ``prepare(batch)``: the trainer's old-logp pass.  The workers start on the first :meth:`next`,
-    with the weights last published."""
+    loaded into it); ``prepare(batch)``: the trainer's old-logp pass; ``on_nonfinite(err)``: the trainer's
+    non-finite policy (raises, or returns True: drop the batch; without it the error is raised).  The workers start
+    on the first :meth:`next`, with the weights last published."""
 
     mode = "async"
 
     def __init__(self, cfg: Any, *, model: torch.nn.Module, prepare: Callable[[RolloutBatch], None],
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, on_nonfinite: Optional[Callable[..., bool]] = None):
         check_async_config(cfg)
         if is_sharded(model):
             raise ConfigError("buffer.mode=async with a sharded (FSDP) policy: the workers' weights and the "
@@ -117,6 +123,7 @@ class AsyncBatchSource(BatchSource):
         b, ro = cfg.buffer, cfg.rollout
         self.cfg, self.rank, self.world = cfg, int(rank), int(world)
         self.model, self._prepare_pass = model, prepare
+        self.on_nonfinite = on_nonfinite
         self.k = int(b.staleness)
         self.policy = b.on_stale
         self.n_workers = int(ro.workers)
@@ -229,7 +236,7 @@ class AsyncBatchSource(BatchSource):
         ro = self.cfg.rollout
         spec = WorkerSpec(cfg=self.cfg, index=index, rank=self.rank, world=self.world, parent_pid=os.getpid(),
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
-                          update_in_flight=bool(ro.update_in_flight))
+                          update_in_flight=bool(ro.update_in_flight), faults=faults.armed())
         proc = self._ctx.Process(target=worker_main, args=(spec, self._board, o_recv, r_send),
                                  name=f"offpolicy-moe-rollout-{self.rank}-{index}", daemon=True)
         proc.start()
@@ -301,6 +308,11 @@ class AsyncBatchSource(BatchSource):
         if kind == "error":
             w.error = msg[3].strip().splitlines()[-1] if msg[3].strip() else "unknown error"
             return
+        if kind == "nonfinite":       # the worker's sampling met NaN/Inf; the worker goes on
+            _, _, iteration, attempt, (stage, what) = msg
+            if self.dispatch.accept(w.index, iteration, attempt, iteration):    # (not a superseded answer)
+                self._nonfinite(NonFiniteError(stage, f"{what} (rollout worker {w.index})", iteration=iteration))
+            return
         if kind != "batch":
             return
         _, _, iteration, attempt, state, timings = msg
@@ -314,9 +326,23 @@ class AsyncBatchSource(BatchSource):
             self._issue(self.published)      # a dropped batch's iteration goes out again
             return
         t0 = time.perf_counter()
-        self._prepare(batch)
-        self.timing["prepare_s"] += time.perf_counter() - t0
+        try:
+            self._prepare(batch)
+        except NonFiniteError as exc:
+            self._nonfinite(exc if exc.iteration is not None else exc.located(iteration + 1, iteration))
+            return
+        finally:
+            self.timing["prepare_s"] += time.perf_counter() - t0
         self.ready[iteration] = batch
+
+    def _nonfinite(self, err: NonFiniteError) -> None:
+        """The trainer's policy on a non-finite batch of iteration ``err.iteration`` (trained at step iteration + 1):
+        it raises, or the iteration is issued again."""
+        err = err.located(err.iteration + 1)
+        if self.on_nonfinite is None or not self.on_nonfinite(err):
+            raise err
+        self.dispatch._requeue([err.iteration])     # the dispatcher's own re-issue (as for a dropped stale batch)
+        self._issue(self.published)
 
     def _on_death(self, w: _Worker) -> None:
         reason = w.error or _exit_reason(w.proc.exitcode)

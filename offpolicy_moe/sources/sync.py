@@ -8,6 +8,11 @@ trainer's own at that moment), push it into the :class:`~offpolicy_moe.sources.b
 the batch to train on: the one of iteration ``i - k`` (``fixed``), or the earliest-generated one that has arrived
 within the bound (``bounded``).  During the first ``k`` iterations of a fixed delay nothing is released, so the
 first ``next`` generates ``k + 1`` iterations.
+
+A batch whose generation (sampling from non-finite logits, non-finite behaviour log-probs) or preparation (old
+log-probs, measurements) meets a NaN/Inf goes to the trainer's policy (``on_nonfinite``): it raises (the run stops)
+or the batch is dropped before it enters the buffer and the next iteration is generated in its place, so the
+delay line keeps its exact staleness; each dropped iteration extends the iteration budget by one.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.seeds import iteration_seed
+from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.sources.buffer import StalenessBuffer, iteration_budget
 from offpolicy_moe.sources.base import BatchSource
 
@@ -28,12 +35,17 @@ class SyncBatchSource(BatchSource):
     """Generation by ``engine`` in this process, released through a staleness buffer (module docstring).
 
     ``prepare(batch)`` sets ``batch.old_logp`` and the batch's measurements; ``rank`` / ``world``: this process
-    generates prompts ``rank, rank + world, ...`` of each iteration."""
+    generates prompts ``rank, rank + world, ...`` of each iteration.  ``on_nonfinite(err, collective=True)``: the
+    trainer's non-finite policy, called once per generated iteration on every process (``err`` None when the batch
+    is finite here); it raises, or returns True when the batch is to be dropped.  Without it a non-finite batch
+    raises its :class:`~offpolicy_moe.run.nonfinite.NonFiniteError`."""
 
     def __init__(self, cfg: Any, *, engine: Any, task: Any, prepare: Callable[[RolloutBatch], None],
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, on_nonfinite: Optional[Callable[..., bool]] = None):
         b = cfg.buffer
         self.cfg, self.engine, self.task, self.prepare = cfg, engine, task, prepare
+        self.on_nonfinite = on_nonfinite
+        self.nan_dropped = 0        # iterations dropped for non-finite values (each extends the budget by one)
         self.rank, self.world = int(rank), int(world)
         self.buffer = StalenessBuffer(b.staleness, b.mode, max_delay=b.max_delay, seed=cfg.seed)
         self.max_iterations = iteration_budget(cfg.trainer.steps, b.staleness, b.mode)
@@ -57,9 +69,19 @@ class SyncBatchSource(BatchSource):
         mine = list(range(self.rank, ro.prompts_per_step, self.world))
         if not mine:
             raise ValueError(f"rollout.prompts_per_step={ro.prompts_per_step} < number of processes {self.world}")
-        batch = self.engine.generate([rows[j]["prompt"] for j in mine], [rows[j]["answer"] for j in mine],
-                                     group_size=ro.group_size, seed=iteration_seed(self.cfg.seed, iteration, self.rank),
-                                     iteration=iteration)
+        with faults.poisoned("generation", iteration + 1, getattr(self.engine, "model", None)):
+            try:
+                batch = self.engine.generate([rows[j]["prompt"] for j in mine], [rows[j]["answer"] for j in mine],
+                                             group_size=ro.group_size,
+                                             seed=iteration_seed(self.cfg.seed, iteration, self.rank),
+                                             iteration=iteration)
+            except (ValueError, RuntimeError) as exc:
+                err = as_nonfinite(exc, "generation", "sampling probabilities")
+                if err is None:
+                    raise
+                raise NonFiniteError(err.stage, err.what, iteration=iteration) from exc
+        if not all_finite(batch.behav_logp, batch.response_mask):
+            raise NonFiniteError("generation", "behaviour log-probs of the sampled tokens", iteration=iteration)
         batch.group_ids = (iteration * ro.prompts_per_step
                            + torch.tensor(mine, dtype=torch.long).repeat_interleave(ro.group_size))
         return batch
@@ -71,14 +93,22 @@ class SyncBatchSource(BatchSource):
         t_gen = t_old = 0.0
         tokens = 0
         while True:
-            if self.iteration >= self.max_iterations:
+            if self.iteration >= self.max_iterations + self.nan_dropped:
                 raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {step} "
                                    "trained steps (every batch dropped?)")
-            t0 = time.perf_counter()
-            batch = self.generate(self.iteration)
-            t1 = time.perf_counter()
-            self.prepare(batch)
+            t0 = t1 = time.perf_counter()
+            err = None
+            try:
+                batch = self.generate(self.iteration)
+                t1 = time.perf_counter()
+                self.prepare(batch)
+            except NonFiniteError as exc:
+                err = exc.located(step + 1, self.iteration)
             t_gen, t_old = t_gen + (t1 - t0), t_old + (time.perf_counter() - t1)
+            if self._drop(err):
+                self.nan_dropped += 1
+                self.iteration += 1
+                continue
             tokens += batch.num_tokens()
             self.buffer.push(batch, self.iteration)
             consumed, _ = self.buffer.pop(self.iteration, step)
@@ -87,6 +117,14 @@ class SyncBatchSource(BatchSource):
                 return consumed, {"perf/time_generate_s": t_gen, "perf/time_old_logp_s": t_old,
                                   "perf/gen_tokens_per_s": tokens / max(t_gen, 1e-9)}
             self.iteration += 1         # warm-up (fixed) or nothing arrived yet (bounded): only generated
+
+    def _drop(self, err: Optional[NonFiniteError]) -> bool:
+        """The trainer's policy on this iteration's batch (every process asks, finite or not); True: drop it."""
+        if self.on_nonfinite is None:
+            if err is not None:
+                raise err
+            return False
+        return bool(self.on_nonfinite(err, collective=True))
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int,
                 predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
@@ -102,7 +140,7 @@ class SyncBatchSource(BatchSource):
 
     def state_dict(self) -> dict:
         return {"mode": self.buffer.mode, "iteration": self.iteration, "published": self.published,
-                "buffer": self.buffer.state_dict()}
+                "nan_dropped": self.nan_dropped, "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") != self.buffer.mode:
@@ -111,3 +149,4 @@ class SyncBatchSource(BatchSource):
         self.buffer.load_state_dict(state["buffer"])
         self.iteration, self._released = int(state["iteration"]), False
         self.published = int(state["published"])
+        self.nan_dropped = int(state.get("nan_dropped", 0))

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..run.nonfinite import NonFiniteError
 from ..tasks.tokenizer import encode_texts
 
 
@@ -112,8 +113,9 @@ def sft_warm_start(model, tok, task, *, steps: int, lr: float = 3e-3, batch_size
             ids, attn, mask = build_sft_batch([p_ids[i] for i in idx], [a_ids[i] for i in idx], tok.pad_token_id)
             ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
             loss = answer_nll(model, ids, attn, mask)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"SFT loss is {loss.item()} at step {len(history)}")
+            if not torch.isfinite(loss):    # before any RL step: nothing finite to fall back to, whatever on_nan says
+                raise NonFiniteError("sft", f"SFT loss ({loss.item()}) at warm-start step {len(history) + 1} of "
+                                     f"{steps}", note="no checkpoint was written; lower trainer.sft_lr")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if grad_clip:

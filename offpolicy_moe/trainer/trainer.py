@@ -12,14 +12,21 @@ One iteration ``i`` of :meth:`Trainer.run`:
 4. ``update`` (:class:`~offpolicy_moe.trainer.update.PolicyUpdate`): rewards and group advantages of the released
    batch; ``trainer.updates_per_step`` optimizer updates over contiguous mini-batches of ``trainer.grad_accum``
    micro-batches; global loss denominators; every forward replays routes as configured (PR2: predictor loss in
-   its own parameter group); NaN/Inf → skip-and-count or stop (``trainer.on_nan``);
-5. the engine is synced (version v+1), metrics are logged, checkpoints written every ``trainer.checkpoint_every``.
+   its own parameter group);
+5. evaluation when due; the engine is synced (version v+1) with weights known to be finite, metrics are logged,
+   checkpoints written every ``trainer.checkpoint_every``.
+
+A NaN/Inf in any of these stages is one :class:`~offpolicy_moe.run.nonfinite.NonFiniteError` handed to one policy
+(``trainer.on_nan``, :mod:`~offpolicy_moe.run.nonfinite`, docs/faults.md): ``skip`` drops the batch (generation,
+old log-probs, measurements, reference) or the optimizer update (loss, gradients, parameters), or puts back the
+weights of before the step (evaluation), counts it and goes on, up to ``trainer.max_nan_skips`` in a row;
+``stop`` checkpoints the last finite state (the step boundary) and ends the run with status ``diverged``.
 
 ``trainer.steps`` counts TRAINED steps; with staleness ``k`` the first ``k`` iterations only generate.
 
 Faults: the run holds its folder's lock (:mod:`~offpolicy_moe.run.run_lock`) while it lives; SIGINT / SIGTERM
 stop it at the next iteration boundary with a checkpoint there (:mod:`~offpolicy_moe.run.signals`, status
-``stopped``); ``trainer.on_nan=stop`` checkpoints the last good step boundary before failing (status ``failed``).
+``stopped``); a diverged run checkpoints the last good step boundary before failing (status ``diverged``).
 """
 from __future__ import annotations
 
@@ -46,7 +53,8 @@ from offpolicy_moe.run.checkpoint_state import CheckpointState
 from offpolicy_moe.run.export import export_final
 from offpolicy_moe.run.full_state import full_model_state, is_sharded, load_full_optimizer_state
 from offpolicy_moe.trainer.forward import RoutedForward
-from offpolicy_moe.run.faults import NonFiniteLossError
+from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run.nonfinite import STAGES, NanCounter, NonFiniteError, all_finite, as_nonfinite, watch_logits
 from offpolicy_moe.run.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.trainer.old_logp import OldLogpPass
 from offpolicy_moe.trainer.optim import adamw, lr_schedule
@@ -147,6 +155,7 @@ class Trainer:
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size,
                                      micro_batching=MicroBatching.from_trainer(
                                          tc, max_over_processes(self.accelerator.device) if self.world > 1 else None))
+        self.nan = NanCounter(tc.on_nan, tc.max_nan_skips)     # the run's one non-finite policy and its counts
         loss = loss_setup(cfg.algo.loss, self.world)
         self.old_logp = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
                                     measure_routing=self.measure_routing,
@@ -154,7 +163,7 @@ class Trainer:
         self.policy_update = PolicyUpdate(cfg, loss=loss, forward=self.forward, old_pass=self.old_logp,
                                           model=self.model, bare_model=self.unwrapped, optimizer=self.optimizer,
                                           scheduler=self.scheduler, accelerator=self.accelerator, task=self.task,
-                                          predictors=self.predictors)
+                                          predictors=self.predictors, nan=self.nan)
         self.source = self._build_source()
         self.checkpoints = CheckpointState(self.run_dir.ckpt_root, model=self.unwrapped, world=self.world,
                                            keep=tc.keep_checkpoints, accelerator=self.accelerator)
@@ -207,13 +216,14 @@ class Trainer:
         """The batch source of ``buffer.mode``: workers for ``async`` (Ray actors with ``rollout.backend=ray``), this
         process's engine otherwise."""
         if self.cfg.buffer.mode == "async" and self.cfg.rollout.backend == "ray":
+            # (a non-finite batch raises out of the Ray source: the run stops as diverged under either policy)
             return RayBatchSource(self.cfg, model=self.unwrapped, prepare=self.prepare, rank=self.rank,
                                   world=self.world)
         if self.cfg.buffer.mode == "async":
             return AsyncBatchSource(self.cfg, model=self.unwrapped, prepare=self.prepare, rank=self.rank,
-                                    world=self.world)
+                                    world=self.world, on_nonfinite=self.drop_nonfinite)
         return SyncBatchSource(self.cfg, engine=self.engine, task=self.task, prepare=self.prepare, rank=self.rank,
-                               world=self.world)
+                               world=self.world, on_nonfinite=self.drop_nonfinite)
 
     def make_ref_model(self, state: Optional[dict] = None) -> None:
         """The frozen reference policy for the KL penalty (a copy of the current weights, or ``state``); the
@@ -255,14 +265,44 @@ class Trainer:
 
     # ------------------------------------------------------------------ the steps of an iteration
     def prepare(self, batch: RolloutBatch) -> None:
-        """Step 2: ``old_logp`` and the mismatch / routing measurements (:class:`OldLogpPass`)."""
-        self.old_logp.prepare(batch)
+        """Step 2: ``old_logp`` and the mismatch / routing measurements (:class:`OldLogpPass`).  Non-finite values
+        raise :class:`NonFiniteError`: stage ``old_logp`` when this pass takes the old log-probs, ``metrics`` when it
+        only measures (a fused batch, bypass)."""
+        takes_old = self.cfg.algo.old_logp_source == "trainer" and not self.old_logp.can_fuse(batch)
+        stage = "old_logp" if takes_old else "metrics"
+        try:
+            with faults.poisoned(stage, batch.generated_at + 1, self.unwrapped):
+                self.old_logp.prepare(batch)
+        except (ValueError, RuntimeError) as exc:
+            err = as_nonfinite(exc, stage, "trainer log-probs" if takes_old else "log-probs of the measurements")
+            if err is None:
+                raise
+            raise err from exc
+        if batch.old_logp is not None and not all_finite(batch.old_logp, batch.response_mask):
+            raise NonFiniteError("old_logp", "old log-probs")
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def drop_nonfinite(self, err: Optional[NonFiniteError], *, collective: bool = False) -> bool:
+        """The batch sources' door to ``trainer.on_nan``: ``err`` (None: this batch is finite here) is applied to
+        the policy, which raises (``stop``, or too many skips in a row) or counts the skip; True when the batch
+        must be dropped.  ``collective``: every process calls this for the same iteration, and one process's error
+        is everyone's (their batches must stay in step)."""
+        if collective and self.world > 1:
+            code = float(STAGES.index(err.stage) + 1) if err is not None else 0.0
+            t = torch.tensor([code], device=self.accelerator.device)
+            worst = int(self.accelerator.reduce(t, "max").item())
+            if worst and err is None:
+                err = NonFiniteError(STAGES[worst - 1], "values on another process")
+        if err is None:
+            return False
+        self.nan.record(err.located(self.step + 1))
+        return True
+
+    def update(self, batch: RolloutBatch, *, keep_start: bool = False) -> dict[str, float]:
         """Step 4: train on one consumed batch (this process's share of it); returns the step's metrics
         (``_tokens``: attention tokens processed).  Callable on any :class:`RolloutBatch` whose ``old_logp`` is set
-        (or ``algo.old_logp_source=proximal``), e.g. a fixed batch loaded from disk."""
-        return self.policy_update(batch, step=self.step, iteration=self.iteration)
+        (or ``algo.old_logp_source=proximal``), e.g. a fixed batch loaded from disk.  ``keep_start``: keep the
+        state of before the update (the trainer evaluates the new weights before publishing them)."""
+        return self.policy_update(batch, step=self.step, iteration=self.iteration, keep_start=keep_start)
 
     def publish(self, version: int, *, force: bool = False) -> None:
         """Step 5: the batch source gets the current weights (and PR2 predictors) as policy version ``version``
@@ -272,12 +312,18 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split (``eval/accuracy``, ``eval/partial``) and on as many training
-        prompts (the first ones of the train split: ``eval/train_accuracy``, ``eval/train_partial``)."""
+        prompts (the first ones of the train split: ``eval/train_accuracy``, ``eval/train_partial``).  A NaN or
+        infinite next-token logit (greedy decoding would pick a token from it silently) raises
+        :class:`NonFiniteError` (stage ``evaluation``)."""
         kw = dict(max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=self.cfg.trainer.eval_batch_size)
-        out = evaluate_greedy(self.unwrapped, self.tok, self.task.eval_dataset, task=self.task, **kw)
-        train_ds = self.task.train_dataset
-        n = min(len(train_ds), max(len(self.task.eval_dataset), 1))
-        out.update(evaluate_greedy(self.unwrapped, self.tok, train_ds.select(range(n)), prefix="eval/train_", **kw))
+        with watch_logits(self.unwrapped) as watch, faults.poisoned("evaluation", self.step, self.unwrapped):
+            out = evaluate_greedy(self.unwrapped, self.tok, self.task.eval_dataset, task=self.task, **kw)
+            train_ds = self.task.train_dataset
+            n = min(len(train_ds), max(len(self.task.eval_dataset), 1))
+            out.update(evaluate_greedy(self.unwrapped, self.tok, train_ds.select(range(n)), prefix="eval/train_",
+                                       **kw))
+        if watch.bad:
+            raise NonFiniteError("evaluation", "next-token logits of greedy decoding", step=self.step)
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -286,7 +332,7 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         state = self.checkpoints.build(
             counters={"step": self.step, "updates": self.updates, "nan_skipped": self.nan_skipped,
-                      "sft_done": self.sft_done},
+                      "nan": self.nan.state_dict(), "sft_done": self.sft_done},
             source=self.source, metrics_offset=self.run_dir.metrics_offset(), last_metrics=self.last_metrics) if self.is_main else None
         path = self.checkpoints.save(self.step, state, optimizer=self.optimizer, scheduler=self.scheduler,
                                      modules={"ref_model": self.ref_model, "predictors": self.predictors},
@@ -307,7 +353,8 @@ class Trainer:
         if "ref_model" in ck.modules:
             self.make_ref_model(ck.modules["ref_model"])
         self.step = st["step"]
-        self.policy_update.updates, self.policy_update.nan_skipped = st["updates"], st["nan_skipped"]
+        self.policy_update.updates = st["updates"]
+        self.nan.load_state_dict(st.get("nan", {"skipped": st["nan_skipped"]}))
         self.sft_done = st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
         # a resume between two publications (rollout.publish_every > 1) can only give generation the newest
@@ -380,6 +427,9 @@ class Trainer:
             raise
         except TrainingStopped as exc:
             status, error = "stopped", str(exc)
+        except NonFiniteError as exc:       # trainer.on_nan=stop, or trainer.max_nan_skips skips in a row
+            status, error = "diverged", str(exc)
+            raise
         except RewardError as exc:      # outside the loop's own handler (the step-0 evaluation): checkpoint here
             error = f"{type(exc).__name__}: {exc}"
             if "checkpointed in" not in str(exc):
@@ -418,7 +468,10 @@ class Trainer:
             self.make_ref_model()
         self.publish(0)
         t0 = time.perf_counter()
-        ev = self.evaluate()
+        try:
+            ev = self.evaluate()
+        except NonFiniteError as exc:   # no step has been trained: nothing finite to go back to
+            raise exc.with_note("the starting weights give non-finite logits; no checkpoint was written") from exc
         ev["perf/time_eval_s"] = time.perf_counter() - t0
         self.log(0, ev)
         if tc.checkpoint_every > 0:
@@ -439,36 +492,66 @@ class Trainer:
                 except SourceStopped as exc:
                     self.save()
                     raise TrainingStopped(f"{exc}; checkpoint written at step {self.step}") from exc
+                except NonFiniteError as exc:   # the policy said stop (or too many skips): nothing trained yet
+                    raise self._diverged(exc, boundary) from exc
                 self.callbacks.on_batch(self, batch)
                 t0 = time.perf_counter()
+                due = self._eval_due(self.step + 1)
                 try:
-                    m = self.update(batch)
+                    m = self.update(batch, keep_start=due)
                 except RewardError as exc:      # task.on_reward_error=stop: nothing was trained on this batch yet
                     path = self._save_boundary(boundary)
                     raise RewardError(f"{exc}; the last good state (step {self.step}) is checkpointed in {path}",
                                       fn=exc.fn, row=exc.row) from exc
-                except NonFiniteLossError as exc:     # on_nan=stop: the update put the weights back; checkpoint them
-                    path = self._save_boundary(boundary)
-                    raise NonFiniteLossError(f"{exc} The last good state (step {self.step}) is checkpointed in "
-                                             f"{path}.") from exc
+                except NonFiniteError as exc:     # the update put the weights back; checkpoint them
+                    raise self._diverged(exc, boundary) from exc
                 t_update = time.perf_counter() - t0
                 m.update(source_metrics)
                 m.update(self._offpolicy_metrics(batch, m.pop("_tokens"), t_update))
                 self.step += 1
+                if due:           # before publishing: generation only ever gets weights known to be finite
+                    m.update(self._evaluate_step(boundary))
                 self.publish(self.step)
                 self._end_step(m, t_step, t_loop)
+                self.nan.step_done()
         finally:
             self.source.close()
             self.task.rewards.close()         # the math reward's math-verify process, if one was started
 
-    def _end_step(self, m: dict[str, float], t_step: float, t_loop: float) -> None:
-        """Evaluate when due, log, checkpoint when due, call back.  ``perf/elapsed_s``: wall seconds of the training
-        loop so far (evaluation included, start-up and SFT not), summed over the run's segments."""
+    def _eval_due(self, step: int) -> bool:
+        """Whether trained step ``step`` ends with an evaluation (every ``trainer.eval_every``, and the last)."""
         tc = self.cfg.trainer
-        if (tc.eval_every > 0 and self.step % tc.eval_every == 0) or self.step == tc.steps:
-            t0 = time.perf_counter()
-            m.update(self.evaluate())
-            m["perf/time_eval_s"] = time.perf_counter() - t0
+        return (tc.eval_every > 0 and step % tc.eval_every == 0) or step == tc.steps
+
+    def _evaluate_step(self, boundary: dict) -> dict[str, float]:
+        """The evaluation of the step just trained (``eval/*``, ``perf/time_eval_s``).  Non-finite logits put back
+        the weights of before the step; then ``skip`` counts it and goes on (no ``eval/*`` this step), ``stop`` (or
+        one skip too many) checkpoints that state and raises."""
+        t0 = time.perf_counter()
+        try:
+            out = self.evaluate()
+        except NonFiniteError as exc:
+            self.policy_update.restore_start()
+            try:
+                self.nan.record(exc)
+            except NonFiniteError as final:
+                self.step -= 1
+                raise self._diverged(final, boundary) from exc
+            out = self.nan.metrics()
+        out["perf/time_eval_s"] = time.perf_counter() - t0
+        return out
+
+    def _diverged(self, exc: NonFiniteError, boundary: dict) -> NonFiniteError:
+        """``exc`` once the last finite state (the boundary of the current step, weights put back by the update)
+        is checkpointed, with the checkpoint named in its message."""
+        path = self._save_boundary(boundary)
+        return exc.with_note(f"the last finite state (step {self.step}) is checkpointed in {path}")
+
+    def _end_step(self, m: dict[str, float], t_step: float, t_loop: float) -> None:
+        """Log, checkpoint when due, call back (evaluation, when due, is in ``m`` already).  ``perf/elapsed_s``:
+        wall seconds of the training loop so far (evaluation included, start-up and SFT not), summed over the run's
+        segments."""
+        tc = self.cfg.trainer
         now = time.perf_counter()
         m["perf/time_step_s"] = now - t_step
         m["perf/elapsed_s"] = now - t_loop

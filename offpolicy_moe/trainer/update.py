@@ -5,10 +5,13 @@ micro-batches each.
 Loss denominators are the GLOBAL token/sequence counts of the mini-batch (all micro-batches, all processes), so
 the update does not depend on how the mini-batch is cut; a loss that selects tokens over the whole mini-batch
 (M2PO, arXiv 2510.01161) gets that selection from one no-grad pre-pass.  PR2 adds its predictor loss in the same
-backward; a non-finite loss or gradient norm, or parameters that the optimizer step made non-finite
-(:class:`~offpolicy_moe.trainer.step_guard.StepGuard`), is skipped and counted or stops the run (``trainer.on_nan``).
-``skip`` restores the weights and optimizer state of before that optimizer step; ``stop`` restores those of the
-start of the policy update (the last good step boundary) and raises :class:`NonFiniteLossError`.
+backward.  Non-finite values are routed to the run's one policy (``trainer.on_nan``, a
+:class:`~offpolicy_moe.run.nonfinite.NanCounter`), by stage: the reference log-probs (``reference``) and the
+old log-probs taken at consumption (``old_logp``) drop the whole batch; the loss (or the loss library's refusal of
+a NaN log-prob), the gradient norm (``gradients``) and the parameters after ``optimizer.step()`` (``optimizer``,
+:class:`~offpolicy_moe.trainer.step_guard.StepGuard`) drop that one optimizer update.  ``skip`` restores the
+weights and optimizer state of before the dropped update and counts it; ``stop`` restores those of the start of the
+policy update (the last good step boundary) and raises :class:`~offpolicy_moe.run.nonfinite.NonFiniteError`.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
-from offpolicy_moe.run.faults import NonFiniteLossError, is_finite
+from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run.faults import is_finite
+from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.trainer.forward import RoutedForward
 from offpolicy_moe.run.full_state import as_full_tensor
 from offpolicy_moe.trainer.old_logp import FusedOldLogp, OldLogpPass
@@ -151,7 +156,9 @@ class PolicyUpdate:
 
     def __init__(self, cfg: Any, *, loss: LossSetup, forward: RoutedForward, old_pass: OldLogpPass,
                  model: torch.nn.Module, bare_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, accelerator: Any, task: Any, predictors: Any = None):
+                 scheduler: Any, accelerator: Any, task: Any, predictors: Any = None,
+                 nan: Optional[NanCounter] = None):
+        """``nan``: the run's non-finite policy and counts (one is made from ``cfg.trainer`` when omitted)."""
         self.cfg = cfg
         self.spec, self.loss_fn = loss, loss.fn
         self.forward, self.old_pass = forward, old_pass
@@ -162,11 +169,24 @@ class PolicyUpdate:
         self.device = accelerator.device
         self.norm_length = cfg.algo.loss.norm_length or cfg.rollout.max_new_tokens
         self.updates = 0
-        self.nan_skipped = 0
-        self._where = ""
-        self.guard = StepGuard(optimizer, scheduler)
+        self.nan = nan if nan is not None else NanCounter(cfg.trainer.on_nan, cfg.trainer.max_nan_skips)
+        self._step, self._iteration = 0, 0
+        self.guard = StepGuard(optimizer, scheduler)          # before each optimizer step (on_nan=skip)
+        self.start_guard = StepGuard(optimizer, scheduler)    # the start of the policy update (the step boundary)
+        self._start: Optional[StepGuard] = None
+        self.applied = 0                # optimizer updates applied by the current call
+        self._agreed_err: Optional[NonFiniteError] = None
         self._prox: Optional[FusedOldLogp] = None
         self._prox_step = 0
+
+    @property
+    def nan_skipped(self) -> int:
+        """Skipped batches and updates (``actor/nan_skipped``), kept by :attr:`nan`."""
+        return self.nan.skipped
+
+    @nan_skipped.setter
+    def nan_skipped(self, value: int) -> None:
+        self.nan.skipped = int(value)
 
     @property
     def process_group(self):
@@ -227,27 +247,75 @@ class PolicyUpdate:
         return torch.where(mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
 
     def ref_logp(self, batch: RolloutBatch, routes: Any) -> Optional[torch.Tensor]:
-        """Log-probs of the frozen reference model (KL penalty), replaying ``routes``; None without one."""
+        """Log-probs of the frozen reference model (KL penalty), replaying ``routes``; None without one.  Raises
+        :class:`NonFiniteError` (stage ``reference``) when one of the response tokens' is not finite."""
         if self.forward.ref_model is None:
             return None
-        with torch.no_grad():
-            return self.forward.logp_pieces(self.forward.ref_model, batch, routes).cpu()
+        with torch.no_grad(), faults.poisoned("reference", self._step, self.forward.ref_model):
+            lp = self.forward.logp_pieces(self.forward.ref_model, batch, routes).cpu()
+        if not all_finite(lp, batch.response_mask):
+            raise NonFiniteError("reference", "reference log-probs", step=self._step, iteration=self._iteration)
+        return lp
 
-    def __call__(self, batch: RolloutBatch, *, step: int, iteration: int) -> dict[str, float]:
+    def __call__(self, batch: RolloutBatch, *, step: int, iteration: int, keep_start: bool = False
+                 ) -> dict[str, float]:
         """Train on one consumed batch at policy version ``step``; returns the step's metrics (``_tokens``:
-        attention tokens processed).  Under ``trainer.on_nan=stop`` a non-finite loss, gradient norm or parameter
-        raises :class:`NonFiniteLossError` with the weights, optimizer and scheduler put back as they were when this
-        call started."""
-        self._where = f"step {step + 1} (iteration {iteration})"
-        if self.cfg.trainer.on_nan == "stop":
-            self.guard.snapshot()          # the last good state, restored before stopping
+        attention tokens processed).  Under ``trainer.on_nan=stop`` a non-finite value raises
+        :class:`NonFiniteError` with the weights, optimizer and scheduler put back as they were when this call
+        started; so does the ``trainer.max_nan_skips``-th skip in a row under ``skip``.  ``keep_start``: keep the
+        state of the start of the call for :meth:`restore_start` (the trainer evaluates the new weights next)."""
+        self._step, self._iteration = step + 1, iteration
+        self.applied = 0
+        one_update = self.cfg.trainer.updates_per_step == 1
+        stop = self.cfg.trainer.on_nan == "stop"
+        self._start = None
+        if stop or (keep_start and not one_update):
+            self.start_guard.snapshot()          # the last good state, restored before stopping
+            self._start = self.start_guard
+        elif keep_start:     # one update under skip: its own snapshot (taken before its optimizer step) is the start
+            self._start = self.guard
         try:
             return self._update(batch, step)
-        except NonFiniteLossError:
-            if self.guard.taken:
-                self.guard.restore()
+        except NonFiniteError:
+            if stop and self.start_guard.taken:
+                self.start_guard.restore()
             self.optimizer.zero_grad(set_to_none=True)
             raise
+
+    def restore_start(self) -> bool:
+        """Put back the weights, optimizer and scheduler of the start of the last call (made with ``keep_start``
+        or under ``on_nan=stop``); False when that call applied no update (nothing to put back)."""
+        if self.applied == 0:
+            return False
+        if self._start is None or not self._start.taken:
+            raise RuntimeError("PolicyUpdate.restore_start() without a state kept at the start of the update")
+        self._start.restore()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    @staticmethod
+    def _refusal(exc: BaseException, stage: str, what: str) -> NonFiniteError:
+        """``exc`` as a :class:`NonFiniteError` of ``stage``; re-raised when it is not a non-finite refusal."""
+        err = as_nonfinite(exc, stage, what)
+        if err is None:
+            raise exc
+        return err
+
+    def _agreed(self, err: Optional[NonFiniteError], stage: str, what: str) -> Optional[NonFiniteError]:
+        """``err`` as every process sees it: with several processes, one process's error is every process's
+        (their updates must stay in step); also kept in ``_agreed_err``."""
+        if self.world > 1:
+            flag = torch.tensor([0.0 if err is None else 1.0], device=self.device)
+            if float(self.acc.reduce(flag, "sum").item()) > 0 and err is None:
+                err = NonFiniteError(stage, f"{what} (on another process)")
+        self._agreed_err = err
+        return err
+
+    def _skip_batch(self, err: NonFiniteError, metrics: dict[str, float]) -> dict[str, float]:
+        """A stage before any optimizer update found non-finite values: the policy decides (raise, or drop the
+        batch: no update, counted)."""
+        self.nan.record(err.located(self._step, self._iteration))
+        return self._no_update(metrics)
 
     def _update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         adv, metrics = self.advantages(batch)
@@ -259,14 +327,27 @@ class PolicyUpdate:
         routes = self.forward.routes_for_update(batch)
         fused = self.old_pass.begin_fused(batch, step, self.device)
         prox = self.begin_proximal(batch, step)
-        if prox is None:
-            metrics.update(self.old_pass.at_consumption(batch, routes))
-            weights, wm = self.behaviour_weights(batch, adv)
-            metrics.update(wm)
-        else:      # loglinear: taken in each micro-batch from its update forward, no pass
-            weights = None
+        weights, err = None, None
+        if prox is None:      # (loglinear: taken in each micro-batch from its update forward, no pass)
+            try:
+                metrics.update(self.old_pass.at_consumption(batch, routes))
+                if batch.old_logp is not None and not all_finite(batch.old_logp, batch.response_mask):
+                    raise NonFiniteError("old_logp", "old log-probs")
+                weights, wm = self.behaviour_weights(batch, adv)
+                metrics.update(wm)
+            except (ValueError, RuntimeError) as exc:
+                err = self._refusal(exc, "old_logp", "old log-probs at consumption")
+        if self._agreed(err, "old_logp", "old log-probs at consumption") is not None:
+            return self._skip_batch(self._agreed_err, metrics)
         self._prox = prox
-        ref_lp = self.ref_logp(batch, routes)
+        ref_lp = None
+        try:
+            ref_lp = self.ref_logp(batch, routes)
+        except NonFiniteError as exc:
+            err = exc
+        if self._agreed(err, "reference", "reference log-probs") is not None:
+            return self._skip_batch(self._agreed_err, metrics)
+        skipped_before = self.nan.skipped
         mini_metrics: list[dict] = []
         grad_norms: list[torch.Tensor] = []
         on_policy = batch.version == step
@@ -286,15 +367,16 @@ class PolicyUpdate:
         if grad_norms:
             mini_metrics.append({"actor/grad_norm": torch.stack([g.float() for g in grad_norms]).mean()})
         metrics.update(mean_metrics(mini_metrics))
-        if fused is not None:
+        clean = self.nan.skipped == skipped_before     # a dropped update leaves its rows' old log-probs unknown
+        if fused is not None and clean:
             metrics.update(self.old_pass.finish_fused(batch, fused))
-        if prox is not None:
+        if prox is not None and clean:
             batch.old_logp = prox.values.cpu()
             metrics.update(self.old_pass.mismatch(batch.old_logp, batch))
         metrics["actor/zero_adv_share"] = float((adv == 0).float().mean()) if adv.numel() else 0.0
         metrics["actor/rows_skipped_share"] = skipped / max(batch.size, 1)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["actor/nan_skipped"] = float(self.nan_skipped)
+        metrics.update(self.nan.metrics())
         metrics["actor/updates"] = float(self.updates)
         metrics.update(self.forward.last_plan.metrics())     # perf/forward_*: the last update forward's way
         metrics["_tokens"] = float(int(batch.attention_mask.sum()))
@@ -326,11 +408,10 @@ class PolicyUpdate:
                 and not (self.forward.ref_model is not None and self.cfg.algo.kl.coef > 0))
 
     def _no_update(self, metrics: dict[str, float]) -> dict[str, float]:
-        """A consumed batch with nothing left to train on (dynamic sampling dropped every group): no optimizer
-        step; the schedule does not advance."""
-        metrics.update({"actor/lr": float(self.optimizer.param_groups[0]["lr"]),
-                        "actor/nan_skipped": float(self.nan_skipped), "actor/updates": float(self.updates),
-                        "_tokens": 0.0})
+        """A consumed batch with nothing left to train on (dynamic sampling dropped every group, or a non-finite
+        reference or old log-prob under ``on_nan=skip``): no optimizer step; the schedule does not advance."""
+        metrics.update({"actor/lr": float(self.optimizer.param_groups[0]["lr"]), "actor/updates": float(self.updates),
+                        "_tokens": 0.0, **self.nan.metrics()})
         return metrics
 
     def global_selection(self, mb: _MiniBatch, adv: torch.Tensor) -> list[dict]:
@@ -371,15 +452,16 @@ class PolicyUpdate:
             zero_missing_grads(self.model)
         if ok:
             self.sync_predictor_grads()
+            faults.poison_("gradients", self._step, next((p.grad for p in self.model.parameters()
+                                                          if p.grad is not None), None))
             gn = self._grad_norm()
-            ok = self.check_finite(torch.as_tensor(gn), "gradient norm")
+            ok = self.check_finite(torch.as_tensor(gn), "gradient norm", "gradients")
         if ok:
             ok = self.guarded_step()
         if ok:
             self.updates += 1
+            self.applied += 1
             mini_metrics.append({"actor/loss": torch.stack(losses).sum() if losses else torch.zeros(())})
-        else:
-            self.nan_skipped += 1
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return torch.as_tensor(gn).detach() if ok else None
@@ -387,12 +469,13 @@ class PolicyUpdate:
     def guarded_step(self) -> bool:
         """``optimizer.step()`` followed by one fused finiteness check of the parameters; non-finite parameters
         are put back to before the step (``on_nan=skip``: returns False, the update counts as skipped) or stop the
-        run (``on_nan=stop``: :class:`NonFiniteLossError`, restored by the caller)."""
+        run (``on_nan=stop``: :class:`NonFiniteError`, restored by the caller)."""
         skip = self.cfg.trainer.on_nan != "stop"
         if skip:
             self.guard.snapshot()
         self.optimizer.step()
-        if self.check_finite(self.guard.params_max_abs(), "parameters after the optimizer step"):
+        faults.poison_("optimizer", self._step, self.guard.params[0] if self.guard.params else None)
+        if self.check_finite(self.guard.params_max_abs(), "parameters after the optimizer step", "optimizer"):
             return True
         self.guard.restore()
         return False
@@ -429,6 +512,7 @@ class PolicyUpdate:
             fused.routes = own_routes
         else:
             logp = self.forward.logp(self.model, p, routes)
+        logp = faults.value("loss", self._step, logp)
         if self._prox is not None:
             old_lp = self._prox.add(rows, loglinear_proximal(logp.detach(), p, mb.index, self._prox_step,
                                                              cfg.trainer.updates_per_step))
@@ -442,14 +526,23 @@ class PolicyUpdate:
                   norm_length=self.norm_length, weights=w_rows, **self.spec.options)
         if mb.global_sel:
             kw.update(mb.global_sel[j])
-        loss, lm = self.loss_fn(logp, old_lp, adv.index_select(0, rows).to(dev), mask, **kw)
-        if ref_lp is not None and cfg.algo.kl.coef > 0:
-            kl_tok = kl_penalty(logp, ref_lp.index_select(0, rows).to(dev), cfg.algo.kl.kind, mask=mask)
-            kl = aggregate(kl_tok, mask, cfg.algo.loss.agg or "token-mean", num_tokens=mb.num_tokens,
-                           num_seqs=mb.num_seqs, norm_length=self.norm_length)
-            loss = loss + cfg.algo.kl.coef * kl
-            lm = dict(lm, **{"actor/kl_ref": kl.detach()})
-        if not self.check_finite(loss.detach(), "loss"):
+        what = "loss"
+        try:
+            loss, lm = self.loss_fn(logp, old_lp, adv.index_select(0, rows).to(dev), mask, **kw)
+            if ref_lp is not None and cfg.algo.kl.coef > 0:
+                kl_tok = kl_penalty(logp, ref_lp.index_select(0, rows).to(dev), cfg.algo.kl.kind, mask=mask)
+                kl = aggregate(kl_tok, mask, cfg.algo.loss.agg or "token-mean", num_tokens=mb.num_tokens,
+                               num_seqs=mb.num_seqs, norm_length=self.norm_length)
+                loss = loss + cfg.algo.kl.coef * kl
+                lm = dict(lm, **{"actor/kl_ref": kl.detach()})
+        except (ValueError, RuntimeError) as exc:
+            err = as_nonfinite(exc, "loss", "loss input")
+            if err is None:
+                raise
+            # the loss library refused a NaN/Inf input (e.g. the update forward's log-probs): a non-finite loss,
+            # decided below with the other processes (they must agree before any backward)
+            loss, lm, what = torch.full((), float("nan"), device=dev), {}, err.what
+        if not self.check_finite(loss.detach(), what, "loss"):
             return None, {}
         if lm_extra:
             lm = dict(lm, **lm_extra)
@@ -463,15 +556,15 @@ class PolicyUpdate:
         return loss, lm
 
     # ------------------------------------------------------------------ multi-process details
-    def check_finite(self, value: torch.Tensor, what: str) -> bool:
-        """True when ``value`` is finite on every process; raises under ``trainer.on_nan=stop``."""
+    def check_finite(self, value: torch.Tensor, what: str, stage: str) -> bool:
+        """True when ``value`` is finite on every process; otherwise the policy decides (:attr:`nan`): it raises
+        :class:`NonFiniteError` (``stop``, or too many skips in a row) or counts the skip and False is returned."""
         ok = is_finite(value)
         if self.world > 1:
             flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
             ok = float(self.acc.reduce(flag, "sum").item()) == 0.0
-        if not ok and self.cfg.trainer.on_nan == "stop":
-            raise NonFiniteLossError(f"non-finite {what} at {self._where}; stopping (trainer.on_nan=stop). "
-                                     "Set trainer.on_nan=skip to skip such updates.")
+        if not ok:
+            self.nan.record(NonFiniteError(stage, what, step=self._step, iteration=self._iteration))
         return ok
 
     def sync_predictor_grads(self) -> None:

@@ -147,7 +147,7 @@ def test_divergence_stops_with_a_checkpoint_of_the_last_good_state(make_cfg):
     with pytest.raises(NonFiniteLossError, match="parameters after the optimizer step at step 1.*checkpointed"):
         tr.run()
     summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
-    assert summary["status"] == "failed" and "parameters" in summary["error"]
+    assert summary["status"] == "diverged" and "parameters" in summary["error"]
     back = Trainer(cfg, resume=True)
     try:
         back.load(back.run_dir.latest_checkpoint())

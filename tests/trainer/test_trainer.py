@@ -340,7 +340,7 @@ def test_nan_loss_stops_naming_the_step(make_cfg, nan_loss):
     with pytest.raises(NonFiniteLossError, match="step 2"):
         train(cfg)
     summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
-    assert summary["status"] == "failed" and "step 2" in summary["error"]
+    assert summary["status"] == "diverged" and "step 2" in summary["error"]
 
 
 def test_gradient_checkpointing_with_r3_gives_the_same_training(make_cfg):

@@ -1,0 +1,124 @@
+"""Test-only fault injection: NaN at a chosen stage of a chosen step, through the real code of that stage.
+
+Used by tests/faults and experiments/nonfinite_faults.py to prove ``trainer.on_nan`` at every stage
+(:data:`~offpolicy_moe.run.nonfinite.STAGES`).  It is not a config key and nothing in a run's config reaches it:
+a run injects nothing unless a test or that script called :func:`arm` in the same process (the asynchronous
+source hands the armed faults to its workers, :func:`armed` / :func:`install`).  Unarmed, every injection point
+costs one test of an empty list.
+
+How each stage is hit (the NaN then travels through the production code of that stage):
+
+* ``generation``, ``old_logp``, ``metrics``, ``reference``, ``evaluation``: a weight of the model that stage runs
+  (the engine's copy, the trainer's policy, the reference model) is NaN for the duration of that stage
+  (:func:`poisoned`) and put back afterwards;
+* ``loss``: the update forward's log-probs become NaN (:func:`value`);
+* ``gradients``: one gradient is NaN after the backward pass; ``optimizer``: one parameter is NaN after
+  ``optimizer.step()`` (:func:`poison_`).
+
+``step`` is the 1-based trained step the trainer names in its message; for the stages of the batch sources
+(``generation``, ``old_logp``, ``metrics``) it is the generation iteration + 1 (the same with ``buffer.staleness=0``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from offpolicy_moe.run.nonfinite import STAGES
+
+__all__ = ["Fault", "arm", "disarm", "armed", "install", "fires", "poisoned", "value", "poison_"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Inject NaN at stage ``stage`` of step ``step``, ``times`` times (each passage through the stage at that
+    step consumes one)."""
+
+    stage: str
+    step: int
+    times: int = 1
+
+
+_ARMED: list[list] = []          # [fault, remaining]
+
+
+def arm(stage: str, step: int, times: int = 1) -> Fault:
+    """Arm one fault (several may be armed); returns it."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+    if int(step) < 1 or int(times) < 1:
+        raise ValueError(f"a fault needs step >= 1 and times >= 1, got step={step}, times={times}")
+    fault = Fault(stage, int(step), int(times))
+    _ARMED.append([fault, fault.times])
+    return fault
+
+
+def disarm() -> None:
+    """Remove every armed fault."""
+    _ARMED.clear()
+
+
+def armed() -> tuple[Fault, ...]:
+    """The faults still armed, with their remaining counts as ``times`` (what a worker process must install)."""
+    return tuple(Fault(f.stage, f.step, n) for f, n in _ARMED if n > 0)
+
+
+def install(faults: tuple[Fault, ...]) -> None:
+    """Arm exactly ``faults`` (in a worker process)."""
+    disarm()
+    for f in faults:
+        arm(f.stage, f.step, f.times)
+
+
+def fires(stage: str, step: int) -> bool:
+    """True (once per armed count) when a fault is armed for ``stage`` at ``step``."""
+    if not _ARMED:
+        return False
+    for entry in _ARMED:
+        fault, left = entry
+        if left > 0 and fault.stage == stage and fault.step == int(step):
+            entry[1] = left - 1
+            return True
+    return False
+
+
+def _first_float(module: Optional[torch.nn.Module]) -> Optional[torch.Tensor]:
+    if module is None:
+        return None
+    return next((p for p in module.parameters() if p.is_floating_point()), None)
+
+
+@contextlib.contextmanager
+def poisoned(stage: str, step: int, model: Optional[torch.nn.Module]) -> Iterator[bool]:
+    """Inside the block, the first floating-point parameter of ``model`` is NaN when a fault fires for ``stage`` at
+    ``step``; it is restored on the way out.  Yields whether it fired."""
+    param = _first_float(model) if _ARMED else None
+    if param is None or not fires(stage, step):
+        yield False
+        return
+    saved = param.detach().clone()
+    with torch.no_grad():
+        param.fill_(float("nan"))
+    try:
+        yield True
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+
+
+def value(stage: str, step: int, x: torch.Tensor) -> torch.Tensor:
+    """``x``, or ``x * NaN`` (a new tensor: autograd is untouched) when a fault fires for ``stage`` at ``step``."""
+    if _ARMED and fires(stage, step):
+        return x * float("nan")
+    return x
+
+
+def poison_(stage: str, step: int, tensor: Optional[torch.Tensor]) -> bool:
+    """Fill ``tensor`` with NaN in place when a fault fires for ``stage`` at ``step``; returns whether it did."""
+    if tensor is None or not _ARMED or not fires(stage, step):
+        return False
+    with torch.no_grad():
+        tensor.fill_(float("nan"))
+    return True
