@@ -12,10 +12,14 @@ re-run top-p on its own logits (with other weights or another precision it would
 behaviour and trainer log-probs would again describe different distributions); it renormalises its own
 probabilities over the engine's ids.
 
-Storage is ragged, not ``V`` floats per token: ``counts [B, T]`` (``|K_t|``; 0 = no kept set recorded, the whole
-vocabulary: padding, or positions outside the response) and ``ids [N]``, ``N = counts.sum()``, the kept ids of
-every position in row-major ``(b, t)`` order, ascending within a position.  Both are int16 when the vocabulary has
-at most 32767 tokens, else int32: ``2 + 2|K_t|`` or ``4 + 4|K_t|`` bytes per sampled token.
+Storage is ragged, never ``V`` floats per token: ``counts [B, T]`` (``|K_t|``; 0 = no kept set recorded, the whole
+vocabulary: padding, or positions outside the response) and ``ids``, one segment per position in row-major
+``(b, t)`` order.  A segment is the position's kept ids, ascending, when there are at most ``W`` of them, else a
+bitmask of the vocabulary in ``W`` words (bit ``j % w`` of word ``j // w`` set when token ``j`` is kept), where
+``w`` is the bits of a word and ``W = ceil(V / w)``: a segment never holds more than ``W`` words.  Words and counts
+are int16 when the vocabulary has at most 32767 tokens, else int32, so a sampled token costs
+``h + h * min(|K_t|, W)`` bytes with ``h = 2`` or ``4``: at most ``V / 8 + 8`` bytes (18,996 for a 151,936-token
+vocabulary), and ``4 + 4|K_t|`` for the small kept sets of a peaked distribution.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["KeptTokens", "index_dtype", "step_support"]
+__all__ = ["KeptTokens", "index_dtype", "step_support", "segment_words"]
 
 
 def index_dtype(vocab_size: int) -> torch.dtype:
@@ -33,17 +37,49 @@ def index_dtype(vocab_size: int) -> torch.dtype:
     return torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
 
 
+def segment_words(vocab_size: int) -> int:
+    """``W``: the words of a bitmask segment, ``ceil(V / w)`` with ``w`` the bits of :func:`index_dtype`; a kept set
+    of more than ``W`` ids is stored as the bitmask."""
+    bits = torch.iinfo(index_dtype(vocab_size)).bits
+    return -(-int(vocab_size) // bits)
+
+
+def _encode(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts [M], words)`` of a boolean ``[M, V]`` mask: each row's segment, its ids or its bitmask (module
+    docstring), in row order."""
+    M, V = mask.shape
+    dtype = index_dtype(V)
+    bits, W = torch.iinfo(dtype).bits, segment_words(V)
+    counts = mask.sum(-1)
+    dense = counts > W
+    seg = torch.where(dense, torch.full_like(counts, W), counts)
+    starts = torch.cumsum(seg, 0) - seg
+    out = torch.zeros(int(seg.sum()), dtype=dtype, device=mask.device)
+    sparse = mask & ~dense.unsqueeze(1)
+    rows, cols = sparse.nonzero().unbind(1)          # row-major: each row's ids in a run, ascending
+    if rows.numel():
+        sc = torch.where(dense, torch.zeros_like(counts), counts)
+        rank = torch.arange(rows.numel(), device=mask.device) - (torch.cumsum(sc, 0) - sc)[rows]
+        out[starts[rows] + rank] = cols.to(dtype)
+    drows = dense.nonzero().flatten()
+    if drows.numel():
+        m = torch.nn.functional.pad(mask[drows], (0, W * bits - V)).view(-1, W, bits).long()
+        words = (m << torch.arange(bits, device=mask.device)).sum(-1)
+        words = torch.where(words >= 1 << (bits - 1), words - (1 << bits), words)       # two's complement
+        out[(starts[drows].unsqueeze(1) + torch.arange(W, device=mask.device)).flatten()] = words.flatten().to(dtype)
+    return counts.to(dtype), out
+
+
 def step_support(scores: torch.Tensor, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts [B], ids [n])`` of one sampling step: the finite entries of the processed scores ``[B, V]`` (what
+    """``(counts [B], words)`` of one sampling step: the finite entries of the processed scores ``[B, V]`` (what
     top-k / top-p left; the rest were set to ``-inf``), for the rows where ``rows [B]`` (bool) is true (the other
-    rows get count 0).  ``ids`` in row order, ascending within a row, in :func:`index_dtype`."""
+    rows get count 0), as the segments of :class:`KeptTokens` in row order."""
     if scores.dim() != 2:
         raise ValueError(f"step_support: scores must be [B, V], got {tuple(scores.shape)}")
     live = torch.isfinite(scores)
     if rows is not None:
         live &= rows.to(torch.bool).unsqueeze(1)
-    dtype = index_dtype(scores.shape[1])
-    return live.sum(-1).to(dtype), live.nonzero()[:, 1].to(dtype)
+    return _encode(live)
 
 
 def _segment_index(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -59,9 +95,9 @@ def _segment_index(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class KeptTokens:
-    """Kept sets of a ``[B, T]`` grid of sampled tokens (see the module docstring): ``counts [B, T]``, ``ids [N]``
-    and the vocabulary size ``V``.  Refuses (``ValueError``) counts that are not ``[B, T]`` non-negative integers,
-    ids that are not ``counts.sum()`` integers in ``[0, V)``."""
+    """Kept sets of a ``[B, T]`` grid of sampled tokens (see the module docstring): ``counts [B, T]``, ``ids`` (the
+    segments: ids or bitmask words) and the vocabulary size ``V``.  Refuses (``ValueError``) counts that are not
+    ``[B, T]`` non-negative integers up to ``V``, segments of another total length, ids outside ``[0, V)``."""
 
     counts: torch.Tensor
     ids: torch.Tensor
@@ -75,19 +111,22 @@ class KeptTokens:
             raise ValueError(f"KeptTokens: counts must be integer [B, T], got {c.dtype} {tuple(c.shape)}")
         if i.dim() != 1 or i.is_floating_point() or i.dtype == torch.bool:
             raise ValueError(f"KeptTokens: ids must be a 1-D integer tensor, got {i.dtype} {tuple(i.shape)}")
+        self.vocab_size = V
         if c.numel():
-            lo, hi, total = torch.stack([c.min().long(), c.max().long(), c.long().sum()]).tolist()
+            lo, hi = torch.stack([c.min().long(), c.max().long()]).tolist()
             if lo < 0 or hi > V:
                 raise ValueError(f"KeptTokens: counts must be in [0, {V}], got {lo} to {hi}")
-        else:
-            total = 0
+        seg = self._seg()
+        total = int(seg.sum())
         if i.numel() != total:
-            raise ValueError(f"KeptTokens: {i.numel()} ids for counts summing to {total}")
-        if i.numel():
-            lo, hi = torch.stack([i.min().long(), i.max().long()]).tolist()
-            if lo < 0 or hi >= V:
-                raise ValueError(f"KeptTokens: ids must be in [0, {V}), got {lo} to {hi}")
-        self.vocab_size = V
+            raise ValueError(f"KeptTokens: {i.numel()} ids for segments of {total} words (counts {tuple(c.shape)})")
+        if total:
+            sparse = torch.repeat_interleave(c.flatten().long() <= self.words, seg, output_size=total)
+            ids = i[sparse.to(i.device)]
+            if ids.numel():
+                lo, hi = torch.stack([ids.min().long(), ids.max().long()]).tolist()
+                if lo < 0 or hi >= V:
+                    raise ValueError(f"KeptTokens: ids must be in [0, {V}), got {lo} to {hi}")
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -102,10 +141,10 @@ class KeptTokens:
             return cls(torch.zeros(0, 0, dtype=dtype), torch.zeros(0, dtype=dtype), vocab_size)
         counts_tb = torch.stack([c.to(dtype) for c in step_counts], 0)          # [T, B], steps in order
         ids_tb = torch.cat([i.to(dtype) for i in step_ids])
-        starts_tb = (torch.cumsum(counts_tb.flatten().long(), 0) - counts_tb.flatten().long()).view_as(counts_tb)
-        counts = counts_tb.t().contiguous()
-        ids = ids_tb[_segment_index(starts_tb.t().flatten(), counts.flatten())]
-        return cls(counts, ids, vocab_size)
+        seg_tb = counts_tb.long().clamp(max=segment_words(vocab_size))
+        starts_tb = (torch.cumsum(seg_tb.flatten(), 0) - seg_tb.flatten()).view_as(seg_tb)
+        ids = ids_tb[_segment_index(starts_tb.t().flatten(), seg_tb.t().flatten())]
+        return cls(counts_tb.t().contiguous(), ids, vocab_size)
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "KeptTokens":
@@ -113,13 +152,19 @@ class KeptTokens:
         if mask.dim() != 3 or mask.dtype != torch.bool:
             raise ValueError(f"KeptTokens.from_mask: mask must be bool [B, T, V], got {mask.dtype} "
                              f"{tuple(mask.shape)}")
-        dtype = index_dtype(mask.shape[2])
-        return cls(mask.sum(-1).to(dtype), mask.nonzero()[:, 2].to(dtype), int(mask.shape[2]))
+        B, T, V = mask.shape
+        counts, ids = _encode(mask.reshape(B * T, V))
+        return cls(counts.view(B, T), ids, V)
 
     # ------------------------------------------------------------------ shape
     @property
     def shape(self) -> tuple[int, int]:
         return int(self.counts.shape[0]), int(self.counts.shape[1])
+
+    @property
+    def words(self) -> int:
+        """``W``, the words of a bitmask segment (:func:`segment_words`)."""
+        return segment_words(self.vocab_size)
 
     @property
     def nbytes(self) -> int:
@@ -131,9 +176,13 @@ class KeptTokens:
         return KeptTokens(self.counts.to(device), self.ids.to(device), self.vocab_size)
 
     # ------------------------------------------------------------------ re-layout
+    def _seg(self) -> torch.Tensor:
+        """Words of each position's segment, ``min(count, W)``, flat (int64)."""
+        return self.counts.flatten().long().clamp(max=self.words)
+
     def _starts(self) -> torch.Tensor:
-        flat = self.counts.flatten().long()
-        return torch.cumsum(flat, 0) - flat
+        seg = self._seg()
+        return torch.cumsum(seg, 0) - seg
 
     def relayout(self, positions: torch.Tensor) -> "KeptTokens":
         """Kept sets on a new grid: ``positions [B', T']`` (int) holds, for each new position, the flat index
@@ -153,7 +202,8 @@ class KeptTokens:
         else:
             counts = torch.where(valid, flat[safe], torch.zeros_like(flat[safe]))
             starts = self._starts()[safe]
-        ids = self.ids[_segment_index(starts, counts).to(self.ids.device)]
+        seg = counts.long().clamp(max=self.words)
+        ids = self.ids[_segment_index(starts, seg).to(self.ids.device)]
         return KeptTokens(counts.view(positions.shape), ids, self.vocab_size)
 
     def _grid(self) -> torch.Tensor:
@@ -198,24 +248,41 @@ class KeptTokens:
         (no kept set: the whole vocabulary).  ``rows`` / ``cols`` are unit-step slices."""
         grid = self._grid()[rows, cols]
         sub = self.relayout(grid)
-        c = sub.counts.flatten().long()
-        M = c.numel()
-        mask = torch.zeros(M, self.vocab_size, dtype=torch.bool, device=self.counts.device)
-        if sub.ids.numel():
-            owner = torch.repeat_interleave(torch.arange(M, device=c.device), c, output_size=sub.ids.numel())
-            mask[owner, sub.ids.long().to(c.device)] = True
+        c, seg = sub.counts.flatten().long(), sub._seg()
+        M, V, W = c.numel(), self.vocab_size, self.words
+        dev = c.device
+        mask = torch.zeros(M, V, dtype=torch.bool, device=dev)
+        words = sub.ids.long().to(dev)
+        if words.numel():
+            owner = torch.repeat_interleave(torch.arange(M, device=dev), seg, output_size=words.numel())
+            sparse = (c <= W)[owner]
+            mask[owner[sparse], words[sparse]] = True
+            dense = (c > W).nonzero().flatten()
+            if dense.numel():
+                bits = torch.iinfo(index_dtype(V)).bits
+                w = words[~sparse].view(-1, W, 1)
+                unpacked = ((w >> torch.arange(bits, device=dev)) & 1).bool().view(-1, W * bits)
+                mask[dense] = unpacked[:, :V]
         mask[c == 0] = True
-        return mask.view(*grid.shape, self.vocab_size)
+        return mask.view(*grid.shape, V)
 
     def contains(self, targets: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` bool: ``targets[b, t]`` is in its kept set (True where the count is 0)."""
         if tuple(targets.shape) != self.shape:
             raise ValueError(f"KeptTokens.contains: targets {tuple(targets.shape)} != kept sets {self.shape}")
-        c = self.counts.flatten().long()
-        owner = torch.repeat_interleave(torch.arange(c.numel(), device=c.device), c, output_size=self.ids.numel())
-        hit = (self.ids.long() == targets.to(c.device).flatten().long()[owner]).long()
-        found = torch.zeros(c.numel(), dtype=torch.long, device=c.device).index_add_(0, owner, hit)
-        return ((found > 0) | (c == 0)).view(self.shape)
+        c, seg = self.counts.flatten().long(), self._seg()
+        x = targets.to(c.device).flatten().long()
+        words = self.ids.long().to(c.device)
+        owner = torch.repeat_interleave(torch.arange(c.numel(), device=c.device), seg, output_size=words.numel())
+        sparse = c <= self.words
+        hit = ((words == x[owner]) & sparse[owner]).long()
+        found = torch.zeros(c.numel(), dtype=torch.long, device=c.device).index_add_(0, owner, hit) > 0
+        bits = torch.iinfo(index_dtype(self.vocab_size)).bits
+        dense = (~sparse).nonzero().flatten()
+        if dense.numel():      # bit x % w of word x // w of the position's bitmask
+            word = words[self._starts()[dense] + x[dense] // bits]
+            found[dense] = ((word >> (x[dense] % bits)) & 1).bool()
+        return (found | (c == 0)).view(self.shape)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -18,8 +18,8 @@ positions, right-padded after the end-of-sequence token):
                       tokens of one sequence may span versions when weights are updated in flight (docs/async.md)
 * ``kept_tokens``     ``[B, T]`` the kept set of each sampled response token when the engine truncated its
                       distribution (``rollout.top_k > 0`` or ``rollout.top_p < 1``; None otherwise):
-                      :class:`~offpolicy_moe.models.kept_tokens.KeptTokens`, ragged token ids (count 0 outside the
-                      response); the trainer's log-probs are renormalised over them (docs/config.md)
+                      :class:`~offpolicy_moe.models.kept_tokens.KeptTokens`, ragged ids or bitmasks (count 0 outside
+                      the response); the trainer's log-probs are renormalised over them (docs/config.md)
 
 Rewards and advantages are NOT stored: they are computed when the batch is consumed.
 """

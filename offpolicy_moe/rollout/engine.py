@@ -15,7 +15,7 @@ Behaviour log-probs are EXACT for the distribution sampled from: the scores afte
 masking to -inf (the tensor ``generate`` hands its last logits processor) are the very tensor that ``softmax`` +
 ``multinomial`` sampled from, so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.  When they truncate
 (``rollout.top_k > 0`` or ``rollout.top_p < 1``) the finite entries of that same tensor are the kept set ``K_t`` of
-the token, recorded per sampled token as ragged token ids (``RolloutBatch.kept_tokens``,
+the token, recorded per sampled token as ragged ids or bitmasks (``RolloutBatch.kept_tokens``,
 :class:`~offpolicy_moe.models.kept_tokens.KeptTokens`): the trainer renormalises its own probabilities over them,
 so its log-probs and ``behav_logp`` describe the same truncated distribution.
 They are computed in float32 from the engine's (bf16) logits; the native sampler takes them as soon as the steps

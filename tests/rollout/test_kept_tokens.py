@@ -25,53 +25,79 @@ def tiny():
 
 
 def random_mask(B: int, T: int, V: int, seed: int = 0) -> torch.Tensor:
+    """Kept sets of mixed sizes: positions keep about 2% or 40% of the vocabulary (small sets are stored as ids,
+    large ones as bitmasks), one position keeps nothing (count 0) and one everything."""
     g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(B, T, V, generator=g) < 0.4
+    density = torch.where(torch.rand(B, T, 1, generator=g) < 0.5, 0.02, 0.4)
+    mask = torch.rand(B, T, V, generator=g) < density
     mask[0, -1] = False                      # a position without a kept set
+    mask[-1, 0] = True                       # the whole vocabulary, kept
     return mask
 
 
 # ---------------------------------------------------------------------------------------------------- the layout
-def test_from_mask_dense_and_contains_are_exact():
-    mask = random_mask(3, 4, 11)
+@pytest.mark.parametrize("V", [300, 40000])
+def test_from_mask_dense_and_contains_are_exact(V):
+    """int16 (V = 300: bitmasks of 19 words) and int32 words (V = 40000: 1250 words, the sign bit in use)."""
+    mask = random_mask(3, 4, V)
     kept = KeptTokens.from_mask(mask)
-    assert kept.shape == (3, 4) and kept.counts.dtype == torch.int16 and kept.ids.dtype == torch.int16
+    dtype = torch.int16 if V < 32768 else torch.int32
+    assert kept.shape == (3, 4) and kept.counts.dtype == dtype and kept.ids.dtype == dtype
     assert kept.counts.tolist() == mask.sum(-1).tolist()
+    W = kept.words
+    assert W == -(-V // (16 if V < 32768 else 32))
+    counts = mask.sum(-1)
+    assert bool((counts <= W).any()) and bool((counts > W).any())        # both forms present
     want = mask.clone()
     want[0, -1] = True                       # count 0: the whole vocabulary
     assert torch.equal(kept.dense(), want)
     assert torch.equal(kept.dense(slice(1, 3), slice(2, 4)), want[1:3, 2:4])
-    targets = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(1))
-    inside = want.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    assert torch.equal(kept.contains(targets), inside)
-    assert kept.nbytes == 2 * (12 + int(mask.sum()))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        targets = torch.randint(0, V, (3, 4), generator=g)
+        inside = want.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        assert torch.equal(kept.contains(targets), inside)
+    kept_ids = want.nonzero()                    # every kept token is found, ids and bitmask alike
+    for b, t, j in kept_ids[torch.randperm(kept_ids.shape[0], generator=g)[:50]].tolist():
+        targets = torch.zeros(3, 4, dtype=torch.long)
+        targets[b, t] = j
+        assert bool(kept.contains(targets)[b, t])
+    h = kept.ids.element_size()
+    assert kept.nbytes == h * (12 + int(counts.clamp(max=W).sum()))
+    assert kept.nbytes < h * 12 + V // 8 * 12 + 12 * h                   # never more than a bitmask per token
 
 
 def test_from_steps_is_row_major():
     """Steps arrive column by column; the layout is row-major: the same as building it from the dense mask."""
-    mask = random_mask(3, 5, 9, seed=2)
-    steps = [step_support(torch.where(mask[:, t], torch.zeros(3, 9), torch.full((3, 9), float("-inf"))))
+    mask = random_mask(3, 5, 90, seed=2)
+    steps = [step_support(torch.where(mask[:, t], torch.zeros(3, 90), torch.full((3, 90), float("-inf"))))
              for t in range(5)]
-    a = KeptTokens.from_steps([c for c, _ in steps], [i for _, i in steps], 9)
+    a = KeptTokens.from_steps([c for c, _ in steps], [i for _, i in steps], 90)
     b = KeptTokens.from_mask(mask)
     assert torch.equal(a.counts, b.counts) and torch.equal(a.ids, b.ids)
 
 
 def test_step_support_reads_the_finite_scores_of_the_chosen_rows():
-    scores = torch.tensor([[0.0, float("-inf"), 2.0], [1.0, 1.0, float("-inf")], [0.0, 0.0, 0.0]])
-    counts, ids = step_support(scores, torch.tensor([True, True, False]))
-    assert counts.tolist() == [2, 2, 0] and ids.tolist() == [0, 2, 0, 1]
+    """Small sets as ids; a set of more than W = 3 ids (V = 40) as its bitmask in 3 int16 words."""
+    scores = torch.full((4, 40), float("-inf"))
+    scores[0, [0, 2]] = 0.0
+    scores[1, [1, 0]] = 1.0
+    scores[2] = 0.0                                      # a finished row: not recorded
+    scores[3, [0, 1, 17, 33, 39]] = 0.5
+    counts, ids = step_support(scores, torch.tensor([True, True, False, True]))
+    assert counts.tolist() == [2, 2, 0, 5]
+    assert ids.tolist() == [0, 2, 0, 1, 0b11, 0b10, (1 << 1) | (1 << 7)]
 
 
 def test_relayouts_follow_the_dense_mask():
-    mask = random_mask(4, 3, 7, seed=3)
+    mask = random_mask(4, 3, 70, seed=3)
     kept = KeptTokens.from_mask(mask)
     dense = kept.dense()
     idx = torch.tensor([2, 0, 2])
     assert torch.equal(kept.index_select(idx).dense(), dense[idx])
     assert torch.equal(kept.narrow(1, 3).dense(), dense[:, 1:3])
     sel = torch.tensor([[True, False, True]] * 4)
-    full = torch.ones(7, dtype=torch.bool)
+    full = torch.ones(70, dtype=torch.bool)
     assert torch.equal(kept.masked(sel).dense(), torch.where(sel.unsqueeze(-1), dense, full))
     assert torch.equal(kept.pad_to(5).dense()[:, :3], dense) and bool(kept.pad_to(5).dense()[:, 3:].all())
     both = KeptTokens.cat([kept, kept.index_select(torch.tensor([1]))])
@@ -85,13 +111,13 @@ def test_relayouts_follow_the_dense_mask():
 def test_index_dtype_follows_the_vocabulary():
     assert index_dtype(32767) == torch.int16 and index_dtype(32768) == torch.int32
     kept = KeptTokens.from_mask(torch.ones(1, 1, 40000, dtype=torch.bool))
-    assert kept.ids.dtype == torch.int32 and kept.nbytes == 4 * (1 + 40000)
+    assert kept.ids.dtype == torch.int32 and kept.nbytes == 4 * (1 + 1250)     # a bitmask of 1250 words
 
 
 @pytest.mark.parametrize("counts,ids,vocab,msg", [
-    (torch.tensor([[1, 2]]), torch.tensor([0, 1]), 5, "3"),                 # 2 ids for counts summing to 3
+    (torch.tensor([[1, 2]]), torch.tensor([0, 1]), 50, "2 ids for segments of 3 words"),
     (torch.tensor([[1, -1]]), torch.tensor([0]), 5, "counts must be in"),
-    (torch.tensor([[1]]), torch.tensor([5]), 5, "ids must be in"),
+    (torch.tensor([[1]]), torch.tensor([50]), 50, "ids must be in"),
     (torch.tensor([1]), torch.tensor([0]), 5, "counts must be integer [B, T]"),
     (torch.tensor([[1.0]]), torch.tensor([0]), 5, "counts must be integer"),
 ])
