@@ -15,8 +15,9 @@ probabilities over the engine's ids.
 Storage is ragged, never ``V`` floats per token: ``counts [B, T]`` (``|K_t|``; 0 = no kept set recorded, the whole
 vocabulary: padding, or positions outside the response) and ``ids``, one segment per position in row-major
 ``(b, t)`` order.  A segment is the position's kept ids, ascending, when there are at most ``W`` of them, else a
-bitmask of the vocabulary in ``W`` words (bit ``j % w`` of word ``j // w`` set when token ``j`` is kept), where
-``w`` is the bits of a word and ``W = ceil(V / w)``: a segment never holds more than ``W`` words.  Words and counts
+bitmask of the vocabulary in ``W`` little-endian words (bit ``j % 8`` of the segment's byte ``j // 8`` set when
+token ``j`` is kept), where ``W = ceil(V / w)`` for words of ``w`` bits: a segment never holds more than ``W``
+words.  Words and counts
 are int16 when the vocabulary has at most 32767 tokens, else int32, so a sampled token costs
 ``h + h * min(|K_t|, W)`` bytes with ``h = 2`` or ``4``: at most ``V / 8 + 8`` bytes (18,996 for a 151,936-token
 vocabulary), and ``4 + 4|K_t|`` for the small kept sets of a peaked distribution.
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+import sys
 
 import torch
 
@@ -63,11 +66,18 @@ def _encode(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out[starts[rows] + rank] = cols.to(dtype)
     drows = dense.nonzero().flatten()
     if drows.numel():
-        m = torch.nn.functional.pad(mask[drows], (0, W * bits - V)).view(-1, W, bits).long()
-        words = (m << torch.arange(bits, device=mask.device)).sum(-1)
-        words = torch.where(words >= 1 << (bits - 1), words - (1 << bits), words)       # two's complement
-        out[(starts[drows].unsqueeze(1) + torch.arange(W, device=mask.device)).flatten()] = words.flatten().to(dtype)
+        _little_endian()
+        m = torch.nn.functional.pad(mask[drows], (0, W * bits - V)).view(-1, W * bits // 8, 8).to(torch.uint8)
+        packed = (m << torch.arange(8, dtype=torch.uint8, device=mask.device)).sum(-1, dtype=torch.uint8)
+        words = packed.view(dtype)                       # [Md, W]: the bytes read as little-endian words
+        out[(starts[drows].unsqueeze(1) + torch.arange(W, device=mask.device)).flatten()] = words.flatten()
     return counts.to(dtype), out
+
+
+def _little_endian() -> None:
+    """Bitmask segments are bytes read as little-endian words; refuse (one line) to pack or unpack them elsewhere."""
+    if sys.byteorder != "little":
+        raise RuntimeError("KeptTokens bitmask segments need a little-endian machine")
 
 
 def step_support(scores: torch.Tensor, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,25 +256,41 @@ class KeptTokens:
     def dense(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
         """Boolean ``[b, t, V]`` mask of positions ``[rows, cols]`` (True: kept); a position of count 0 is all True
         (no kept set: the whole vocabulary).  ``rows`` / ``cols`` are unit-step slices."""
+        return self._fill(rows, cols, torch.tensor([False, True]))
+
+    def additive(self, rows: slice, cols: slice, dtype: torch.dtype) -> torch.Tensor:
+        """``[b, t, V]`` additive mask of positions ``[rows, cols]`` in ``dtype``: 0 on kept tokens (and on every
+        token of a position of count 0), ``-big`` elsewhere with ``big = finfo(dtype).max / 4``.  Added to finite
+        logits it leaves the kept ones bit for bit and makes the others so low that ``exp`` of them minus any
+        finite log-sum-exp is exactly 0, without ``-inf`` (no ``inf - inf``) and with one add instead of a
+        scattered ``masked_fill``."""
+        big = torch.finfo(dtype).max / 4
+        return self._fill(rows, cols, torch.tensor([-big, 0.0], dtype=dtype))
+
+    def _fill(self, rows: slice, cols: slice, values: torch.Tensor) -> torch.Tensor:
+        """``[b, t, V]`` tensor holding ``values[1]`` on kept tokens (every token of a position of count 0) and
+        ``values[0]`` elsewhere; bitmask segments are expanded by a 256-entry table of their bytes."""
         grid = self._grid()[rows, cols]
         sub = self.relayout(grid)
         c, seg = sub.counts.flatten().long(), sub._seg()
         M, V, W = c.numel(), self.vocab_size, self.words
         dev = c.device
-        mask = torch.zeros(M, V, dtype=torch.bool, device=dev)
+        off, on = values.to(dev).unbind()
+        out = off.expand(M, V).clone()
         words = sub.ids.long().to(dev)
         if words.numel():
             owner = torch.repeat_interleave(torch.arange(M, device=dev), seg, output_size=words.numel())
             sparse = (c <= W)[owner]
-            mask[owner[sparse], words[sparse]] = True
+            out[owner[sparse], words[sparse]] = on
             dense = (c > W).nonzero().flatten()
             if dense.numel():
-                bits = torch.iinfo(index_dtype(V)).bits
-                w = words[~sparse].view(-1, W, 1)
-                unpacked = ((w >> torch.arange(bits, device=dev)) & 1).bool().view(-1, W * bits)
-                mask[dense] = unpacked[:, :V]
-        mask[c == 0] = True
-        return mask.view(*grid.shape, V)
+                _little_endian()
+                raw = sub.ids.to(dev)[~sparse].view(torch.uint8)                  # the bitmask bytes, in order
+                bits = (torch.arange(256, device=dev).unsqueeze(1) >> torch.arange(8, device=dev)) & 1
+                table = torch.where(bits.bool(), on, off)                           # [256, 8]: a byte's 8 values
+                out[dense] = table.index_select(0, raw.long()).view(dense.numel(), -1)[:, :V]
+        out[c == 0] = on
+        return out.view(*grid.shape, V)
 
     def contains(self, targets: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` bool: ``targets[b, t]`` is in its kept set (True where the count is 0)."""
@@ -277,11 +303,13 @@ class KeptTokens:
         sparse = c <= self.words
         hit = ((words == x[owner]) & sparse[owner]).long()
         found = torch.zeros(c.numel(), dtype=torch.long, device=c.device).index_add_(0, owner, hit) > 0
-        bits = torch.iinfo(index_dtype(self.vocab_size)).bits
+        h = self.ids.element_size()
         dense = (~sparse).nonzero().flatten()
-        if dense.numel():      # bit x % w of word x // w of the position's bitmask
-            word = words[self._starts()[dense] + x[dense] // bits]
-            found[dense] = ((word >> (x[dense] % bits)) & 1).bool()
+        if dense.numel():      # bit x % 8 of byte x // 8 of the position's bitmask
+            _little_endian()
+            raw = self.ids.to(c.device).view(torch.uint8)
+            byte = raw[self._starts()[dense] * h + x[dense] // 8].long()
+            found[dense] = ((byte >> (x[dense] % 8)) & 1).bool()
         return (found | (c == 0)).view(self.shape)
 
     # ------------------------------------------------------------------ checkpoints

@@ -110,11 +110,23 @@ def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, bl
         z = logits[rows, pos]
         z = z.to(dtype) / temperature if temperature != 1.0 else z.to(dtype)
         if kept is not None:
-            z = z.masked_fill(~kept.dense(rows, pos), float("-inf"))
+            z = _restricted(z, kept, rows, pos)
         l_blk = torch.logsumexp(z, dim=-1)
         lse[rows, pos] = l_blk
         out[rows, pos] = z.gather(-1, targets[rows, pos].unsqueeze(-1)).squeeze(-1) - l_blk
     return out, lse
+
+
+def _restricted(z: torch.Tensor, kept: KeptTokens, rows: slice, pos: slice) -> torch.Tensor:
+    """A new tensor: the block ``z`` (compute dtype, after temperature) with every token outside its position's kept
+    set lowered to at most ``-big / 2`` (``big = finfo.max / 4``), so ``exp(z_j - lse_K)`` is exactly 0 there while
+    the kept values are unchanged bit for bit.  One add of :meth:`KeptTokens.additive` when ``max |z| < big / 4``
+    (always, short of logits near the dtype's range), else a replacement (``torch.where``, slower on scattered
+    sets; the add could then leave a huge logit above the kept ones)."""
+    add = kept.additive(rows, pos, z.dtype)
+    if bool(z.abs().amax() < torch.finfo(z.dtype).max / 16):
+        return z + add
+    return torch.where(add == 0, z, add)
 
 
 class _BlockedLogprob(torch.autograd.Function):
@@ -136,12 +148,12 @@ class _BlockedLogprob(torch.autograd.Function):
         dtype = lse.dtype
         for rows, pos in _blocks(logits.shape, ctx.block_elements):
             z, l_blk = logits[rows, pos].to(dtype), lse[rows, pos].unsqueeze(-1)
-            blk = (z / tau).sub_(l_blk) if tau != 1.0 else z - l_blk          # a new tensor either way
+            if ctx.kept is None:
+                blk = (z / tau).sub_(l_blk) if tau != 1.0 else z - l_blk      # a new tensor either way
+            else:                          # softmax over K: exp(z / τ - lse_K) on K, exactly 0 off K
+                blk = _restricted(z / tau if tau != 1.0 else z, ctx.kept, rows, pos).sub_(l_blk)
             g = grad_out[rows, pos].to(dtype).unsqueeze(-1)
-            blk.exp_()                                                        # softmax(z / τ)
-            if ctx.kept is not None:       # softmax over K: exp(z / τ - lse_K) on K (inf possible outside), 0 off K
-                blk.masked_fill_(~ctx.kept.dense(rows, pos), 0.0)
-            blk.mul_(-g)                                                      # -g softmax(z / τ)
+            blk.exp_().mul_(-g)                                               # -g softmax(z / τ)
             blk.scatter_add_(-1, targets[rows, pos].unsqueeze(-1), g)
             if tau != 1.0:
                 blk.div_(tau)

@@ -131,6 +131,23 @@ def test_finite_logits_give_finite_values_and_gradients_in_every_dtype(dtype):
     assert torch.allclose(lp.double(), ref, rtol=1e-6, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_near_the_dtype_range_stay_exact(dtype):
+    """A logit of ``finfo(bfloat16 or float32).max / 2`` outside the kept sets (where an additive mask alone would
+    leave it above the kept tokens): the log-probs still equal the masked log-softmax and stay finite, gradients
+    too (temperature 1: beyond that the temperature division itself overflows float32)."""
+    z, x, mask = kept_case(seed=3)
+    z = z.to(dtype)
+    out = ~mask[..., 0]
+    z[..., 0] = torch.where(out, torch.tensor(torch.finfo(dtype).max / 2, dtype=dtype), z[..., 0])
+    zz = z.clone().requires_grad_()
+    lp = token_logprobs(zz, x, kept=KeptTokens.from_mask(mask))
+    lp.sum().backward()
+    ref = reference_logp(z.double(), x, mask, 1.0)
+    assert bool(torch.isfinite(lp).all()) and torch.allclose(lp.double(), ref, rtol=1e-6, atol=1e-4)
+    assert bool(torch.isfinite(zz.grad).all()) and bool((zz.grad[~mask] == 0).all())
+
+
 def test_a_token_outside_its_kept_set_is_refused():
     z, x, mask = kept_case(seed=2)
     mask[0, 1, x[0, 1]] = False
