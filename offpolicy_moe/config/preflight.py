@@ -9,14 +9,19 @@
   (no weights) from the configured sizes (replay on a dense model is refused by ``validate``, which reads the
   expert count with :func:`~offpolicy_moe.models.moe_shape`);
 * the task's characters can be encoded, and its answers fit in ``rollout.max_new_tokens`` (an error when none does:
-  the exact-match reward would always be 0; a warning when some do not).
+  the exact-match reward would always be 0; a warning when some do not);
+* an experts kernel that needs a GPU and the ``kernels`` package (``model.experts_implementation=deepgemm`` or
+  ``sonicmoe``) is refused where they are missing (otherwise the first forward fails inside transformers).
 
 The staleness buffer's feasibility is checked by the sources layer; see ``offpolicy_moe.sources.buffer``.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import torch
 
 from offpolicy_moe.config.validate import Findings, validate
 from offpolicy_moe.models import PRESETS, CheckpointNotFoundError, load_model_config, load_tokenizer, tokenizer_source
@@ -49,11 +54,30 @@ def preflight_checked(cfg: Any) -> CheckedConfig:
     model_config = check_model_folder(cfg, found)
     tok = check_tokenizer(cfg, found)
     check_model_shape(cfg, found, model_config, tok)
+    check_experts_kernel(cfg, found)
     if task is not None and tok is not None:
         check_answers_fit(cfg, found, task, tok)
         check_chat_template(cfg, found, task, tok)
     found.raise_if_errors()
     return CheckedConfig(warnings + found.warnings, task)
+
+
+#: experts implementations that run only as CUDA kernels loaded through the ``kernels`` package
+GPU_KERNEL_EXPERTS = ("deepgemm", "sonicmoe")
+
+
+def check_experts_kernel(cfg: Any, found: Findings) -> None:
+    """``model.experts_implementation`` names a GPU kernel (:data:`GPU_KERNEL_EXPERTS`): refused without CUDA or
+    without the ``kernels`` package (transformers loads the kernel from it)."""
+    name = cfg.model.experts_implementation
+    if name not in GPU_KERNEL_EXPERTS:
+        return
+    missing = [what for what, ok in (("a CUDA GPU", torch.cuda.is_available()),
+                                     ("the `kernels` package", importlib.util.find_spec("kernels") is not None))
+               if not ok]
+    if missing:
+        found.error(f"model.experts_implementation={name} is a GPU kernel and needs {' and '.join(missing)} here; "
+                    "use auto, eager, grouped_mm or batched_mm")
 
 
 def _first_line(exc: BaseException) -> str:

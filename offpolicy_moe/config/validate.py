@@ -20,7 +20,7 @@ cross-field rules (E = error, W = warning):
 | rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W) |
 | trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached) |
 | optim | ``betas`` two values in [0, 1) (E) |
-| model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder (E) |
+| model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder; ``experts_implementation=deepgemm`` with both dtypes bfloat16 (E) |
 | task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; reverse: the same digit bounds; else ``jsonl:<path>`` (E) |
 | logging | ``loggers`` ⊆ console, jsonl, wandb (E) |
 
@@ -48,6 +48,10 @@ LOSS_RULES: dict[str, Rule] = {
     "algo.loss.adv_norm": Rule(choices=("std", "none")),
     "algo.loss.norm_length": Rule(ge=1, optional=True),         # a divisor: 0 gives inf/NaN
 }
+
+
+#: experts kernels of transformers that take bfloat16 hidden states only (the others take any float dtype)
+BF16_ONLY_EXPERTS = ("deepgemm",)
 
 
 class ConfigError(ValueError):
@@ -273,6 +277,13 @@ def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None
     if m.experts_implementation not in experts_implementations():
         found.error(f"model.experts_implementation: unknown value {m.experts_implementation!r}; expected one of "
                     f"{', '.join(experts_implementations())}")
+    if m.experts_implementation in BF16_ONLY_EXPERTS:
+        bad = [f"{k}={v}" for k, v in (("model.dtype", m.dtype), ("rollout.dtype", cfg.rollout.dtype))
+               if v not in ("bfloat16", "bf16")]
+        if bad:
+            found.error(f"model.experts_implementation={m.experts_implementation} runs bfloat16 hidden states only "
+                        f"(the trainer's and the engine's copy), but {' and '.join(bad)}; set both to bfloat16 or "
+                        "use another experts implementation")
     if m.path is None:
         if m.preset not in PRESETS:
             found.error(f"model.preset: unknown preset {m.preset!r}; expected one of {', '.join(sorted(PRESETS))} "
