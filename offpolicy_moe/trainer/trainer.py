@@ -578,14 +578,15 @@ class Trainer:
 
     def _boundary(self) -> dict:
         """What a step changes before its update besides weights and optimizer (the RNG states, the batch
-        source's counters and queue)."""
-        return {"rng": rng_state(), "source": self.source.state_dict()}
+        source's counters and queue, the non-finite counts: skips of a step that is rolled back are not kept)."""
+        return {"rng": rng_state(), "source": self.source.state_dict(), "nan": self.nan.state_dict()}
 
     def _save_boundary(self, boundary: dict) -> Optional[Path]:
         """Checkpoint the iteration boundary ``boundary`` (with the weights and optimizer the policy update put
         back): the last good state before a non-finite update stopped the run."""
         self.source.load_state_dict(boundary["source"])
         set_rng_state(boundary["rng"])
+        self.nan.load_state_dict(boundary["nan"])
         return self.save()
 
     def _offpolicy_metrics(self, batch: RolloutBatch, tokens: float, t_update: float) -> dict[str, float]:

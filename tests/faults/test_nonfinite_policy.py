@@ -7,6 +7,7 @@ import torch
 
 from offpolicy_moe import cli
 from offpolicy_moe.losses import mismatch_metrics
+from offpolicy_moe.run.checkpoint import latest_checkpoint, load_checkpoint
 from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, as_nonfinite, is_nonfinite_error
 from tests.tiny import TINY
 
@@ -83,6 +84,10 @@ def test_huge_lr_under_skip_ends_diverged_after_max_skips_in_a_row(tmp_path, cap
     assert (code, s["status"], s["steps"]) == (1, "diverged", 1) and "Traceback" not in err
     assert "2 non-finite skips in a row (trainer.max_nan_skips=2)" in err
     assert s["final"]["actor/nan_skipped"] == 0.0      # the last logged step (1) was clean
+    # the checkpoint is the boundary of step 2: the skips of that rolled-back attempt are not in it
+    ck = load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    assert ck.state["step"] == 1 and ck.state["nan"] == {"skipped": 0, "in_row": 0, "by_stage": ck.state["nan"]["by_stage"]}
+    assert ck.state["source"]["iteration"] == 1 and not any(ck.state["nan"]["by_stage"].values())
 
 
 def test_diverging_sft_warm_start_is_one_line(tmp_path, capsys):
