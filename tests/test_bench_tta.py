@@ -105,6 +105,28 @@ def test_async_expands_to_every_staleness_and_loss():
     assert parse_arms("sync")[0].overrides() == ["preset=[grpo]", "buffer.mode=fixed", "buffer.staleness=0"]
 
 
+def test_the_two_best_of_the_stale_race_are_asynchronous_arms():
+    """VESPO and GMPO (experiments/stale_race.yaml, docs/results.md) at every staleness, with their own presets and
+    the paper defaults those presets carry; the race's other objectives are not arms."""
+    names = [a.name for a in parse_arms("async")]
+    for k in ASYNC_STALENESS:
+        assert f"async-k{k}-vespo" in names and f"async-k{k}-gmpo" in names
+    vespo, gmpo = parse_arms("async-k2-vespo,async-k4-gmpo")
+    assert (vespo.mode, vespo.staleness, vespo.loss) == ("async", 2, "vespo")
+    assert vespo.overrides() == ["preset=[vespo]", "buffer.mode=async", "buffer.staleness=2", "rollout.workers=1",
+                                 "rollout.worker_threads=1"]
+    assert gmpo.overrides()[:3] == ["preset=[gmpo]", "buffer.mode=async", "buffer.staleness=4"]
+    args = Namespace(prompts=16, group=8, max_new_tokens=3, lr=3e-4, steps=500, eval_every=25, eval_size=256)
+    v = load_config(None, bench_tta.job_overrides(args, 0, None) + vespo.overrides())
+    g = load_config(None, bench_tta.job_overrides(args, 0, None) + gmpo.overrides())
+    assert (v.algo.loss.name, v.algo.loss.agg, v.algo.loss.options["k_pos"], v.algo.loss.options["lambda_neg"]) == (
+        "vespo", "token-mean", 2.0, 2.0)
+    assert (g.algo.loss.name, g.buffer.staleness, g.algo.correction.mode) == ("gmpo", 4, "none")
+    for other in ("sapo", "cispo", "dppo_tv"):
+        with pytest.raises(ValueError, match=f"'async-k2-{other}'"):
+            parse_arms(f"async-k2-{other}")
+
+
 @pytest.mark.parametrize("bad", ["foo", "async-k0-grpo", "async-k2-ppo", "async-2-grpo", ""])
 def test_bad_arm_is_one_line_naming_it(bad):
     with pytest.raises(ValueError) as e:
@@ -122,11 +144,12 @@ def test_rotation_puts_every_arm_first_once():
 
 def test_every_arm_resolves_to_the_config_it_names():
     args = Namespace(prompts=16, group=8, max_new_tokens=3, lr=3e-4, steps=500, eval_every=25, eval_size=256)
+    objective = {"grpo": "grpo", "m2po": "m2po", "m2po_tis": "m2po", "vespo": "vespo", "gmpo": "gmpo"}
     for arm in parse_arms("sync,async"):
         cfg = load_config(None, bench_tta.job_overrides(args, 3, None) + arm.overrides())
         assert not [w for w in validate(cfg) if "error" in str(w).lower()]
         assert (cfg.buffer.mode, cfg.buffer.staleness) == (arm.mode, arm.staleness)
-        assert cfg.algo.loss.name == ("grpo" if arm.loss == "grpo" else "m2po")
+        assert cfg.algo.loss.name == objective[arm.loss]
         assert cfg.algo.correction.mode == ("truncate" if arm.loss == "m2po_tis" else "none")
         assert (cfg.seed, cfg.trainer.steps, cfg.trainer.eval_every, cfg.task.eval_size) == (3, 500, 25, 256)
         assert (cfg.optim.lr, cfg.rollout.dtype, cfg.rollout.max_new_tokens) == (3e-4, "float32", 3)
@@ -155,7 +178,7 @@ def test_quick_defaults_and_explicit_values_win():
     b = bench_tta.parse_args(["--quick", "--seeds", "3"])
     assert b.seeds == 3 and b.out.name == "quick"
     c = bench_tta.parse_args([])
-    assert (len(c.arm_list), c.seeds, c.steps, c.out.name) == (11, 5, 500, "full")
+    assert (len(c.arm_list), c.seeds, c.steps, c.out.name) == (17, 5, 500, "full")     # trl, sync, 3 k x 5 losses
 
 
 def test_best_line_picks_ours_with_the_smallest_median_tta():

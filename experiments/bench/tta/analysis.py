@@ -12,11 +12,12 @@ from typing import Mapping, Optional, Sequence
 
 from offpolicy_moe.report.stats import Comparison, compare
 
-#: the staleness values and losses ``async`` expands to (issue 25)
+#: the staleness values and losses ``async`` expands to (issue 25; vespo and gmpo: the two best of the stale race,
+#: issue 29, docs/results.md)
 ASYNC_STALENESS = (1, 2, 4)
-LOSSES = ("grpo", "m2po", "m2po_tis")
+LOSSES = ("grpo", "m2po", "m2po_tis", "vespo", "gmpo")
 #: the algorithm presets each loss name stands for (offpolicy_moe/mechanisms/*.yaml)
-LOSS_PRESETS = {"grpo": "grpo", "m2po": "m2po", "m2po_tis": "m2po,tis"}
+LOSS_PRESETS = {"grpo": "grpo", "m2po": "m2po", "m2po_tis": "m2po,tis", "vespo": "vespo", "gmpo": "gmpo"}
 ASYNC_ARM = re.compile(r"async-k(\d+)-([a-z0-9_+]+)")
 #: the default target: the on-policy (sync) arm's median final accuracy minus this
 TARGET_MARGIN = 0.03
