@@ -28,7 +28,7 @@ from offpolicy_moe.trainer.sft import sft_warm_start
 from offpolicy_moe.run.signals import RunInterrupted, graceful_stop
 from offpolicy_moe.trainer.step_guard import StepGuard, max_abs
 from offpolicy_moe.trainer.trainer import Trainer
-from offpolicy_moe.tasks import make_task
+from offpolicy_moe.tasks import RewardScores, make_task
 from tests.trainer.test_trainer import final_weights, read_metrics, strip_perf
 from tests.tiny import free_port, tiny_config, tiny_policy
 
@@ -58,7 +58,8 @@ def test_sft_warm_start_leaves_no_gradient():
 
 def test_zero_advantages_give_zero_gradient_after_sft(make_cfg, monkeypatch):
     tr = Trainer(make_cfg(*SFT, "trainer.steps=1", "algo.kl.coef=0", "algo.routing.replay=none"))
-    monkeypatch.setattr(tr.task, "reward", lambda completions, answers: [0.0] * len(completions))
+    # every reward 0 (the trainer scores through task.score, so the patch goes there)
+    monkeypatch.setattr(tr.task, "score", lambda completions, answers, **context: RewardScores([0.0] * len(completions)))
     assert tr.run()["status"] == "completed"
     step1 = read_metrics(tr.cfg.run_dir)[1]
     assert step1["reward/adv_abs_mean"] == 0.0
