@@ -127,7 +127,16 @@ def test_the_two_best_of_the_stale_race_are_asynchronous_arms():
             parse_arms(f"async-k2-{other}")
 
 
-@pytest.mark.parametrize("bad", ["foo", "async-k0-grpo", "async-k2-ppo", "async-2-grpo", ""])
+def test_a_ray_arm_is_the_async_arm_with_its_worker_a_ray_actor():
+    (ray,) = parse_arms("ray-k1-grpo")
+    (local,) = parse_arms("async-k1-grpo")
+    assert (ray.name, ray.mode, ray.staleness, ray.loss, ray.backend) == ("ray-k1-grpo", "async", 1, "grpo", "ray")
+    assert ray.overrides() == local.overrides() + ["rollout.backend=ray"]
+    assert "ray" not in " ".join(a.name for a in parse_arms("trl,sync,async"))     # only when asked for
+
+
+@pytest.mark.parametrize("bad", ["foo", "async-k0-grpo", "async-k2-ppo", "async-2-grpo", "ray-k0-grpo", "rays-k1-grpo",
+                                 ""])
 def test_bad_arm_is_one_line_naming_it(bad):
     with pytest.raises(ValueError) as e:
         parse_arms(f"trl,{bad}" if bad else bad)

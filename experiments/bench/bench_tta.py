@@ -8,7 +8,10 @@ settings of bench_vs_trl.py); ``sync`` = ours, ``buffer.mode=fixed buffer.stalen
 ``buffer.mode=async rollout.workers=1`` at staleness k in {1, 2, 4} x loss in {grpo, m2po, m2po_tis, vespo,
 gmpo} (presets ``[grpo]``, ``[m2po]``, ``[m2po,tis]``, ``[vespo]``, ``[gmpo]``: VESPO and GMPO are the two best
 objectives of the stale race, experiments/stale_race.yaml and docs/results.md); a single one is named
-``async-k2-m2po_tis``.  ``async`` is 15 arms (with ``trl`` and ``sync``, 17 runs per seed).  Ours run through the CLI
+``async-k2-m2po_tis``.  ``async`` is 15 arms (with ``trl`` and ``sync``, 17 runs per seed).  ``ray-k<K>-<loss>``
+is an asynchronous arm whose one rollout worker is a Ray actor (``rollout.backend=ray``; the run starts a local Ray
+cluster unless ``RAY_ADDRESS`` names one, and that start is part of its start-up; needs ``pip install -e
+".[ray]"``); it is never part of ``async``.  Ours run through the CLI
 (``python -m offpolicy_moe train ... --run-dir``) in a subprocess each; TRL in a subprocess of this script.
 
 **The job** (every arm): the embedded tiny Qwen3-MoE (2 layers, hidden 64, 8 experts, top-2) on the default task

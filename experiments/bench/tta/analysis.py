@@ -18,20 +18,23 @@ ASYNC_STALENESS = (1, 2, 4)
 LOSSES = ("grpo", "m2po", "m2po_tis", "vespo", "gmpo")
 #: the algorithm presets each loss name stands for (offpolicy_moe/mechanisms/*.yaml)
 LOSS_PRESETS = {"grpo": "grpo", "m2po": "m2po", "m2po_tis": "m2po,tis", "vespo": "vespo", "gmpo": "gmpo"}
-ASYNC_ARM = re.compile(r"async-k(\d+)-([a-z0-9_+]+)")
+ASYNC_ARM = re.compile(r"(async|ray)-k(\d+)-([a-z0-9_+]+)")
 #: the default target: the on-policy (sync) arm's median final accuracy minus this
 TARGET_MARGIN = 0.03
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: ``trl`` (TRL's GRPOTrainer), ``sync`` (ours, on-policy) or ours asynchronous at staleness ``k``."""
+    """One arm: ``trl`` (TRL's GRPOTrainer), ``sync`` (ours, on-policy) or ours asynchronous at staleness ``k``,
+    with a local worker process (``backend="local"``) or a rollout actor of a Ray cluster (``backend="ray"``: a local
+    cluster started by the run unless ``RAY_ADDRESS`` names one; needs the ``[ray]`` extra)."""
 
     name: str
     system: str                 # trl | ours
     mode: str = "fixed"         # ours: buffer.mode (fixed | async)
     staleness: int = 0
     loss: str = "grpo"
+    backend: str = "local"      # ours, async: rollout.backend (local | ray)
 
     def overrides(self) -> list[str]:
         """Trainer overrides that make this arm (ours only; TRL has its own config)."""
@@ -40,17 +43,23 @@ class Arm:
         out = [f"preset=[{LOSS_PRESETS[self.loss]}]", f"buffer.mode={self.mode}", f"buffer.staleness={self.staleness}"]
         if self.mode == "async":
             out += ["rollout.workers=1", "rollout.worker_threads=1"]
+        if self.backend != "local":
+            out.append(f"rollout.backend={self.backend}")
         return out
 
 
-def async_arm(k: int, loss: str) -> Arm:
-    return Arm(f"async-k{k}-{loss}", "ours", "async", k, loss)
+def async_arm(k: int, loss: str, backend: str = "local") -> Arm:
+    """Ours asynchronous at staleness ``k`` with ``loss``: ``async-k<k>-<loss>`` (local worker process) or
+    ``ray-k<k>-<loss>`` (a Ray rollout actor)."""
+    prefix = "async" if backend == "local" else backend
+    return Arm(f"{prefix}-k{k}-{loss}", "ours", "async", k, loss, backend)
 
 
 def parse_arms(text: str) -> list[Arm]:
     """``--arms`` comma list -> arms, in order, duplicates dropped.  ``async`` expands to ``async-k<K>-<loss>`` for
     K in :data:`ASYNC_STALENESS` x loss in :data:`LOSSES`; a single one is named ``async-k2-m2po_tis`` (``+`` for
-    ``_`` accepted).  :class:`ValueError` with one line naming the arm for anything else."""
+    ``_`` accepted); ``ray-k<K>-<loss>`` is the same arm with its worker a Ray actor.  :class:`ValueError` with one
+    line naming the arm for anything else."""
     arms: list[Arm] = []
     names = [t.strip() for t in text.split(",")]
     if not any(names):
@@ -64,11 +73,11 @@ def parse_arms(text: str) -> list[Arm]:
             new = [async_arm(k, loss) for k in ASYNC_STALENESS for loss in LOSSES]
         else:
             m = ASYNC_ARM.fullmatch(name)
-            loss = m.group(2).replace("+", "_") if m else None
-            if m is None or loss not in LOSSES or int(m.group(1)) < 1:
-                raise ValueError(f"unknown arm {name!r} in --arms: expected trl, sync, async or async-k<K>-<loss> "
-                                 f"with K >= 1 and loss in {', '.join(LOSSES)}")
-            new = [async_arm(int(m.group(1)), loss)]
+            loss = m.group(3).replace("+", "_") if m else None
+            if m is None or loss not in LOSSES or int(m.group(2)) < 1:
+                raise ValueError(f"unknown arm {name!r} in --arms: expected trl, sync, async, async-k<K>-<loss> or "
+                                 f"ray-k<K>-<loss> with K >= 1 and loss in {', '.join(LOSSES)}")
+            new = [async_arm(int(m.group(2)), loss, "local" if m.group(1) == "async" else "ray")]
         arms += [a for a in new if a.name not in {b.name for b in arms}]
     return arms
 
