@@ -27,7 +27,16 @@ import subprocess
 import sys
 import time
 
-from _bench_job import peak_rss_mb
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, MiB (``VmHWM``: unlike ``ru_maxrss``, not inherited from the parent
+    across ``fork`` + ``exec``, so a cell started by a parent that held large arrays still measures its own)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def zipf_logits(rows: int, vocab: int, s: float, seed: int):

@@ -258,37 +258,37 @@ class KeptTokens:
         (no kept set: the whole vocabulary).  ``rows`` / ``cols`` are unit-step slices."""
         return self._fill(rows, cols, torch.tensor([False, True]))
 
-    def additive(self, rows: slice, cols: slice, dtype: torch.dtype) -> torch.Tensor:
-        """``[b, t, V]`` additive mask of positions ``[rows, cols]`` in ``dtype``: 0 on kept tokens (and on every
-        token of a position of count 0), ``-big`` elsewhere with ``big = finfo(dtype).max / 4``.  Added to finite
-        logits it leaves the kept ones bit for bit and makes the others so low that ``exp`` of them minus any
-        finite log-sum-exp is exactly 0, without ``-inf`` (no ``inf - inf``) and with one add instead of a
-        scattered ``masked_fill``."""
-        big = torch.finfo(dtype).max / 4
-        return self._fill(rows, cols, torch.tensor([-big, 0.0], dtype=dtype))
+    def indicator(self, rows: slice, cols: slice, dtype: torch.dtype) -> torch.Tensor:
+        """``[b, t, V]`` 1 on the kept tokens of positions ``[rows, cols]`` (every token of a position of count 0),
+        0 elsewhere, in ``dtype``: what the log-prob head multiplies its exponentials by."""
+        return self._fill(rows, cols, torch.tensor([0.0, 1.0], dtype=dtype))
 
     def _fill(self, rows: slice, cols: slice, values: torch.Tensor) -> torch.Tensor:
         """``[b, t, V]`` tensor holding ``values[1]`` on kept tokens (every token of a position of count 0) and
-        ``values[0]`` elsewhere; bitmask segments are expanded by a 256-entry table of their bytes."""
+        ``values[0]`` elsewhere; bitmask segments are expanded by a 256-entry table of their bytes (one gather)."""
         grid = self._grid()[rows, cols]
         sub = self.relayout(grid)
         c, seg = sub.counts.flatten().long(), sub._seg()
         M, V, W = c.numel(), self.vocab_size, self.words
         dev = c.device
         off, on = values.to(dev).unbind()
-        out = off.expand(M, V).clone()
         words = sub.ids.long().to(dev)
-        if words.numel():
-            owner = torch.repeat_interleave(torch.arange(M, device=dev), seg, output_size=words.numel())
-            sparse = (c <= W)[owner]
-            out[owner[sparse], words[sparse]] = on
-            dense = (c > W).nonzero().flatten()
-            if dense.numel():
-                _little_endian()
-                raw = sub.ids.to(dev)[~sparse].view(torch.uint8)                  # the bitmask bytes, in order
-                bits = (torch.arange(256, device=dev).unsqueeze(1) >> torch.arange(8, device=dev)) & 1
-                table = torch.where(bits.bool(), on, off)                           # [256, 8]: a byte's 8 values
-                out[dense] = table.index_select(0, raw.long()).view(dense.numel(), -1)[:, :V]
+        owner = torch.repeat_interleave(torch.arange(M, device=dev), seg, output_size=words.numel())
+        sparse = (c <= W)[owner]
+        dense = (c > W).nonzero().flatten()
+        table_rows = None
+        if dense.numel():
+            _little_endian()
+            raw = sub.ids.to(dev)[~sparse].view(torch.uint8)                      # the bitmask bytes, in order
+            bits = (torch.arange(256, device=dev).unsqueeze(1) >> torch.arange(8, device=dev)) & 1
+            table = torch.where(bits.bool(), on, off)                               # [256, 8]: a byte's 8 values
+            table_rows = table.index_select(0, raw.long()).view(dense.numel(), -1)  # [n_dense, 8 * bytes >= V]
+        if dense.numel() == M:          # every position a bitmask (a flat distribution): no other pass
+            return table_rows[:, :V].view(*grid.shape, V)
+        out = off.expand(M, V).clone()
+        out[owner[sparse], words[sparse]] = on
+        if table_rows is not None:
+            out[dense] = table_rows[:, :V]
         out[c == 0] = on
         return out.view(*grid.shape, V)
 

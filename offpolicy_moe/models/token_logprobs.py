@@ -39,8 +39,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     vocabulary).  The log-prob is then that of the truncated, renormalised distribution the engine sampled from,
     ``z[x] / τ - logsumexp_{j in K}(z_j / τ)`` (nucleus sampling: Holtzman et al. 2019, arXiv 1904.09751), and its
     gradient ``d/dz_j = g (1[j = x] - softmax_K(z / τ)_j) / τ`` on ``K``, 0 outside: the renormalisation is
-    differentiated, the choice of ``K`` (the engine's) is not.  Each block's boolean mask exists for that block
-    only.  Finite logits give finite values in any dtype, since ``x`` is always in ``K``.
+    differentiated, the choice of ``K`` (the engine's) is not.  Each block's 0/1 indicator of ``K`` exists for that
+    block only, and every exponent stays at most 0 (:func:`_kept_logsumexp`).  Finite logits give finite values in
+    any dtype, since ``x`` is always in ``K``.
 
     Refuses (``ValueError``, naming the problem) logits that are not ``[B, T, V]`` floats, targets of another shape
     or out of ``[0, V)``, a temperature that is not finite and positive, kept sets of another shape or vocabulary,
@@ -101,7 +102,7 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
 def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, block_elements: int,
              kept: Optional[KeptTokens] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log-probs, lse)`` ``[B, T]`` in the compute dtype, ``lse = logsumexp(z / τ)`` (over each position's kept
-    set when ``kept`` is given), block by block."""
+    set when ``kept`` is given, :func:`_kept_logsumexp`), block by block."""
     B, T, _ = logits.shape
     dtype = _compute_dtype(logits)
     out = torch.empty(B, T, dtype=dtype, device=logits.device)
@@ -109,24 +110,29 @@ def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, bl
     for rows, pos in _blocks(logits.shape, block_elements):
         z = logits[rows, pos]
         z = z.to(dtype) / temperature if temperature != 1.0 else z.to(dtype)
-        if kept is not None:
-            z = _restricted(z, kept, rows, pos)
-        l_blk = torch.logsumexp(z, dim=-1)
+        if kept is None:
+            l_blk = torch.logsumexp(z, dim=-1)
+        else:
+            l_blk = _kept_logsumexp(z, kept.indicator(rows, pos, dtype))
         lse[rows, pos] = l_blk
         out[rows, pos] = z.gather(-1, targets[rows, pos].unsqueeze(-1)).squeeze(-1) - l_blk
     return out, lse
 
 
-def _restricted(z: torch.Tensor, kept: KeptTokens, rows: slice, pos: slice) -> torch.Tensor:
-    """A new tensor: the block ``z`` (compute dtype, after temperature) with every token outside its position's kept
-    set lowered to at most ``-big / 2`` (``big = finfo.max / 4``), so ``exp(z_j - lse_K)`` is exactly 0 there while
-    the kept values are unchanged bit for bit.  One add of :meth:`KeptTokens.additive` when ``max |z| < big / 4``
-    (always, short of logits near the dtype's range), else a replacement (``torch.where``, slower on scattered
-    sets; the add could then leave a huge logit above the kept ones)."""
-    add = kept.additive(rows, pos, z.dtype)
-    if bool(z.abs().amax() < torch.finfo(z.dtype).max / 16):
-        return z + add
-    return torch.where(add == 0, z, add)
+def _kept_logsumexp(z: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the kept tokens (``keep``: 1 kept, 0 not, ``z``'s shape and dtype) of one block:
+    ``c + log sum_j keep_j exp(z_j - c)`` with ``c`` the block's row maximum, so every exponent is at most 0 (no
+    overflow, and no ``exp`` of the huge negative numbers a mask value would need, which the CPU's vectorised
+    ``exp`` computes several times slower).  Positions whose kept sum falls below ``tiny ** 0.5`` (all kept tokens
+    far below a token outside the set: the sum underflows or loses digits) are redone exactly, ``logsumexp`` of
+    ``z`` with the others at ``-inf``."""
+    c = z.amax(dim=-1, keepdim=True)
+    s = torch.exp(z - c).mul_(keep).sum(dim=-1)
+    out = torch.log(s).add_(c.squeeze(-1))
+    low = ~(s >= torch.finfo(z.dtype).tiny ** 0.5)
+    if bool(low.any()):
+        out[low] = torch.logsumexp(torch.where(keep[low] > 0, z[low], float("-inf")), dim=-1)
+    return out
 
 
 class _BlockedLogprob(torch.autograd.Function):
@@ -148,12 +154,14 @@ class _BlockedLogprob(torch.autograd.Function):
         dtype = lse.dtype
         for rows, pos in _blocks(logits.shape, ctx.block_elements):
             z, l_blk = logits[rows, pos].to(dtype), lse[rows, pos].unsqueeze(-1)
-            if ctx.kept is None:
-                blk = (z / tau).sub_(l_blk) if tau != 1.0 else z - l_blk      # a new tensor either way
-            else:                          # softmax over K: exp(z / τ - lse_K) on K, exactly 0 off K
-                blk = _restricted(z / tau if tau != 1.0 else z, ctx.kept, rows, pos).sub_(l_blk)
+            blk = (z / tau).sub_(l_blk) if tau != 1.0 else z - l_blk          # a new tensor either way
+            if ctx.kept is not None:       # softmax over K: every kept z / τ <= lse_K, so clamping at 0 changes
+                blk.clamp_(max=0.0)        # only tokens outside K (no overflow there), which the indicator zeroes
+                blk.exp_().mul_(ctx.kept.indicator(rows, pos, dtype))
+            else:
+                blk.exp_()                                                    # softmax(z / τ)
             g = grad_out[rows, pos].to(dtype).unsqueeze(-1)
-            blk.exp_().mul_(-g)                                               # -g softmax(z / τ)
+            blk.mul_(-g)                                                      # -g softmax(z / τ)
             blk.scatter_add_(-1, targets[rows, pos].unsqueeze(-1), g)
             if tau != 1.0:
                 blk.div_(tau)
