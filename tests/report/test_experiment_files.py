@@ -11,7 +11,7 @@ from offpolicy_moe.report.spec import PlotSpec, TableSpec
 
 ROOT = Path(__file__).resolve().parents[2] / "experiments"
 NAMES = ["r3_ablation", "m2po_staleness", "pr2_offpolicy"]      # each with a GPU twin in experiments/gpu/
-CPU_ONLY = ["m2po_regime"]
+CPU_ONLY = ["m2po_regime", "stale_race"]
 
 
 @pytest.mark.parametrize("name", NAMES + CPU_ONLY)
