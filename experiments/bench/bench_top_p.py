@@ -12,7 +12,8 @@ Three parts (``--parts``):
   without recording its kept sets; interleaved repeats, median of the per-pair time ratios.
 * ``trainer``: ``token_logprobs`` forward + backward on logits ``[rows, T, V]`` (hidden states times an output
   embedding, as in a model) without kept sets and with the kept sets of top-p on the same logits; each cell a fresh
-  process (peak RSS above the inputs, MiB; median time of ``--repeats``), the two variants interleaved over
+  process that builds the same inputs and kept sets either way (peak RSS above them, MiB, from ``VmHWM``; median
+  time of ``--repeats``), the two variants interleaved over
   ``--pairs`` pairs; ``--logit-scale`` sets how peaked the logits are (1: nearly flat, the largest kept sets).
 
     python experiments/bench/bench_top_p.py --parts bytes engine trainer --vocab 151936
@@ -142,20 +143,19 @@ def cell(variant: str, dtype: str, args) -> dict:
         for t in range(T):
             scores = procs(None, (h[:, t] @ w.t()).float())
             xs.append(torch.multinomial(scores.softmax(-1), 1, generator=g).squeeze(1))
-            if variant == "kept":
-                steps.append(step_support(scores))
+            steps.append(step_support(scores))      # both variants: the same allocations before the loop
         x = torch.stack(xs, 1)
-        if variant == "kept":
-            kept = KeptTokens.from_steps([c for c, _ in steps], [i for _, i in steps], V)
-        del scores, procs
-    kept_mean = float(kept.counts.float().mean()) if kept is not None else 0.0
-    kept_bytes = kept.nbytes if kept is not None else 0
+        kept = KeptTokens.from_steps([c for c, _ in steps], [i for _, i in steps], V)
+        del scores, procs, steps
+    kept_mean = float(kept.counts.float().mean())
+    kept_bytes = kept.nbytes
+    use = kept if variant == "kept" else None
     base = peak_rss_mb()
     times = []
     for i in range(args.repeats + 1):
         t0 = time.perf_counter()
         logits = h @ w.t()
-        lp = token_logprobs(logits, x, kept=kept)
+        lp = token_logprobs(logits, x, kept=use)
         del logits
         lp.sum().backward()
         h.grad = w.grad = None
