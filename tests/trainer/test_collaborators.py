@@ -98,7 +98,8 @@ def test_rollout_engines_are_chosen_by_name_and_capability(make_cfg):
     cfg = make_cfg()
     tr = Trainer(cfg)
     assert isinstance(tr.engine, HFRolloutEngine) and ENGINES["hf"] is HFRolloutEngine
-    assert HFRolloutEngine.capabilities == EngineCapabilities(records_routes=True, router_offsets=True)
+    assert HFRolloutEngine.capabilities == EngineCapabilities(records_routes=True, router_offsets=True,
+                                                              records_kept_tokens=True)
     cfg.rollout.engine = "vllm"
     with pytest.raises(ValueError, match=r"rollout.engine='vllm' is not a known engine; choose one of \['hf'\]"):
         make_engine(tr.unwrapped, tr.tok, cfg.rollout)
@@ -111,6 +112,10 @@ def test_rollout_engines_are_chosen_by_name_and_capability(make_cfg):
         cfg.rollout.engine = "plain"
         with pytest.raises(ValueError, match="does not support route recording"):
             make_engine(tr.unwrapped, tr.tok, cfg.rollout, record_routes=True)
+        cfg.rollout.top_p = 0.9      # truncated sampling needs the kept sets for the trainer's log-probs
+        with pytest.raises(ValueError, match="does not support returning the kept sets"):
+            make_engine(tr.unwrapped, tr.tok, cfg.rollout)
+        cfg.rollout.top_p = 1.0
         assert isinstance(make_engine(tr.unwrapped, tr.tok, cfg.rollout), Plain)
     finally:
         del ENGINES["plain"]
