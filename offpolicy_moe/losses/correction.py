@@ -90,6 +90,38 @@ def correction_weights(
     ``mismatch/opsm_seq_kl_mean`` (mean over non-empty sequences of their mean KL).
     """
     m = _check_pair("old_logp", old_logp, "behav_logp", behav_logp, mask)
+    use_opsm = _check_options(old_logp, mask, level, mode, high, low, advantages, opsm_delta)
+    dtype = torch.promote_types(old_logp.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=old_logp.device)
+    log_rho = torch.where(m, old_logp.detach().to(dtype) - behav_logp.detach().to(dtype), zero)
+    rho = torch.exp(clamp_log_ratio(_level_log_ratio(log_rho, m, level), ratio_bound(old_logp.dtype)))
+    if mode == "truncate":
+        w, changed = _truncate_weights(rho, m, high, low)
+        changed_key = "mismatch/clipped_frac"
+    elif mode == "mask":
+        w, changed = _mask_weights(rho, m, high, low, zero)
+        changed_key = "mismatch/masked_frac"
+    else:
+        w, changed = torch.ones_like(rho), torch.zeros_like(m)
+        changed_key = "mismatch/masked_frac"
+    extra: Metrics = {}
+    if use_opsm:
+        w, changed, extra = _apply_opsm(w, changed, log_rho, advantages, m, opsm_delta, mode == "opsm", zero)
+    w = torch.where(m, w, zero).to(old_logp.dtype if torch.is_floating_point(old_logp) else dtype)
+    metrics: Metrics = {
+        "mismatch/is_mean": masked_mean(w, m),
+        "mismatch/is_max": masked_max(w, m),
+        "mismatch/is_min": masked_min(w, m),
+        changed_key: frac(changed, m),
+        "mismatch/ess": _effective_sample_size(w, m),
+        **extra,
+    }
+    return w.detach(), metrics
+
+
+def _check_options(old_logp: torch.Tensor, mask: torch.Tensor, level: str, mode: str, high: float,
+                   low: Optional[float], advantages: Optional[torch.Tensor], opsm_delta: Optional[float]) -> bool:
+    """Check the options of :func:`correction_weights` before any compute; return whether OPSM applies."""
     check_choice("level", level, LEVELS)
     check_choice("mode", mode, MODES)
     check_nonneg("high", high)
@@ -106,52 +138,81 @@ def correction_weights(
         check_tensor("advantages", advantages)
         check_advantages(advantages, old_logp.shape, "old_logp")
         check_values(mask, [("advantages", advantages)])
-    dtype = torch.promote_types(old_logp.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=old_logp.device)
-    log_rho = torch.where(m, old_logp.detach().to(dtype) - behav_logp.detach().to(dtype), zero)
+    return use_opsm
+
+
+def _level_log_ratio(log_rho: torch.Tensor, m: torch.Tensor, level: str) -> torch.Tensor:
+    """The log-ratio [B, T] of a correction level, from per-token ``log_rho`` (0 at masked positions).
+
+    ``token``: ``log rho_t``; ``sequence``: ``sum_t log rho_t``, the log of the product of the token
+    ratios (sequence-level importance sampling, as TRL's ``sequence_*`` modes); ``geometric``:
+    ``mean_t log rho_t`` over valid tokens, the log of their geometric mean (the length-normalised
+    sequence ratio of GSPO, Zheng et al. 2025).  Both sequence levels broadcast over the sequence.
+    """
     if level == "token":
-        lw = log_rho
-    else:
-        total = log_rho.sum(-1, keepdim=True)
-        if level == "geometric":
-            total = total / m.sum(-1, keepdim=True).clamp(min=1).to(dtype)
-        lw = total.expand_as(log_rho)
-    rho = torch.exp(clamp_log_ratio(lw, ratio_bound(old_logp.dtype)))
+        return log_rho
+    total = log_rho.sum(-1, keepdim=True)
+    if level == "geometric":
+        total = total / m.sum(-1, keepdim=True).clamp(min=1).to(log_rho.dtype)
+    return total.expand_as(log_rho)
+
+
+def _truncate_weights(rho: torch.Tensor, m: torch.Tensor, high: float,
+                      low: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """TIS: ``w = min(rho, high)``, and ``max(w, low)`` when ``low`` is given; also the clipped positions.
+
+    Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training").  The second value marks ``rho > high`` or ``rho < low``.
+    """
     too_high = rho > high
     too_low = rho < low if low is not None else torch.zeros_like(m)
-    if mode == "truncate":
-        w = rho.clamp(max=high) if low is None else rho.clamp(min=low, max=high)
-        changed_key, changed = "mismatch/clipped_frac", too_high | too_low
-    elif mode == "mask":
-        outside = too_high | too_low
-        w = torch.where(outside, zero, rho)
-        changed_key, changed = "mismatch/masked_frac", outside
-    else:
-        w = torch.ones_like(rho)
-        changed_key, changed = "mismatch/masked_frac", torch.zeros_like(m)
-    extra: Metrics = {}
-    if use_opsm:
-        keep, seq_kl = opsm_keep(log_rho, advantages, m, OPSM_DELTA if opsm_delta is None else float(opsm_delta))
-        w = torch.where(keep, w, zero)
-        changed = changed | ~keep if mode == "opsm" else changed
-        has_tok = m.any(-1)
-        extra = {"mismatch/opsm_masked_frac": frac(~keep, m),
-                 "mismatch/opsm_seq_kl_mean": masked_mean(seq_kl.squeeze(-1), has_tok)}
-    w = torch.where(m, w, zero).to(old_logp.dtype if torch.is_floating_point(old_logp) else dtype)
+    w = rho.clamp(max=high) if low is None else rho.clamp(min=low, max=high)
+    return w, too_high | too_low
+
+
+def _mask_weights(rho: torch.Tensor, m: torch.Tensor, high: float, low: Optional[float],
+                  zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MIS / IcePop: ``w = rho if low <= rho <= high else 0``; also the masked positions.
+
+    Masked importance sampling (Liu, Li et al. 2025, "When Speed Kills Stability"); IcePop
+    (arXiv 2510.18855) is ``low=0.5, high=5``.  ``low=None`` means no lower bound.
+    """
+    too_high = rho > high
+    too_low = rho < low if low is not None else torch.zeros_like(m)
+    outside = too_high | too_low
+    return torch.where(outside, zero, rho), outside
+
+
+def _apply_opsm(w: torch.Tensor, changed: torch.Tensor, log_rho: torch.Tensor, advantages: torch.Tensor,
+                m: torch.Tensor, opsm_delta: Optional[float], opsm_alone: bool,
+                zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
+    """OPSM on top of weights ``w``: ``w * O`` with ``O`` from :func:`opsm_keep`, and its metrics.
+
+    Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9): ``O = 0`` where ``A < 0`` and
+    ``mean_t (behav_logp - old_logp) > delta`` (``delta`` defaults to :data:`OPSM_DELTA`).  When OPSM is
+    the mode itself (``opsm_alone``) the tokens it drops count as changed.
+    """
+    keep, seq_kl = opsm_keep(log_rho, advantages, m, OPSM_DELTA if opsm_delta is None else float(opsm_delta))
+    w = torch.where(keep, w, zero)
+    changed = changed | ~keep if opsm_alone else changed
+    has_tok = m.any(-1)
+    extra: Metrics = {"mismatch/opsm_masked_frac": frac(~keep, m),
+                      "mismatch/opsm_seq_kl_mean": masked_mean(seq_kl.squeeze(-1), has_tok)}
+    return w, changed, extra
+
+
+def _effective_sample_size(w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Normalised effective sample size ``(sum w)^2 / (N sum w^2)`` in float64, returned as float32 0-d.
+
+    Kish's effective sample size over the ``N`` valid tokens, divided by ``N`` (1 for equal weights);
+    0 when every weight is 0.
+    """
     wd = w.to(torch.float64)
     s1 = wd.sum()
     s2 = (wd * wd).sum()
     n = m.sum().to(torch.float64)
     ess = torch.where(s2 > 0, s1 * s1 / (n.clamp(min=1) * s2.clamp(min=torch.finfo(torch.float64).tiny)), torch.zeros_like(s1))
-    metrics: Metrics = {
-        "mismatch/is_mean": masked_mean(w, m),
-        "mismatch/is_max": masked_max(w, m),
-        "mismatch/is_min": masked_min(w, m),
-        changed_key: frac(changed, m),
-        "mismatch/ess": ess.to(torch.float32),
-        **extra,
-    }
-    return w.detach(), metrics
+    return ess.to(torch.float32)
 
 
 def opsm_keep(log_rho: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
