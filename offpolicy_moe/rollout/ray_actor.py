@@ -74,6 +74,10 @@ class WeightRegistry:
         if int(version) >= self.version:
             self.version, self.ref = int(version), list(ref)
 
+    def node(self) -> str:
+        """Ray node id of the node this registry runs on."""
+        return _ray().get_runtime_context().get_node_id()
+
     def newest(self) -> tuple[int, list]:
         """``(version, [reference])`` of the newest published weights (``(-1, [])`` before the first)."""
         return self.version, self.ref

@@ -11,12 +11,14 @@ the metric names (``async/*``).  What differs:
   in the cluster of ``rollout.ray_address`` (else ``RAY_ADDRESS``, else ``ray.init()``'s default: a cluster on this
   machine), ``rollout.worker_threads`` CPUs each;
 * weights: each published version is ``ray.put`` once into the object store; a
-  :class:`~offpolicy_moe.rollout.ray_actor.WeightRegistry` actor holds the newest reference, and an actor pulls it
-  (once per version it uses) when it starts an order (``async/weight_sync_s``: the trainer's put);
+  :class:`~offpolicy_moe.rollout.ray_actor.WeightRegistry` actor, pinned to the trainer's node, holds the newest
+  reference, and an actor pulls it (once per version it uses) when it starts an order (``async/weight_sync_s``:
+  the trainer's put);
 * an order is an actor call; the trainer waits on the calls' results (``ray.wait``, at most
   ``rollout.worker_timeout_s`` without news, then a :class:`PipelineTimeout` naming the iteration and the actor);
 * an actor that dies (seen at once through its ``watch`` call, pending for the actor's life like a process
-  sentinel, even when it has no order in flight), or whose call raises, is named with its node; under ``rollout.on_worker_death=restart`` a
+  sentinel, even when it has no order in flight; checked at every step), or whose call raises (:func:`actor_died`
+  tells the two apart), is named with its node; under ``rollout.on_worker_death=restart`` a
   new actor takes its place and its iterations are issued again with their seeds (``stop``: :class:`WorkerDied`,
   the loop checkpoints and stops).  When the actor's NODE is gone, ``rollout.ray_on_node_loss`` decides:
   ``continue`` with the remaining actors, or ``stop``.
@@ -45,7 +47,7 @@ from offpolicy_moe.rollout.worker import Order, WorkerSpec
 from offpolicy_moe.sources.asynchronous import AsyncBatchSource, PipelineTimeout, WorkerDied
 from offpolicy_moe.sources.schedule import Assignment
 
-__all__ = ["RayBatchSource", "connect", "ray_address"]
+__all__ = ["RayBatchSource", "actor_died", "connect", "ray_address"]
 _MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
 _CONNECT_TIMEOUT_S = 5.0
 _NODE_GRACE_S = 15.0       # how long a dead actor's node is watched for its own death before a restart
@@ -146,15 +148,26 @@ class RayBatchSource(AsyncBatchSource):
         if step != self.cursor:
             raise RuntimeError(f"async pipeline: trainer step {step} but the pipeline's next iteration is "
                                f"{self.cursor} (a checkpoint from another buffer mode?)")
-        strategies = importlib.import_module("ray.util.scheduling_strategies")
-        here = strategies.NodeAffinitySchedulingStrategy(
-            node_id=self.ray.get_runtime_context().get_node_id(), soft=True)     # on the trainer's node if it is one
-        self._registry = self.ray.remote(WeightRegistry).options(num_cpus=0, scheduling_strategy=here).remote()
+        self._registry = self._place_registry()
         self._board = _ObjectStoreWeights(self.ray, self._registry)
         self._board.publish(self.ring[self.published], self.published)
         for i in range(self.n_workers):
             self._actors[i] = self._create(i)
         self._issue(self.published)
+
+    def _place_registry(self) -> Any:
+        """A :class:`WeightRegistry` actor pinned to the trainer's own node (hard node affinity; it needs no CPU,
+        so it always fits there).  A soft affinity is not enough: a raylet without CPUs (a head node started with
+        ``num_cpus=0``) spills even a zero-CPU actor to another node, and a registry on a rollout node dies with
+        that node, failing every other actor's orders."""
+        strategies = importlib.import_module("ray.util.scheduling_strategies")
+        here = strategies.NodeAffinitySchedulingStrategy(node_id=self.ray.get_runtime_context().get_node_id(),
+                                                         soft=False)
+        return self.ray.remote(WeightRegistry).options(num_cpus=0, scheduling_strategy=here).remote()
+
+    def registry_node(self) -> str:
+        """Ray node id of the weight registry actor (the trainer's node)."""
+        return self.ray.get(self._registry.node.remote(), timeout=self.timeout)
 
     def _create(self, index: int, restarts: int = 0) -> _Actor:
         """A new actor for worker slot ``index``, waited for (at most ``rollout.worker_timeout_s``)."""
@@ -203,6 +216,7 @@ class RayBatchSource(AsyncBatchSource):
                                f"{self.cursor}")
         t0, prep0 = time.perf_counter(), self.timing["prepare_s"]
         last = t0
+        self._receive(timeout=0)     # deaths and errors that came meanwhile, even when this batch is ready already
         while step not in self.ready:
             if self._receive(timeout=min(1.0, self.timeout)):
                 last = time.perf_counter()
@@ -243,11 +257,9 @@ class RayBatchSource(AsyncBatchSource):
             actor = self._actors[call.worker]
             try:
                 iteration, attempt, state, timings = self.ray.get(ref, timeout=self.timeout)
-            except self.ray.exceptions.RayActorError as e:
-                self._on_actor_death(actor, _cause(e), died=True, raw=str(e))
-                continue
-            except self.ray.exceptions.RayTaskError as e:
-                self._on_actor_death(actor, _cause(e), died=False)
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as e:
+                died = actor_died(self.ray, e)
+                self._on_actor_death(actor, _cause(e), died=died, raw=str(e) if died else "")
                 continue
             self._handle(actor, ("batch", actor.index, iteration, attempt, state, timings))
         return bool(done)
@@ -302,6 +314,19 @@ class RayBatchSource(AsyncBatchSource):
         if self._registry is not None:
             self.ray.kill(self._registry, no_restart=True)
         self._actors, self._calls, self._watch, self._registry = {}, {}, {}, None
+
+
+def actor_died(ray: Any, e: BaseException) -> bool:
+    """Whether Ray error ``e`` from an actor's call says that the ACTOR is gone (dead, or unreachable:
+    ``ActorUnavailableError``), as opposed to the call raising.  A call that raised is a ``RayTaskError`` even
+    when what it raised is itself an actor error (the actor's own call to another actor, e.g. the weight registry,
+    failed): Ray's ``RayTaskError.as_instanceof_cause`` makes such an error an instance of BOTH classes, so the
+    ``RayTaskError`` test comes first; otherwise the other actor's death (its node's, say) would be read as this
+    actor's."""
+    exc = ray.exceptions
+    if isinstance(e, exc.RayTaskError):
+        return False
+    return isinstance(e, exc.RayActorError)
 
 
 def _cause(e: BaseException) -> str:

@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from offpolicy_moe.config.load import to_yaml
+from offpolicy_moe.sources.ray_source import actor_died
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer
 
@@ -61,6 +63,7 @@ def test_a_removed_rollout_node_continues_with_fewer_actors_or_stops_with_a_chec
 
     trainer = Trainer(cfg, callbacks=[FunctionCallback(on_step_end=remove)])
     summary = trainer.run()
+    assert removed
     if policy == "continue":
         assert summary["status"] == "completed", summary.get("error")
         err = capfd.readouterr().err
@@ -74,6 +77,20 @@ def test_a_removed_rollout_node_continues_with_fewer_actors_or_stops_with_a_chec
     summary = Trainer(cfg, resume=True).run()
     assert summary["status"] == "completed", summary.get("error")
     _check_nothing_lost(cfg.run_dir, 4, 1)
+
+
+def test_an_actor_whose_call_to_another_actor_failed_has_not_died():
+    """A call that raised an actor error of ANOTHER actor (the registry died with its node) is an instance of both
+    ``RayTaskError`` and ``RayActorError``; it is a failed call, not the death of the calling actor or its node.
+    An unreachable actor (``ActorUnavailableError``, e.g. its node was just removed) and a dead one are deaths."""
+    nested = ("Traceback (most recent call last):\n  ray.get(self.registry.newest.remote())\n"
+              "ray.exceptions.ActorDiedError: The actor died because its node has died. Node Id: 0123abcd")
+    wrapped = ray.exceptions.RayTaskError("generate", nested, ray.exceptions.ActorDiedError()).as_instanceof_cause()
+    assert isinstance(wrapped, ray.exceptions.RayActorError)           # why the order of the tests matters
+    assert not actor_died(ray, wrapped)
+    assert not actor_died(ray, ray.exceptions.RayTaskError("generate", "ValueError: boom", ValueError("boom")))
+    assert actor_died(ray, ray.exceptions.ActorDiedError())
+    assert actor_died(ray, ray.exceptions.ActorUnavailableError("RpcError: Socket closed", None))
 
 
 def test_sigkill_of_the_trainer_then_resume_loses_and_repeats_nothing(cluster, make_cfg):

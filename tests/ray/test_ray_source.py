@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from offpolicy_moe.config.load import to_yaml
@@ -46,6 +47,19 @@ def local_run(tmp_path_factory):
     return seen, weights
 
 
+def _check_registry_on_the_trainers_node(source) -> None:
+    """The weight registry, and four more placed the same way, run on the trainer's node (the head, without
+    CPUs): one on a rollout node would die with it and fail the surviving actors' orders too."""
+    here = ray.get_runtime_context().get_node_id()
+    assert source.registry_node() == here
+    for _ in range(4):
+        extra = source._place_registry()
+        try:
+            assert ray.get(extra.node.remote(), timeout=60) == here
+        finally:
+            ray.kill(extra)
+
+
 def _same(seen_a, seen_b):
     assert len(seen_a) == len(seen_b) == 3
     for (ids_a, lp_a, v_a, it_a), (ids_b, lp_b, v_b, it_b) in zip(seen_a, seen_b):
@@ -55,8 +69,11 @@ def _same(seen_a, seen_b):
 def test_ray_actors_at_staleness_0_reproduce_the_local_pipeline_bit_for_bit(cluster, local_run, make_cfg):
     """Same samples (tokens, behaviour log-probs, versions) and the same trained weights as the local workers."""
     cfg = make_cfg(*RAY, "buffer.staleness=0", "algo.routing.replay=r3")
-    summary, seen, weights, trainer = _train(cfg)
+    checked = []
+    summary, seen, weights, trainer = _train(cfg, on_step_end=lambda tr, step, m: checked or checked.append(
+        _check_registry_on_the_trainers_node(tr.source)))
     assert summary["status"] == "completed", summary.get("error")
+    assert checked
     _same(seen, local_run[0])
     assert all(torch.equal(weights[k], local_run[1][k]) for k in weights)
     rows = [r for r in _rows(cfg.run_dir) if r["step"] > 0]
