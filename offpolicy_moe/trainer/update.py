@@ -24,10 +24,10 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.run import fault_injection as faults
-from offpolicy_moe.run.faults import is_finite
 from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, all_finite, as_nonfinite
+from offpolicy_moe.trainer.finite_agreement import FiniteAgreement
 from offpolicy_moe.trainer.forward import RoutedForward
-from offpolicy_moe.run.full_state import as_full_tensor
+from offpolicy_moe.trainer.grads import average_predictor_grads, grad_norm, zero_missing_grads
 from offpolicy_moe.trainer.old_logp import FusedOldLogp, OldLogpPass
 from offpolicy_moe.trainer.step_guard import StepGuard
 from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_loss_spec, global_counts,
@@ -35,7 +35,7 @@ from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_l
 from offpolicy_moe.routing import compare_traces, pr2_predictor_loss
 
 __all__ = ["PolicyUpdate", "LossSetup", "loss_setup", "mean_metrics", "drop_constant_groups", "zero_missing_grads",
-           "loglinear_proximal"]
+           "loglinear_proximal", "decoupled_weights"]
 
 
 @dataclass
@@ -140,13 +140,17 @@ def loglinear_proximal(logp: torch.Tensor, part: RolloutBatch, update: int, step
     return torch.where(part.response_mask.to(logp.device).bool(), behav + alpha * (logp - behav), logp)
 
 
-def zero_missing_grads(model: torch.nn.Module) -> None:
-    """Give every trainable parameter without a gradient a zero one.  Rows skipped for a zero advantage would have
-    given the parameters they reach an exactly-zero gradient; with a zero (rather than a missing) gradient the
-    optimizer decays its moment estimates as it would have, so the step equals the one without the skip."""
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
+def decoupled_weights(corr: Any, old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
+                      adv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """Behaviour weights from ``old_logp`` (or the proximal log-probs) and ``behav_logp``: the configured correction
+    ``corr`` (``algo.correction``, :func:`correction_weights`; its metrics as tensors), or with ``corr.mode=none``
+    the plain decoupled-PPO weight ``pi_prox / mu = exp(clamp(old_logp - behav_logp, +-20))`` (AReaL, Fu et al.
+    2025, arXiv 2505.24298), 0 at masked positions, without metrics."""
+    if corr.mode != "none":
+        return correction_weights(old_logp, behav_logp, mask, level=corr.level, mode=corr.mode, high=corr.high,
+                                  low=corr.low, advantages=adv, opsm_delta=corr.opsm_delta)
+    lw = (old_logp - behav_logp).clamp(-20, 20)
+    return torch.where(mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
 
 
 class PolicyUpdate:
@@ -175,7 +179,7 @@ class PolicyUpdate:
         self.start_guard = StepGuard(optimizer, scheduler)    # the start of the policy update (the step boundary)
         self._start: Optional[StepGuard] = None
         self.applied = 0                # optimizer updates applied by the current call
-        self._agreed_err: Optional[NonFiniteError] = None
+        self.finite = FiniteAgreement(self.nan, accelerator)     # checks agreed over processes, by stage
         self._prox: Optional[FusedOldLogp] = None
         self._prox_step = 0
 
@@ -217,14 +221,9 @@ class PolicyUpdate:
         under ``old_logp_source=proximal`` without correction the plain decoupled-PPO weight ``pi_prox / mu``
         (AReaL, arXiv 2505.24298); None when neither applies."""
         src, corr = self.cfg.algo.old_logp_source, self.cfg.algo.correction
-        if src in ("trainer", "proximal") and corr.mode != "none":
-            weights, wm = correction_weights(batch.old_logp, batch.behav_logp, batch.response_mask, level=corr.level,
-                                             mode=corr.mode, high=corr.high, low=corr.low, advantages=adv,
-                                             opsm_delta=corr.opsm_delta)
+        if src == "proximal" or (src == "trainer" and corr.mode != "none"):
+            weights, wm = decoupled_weights(corr, batch.old_logp, batch.behav_logp, batch.response_mask, adv)
             return weights, metrics_to_floats(wm, drop_nonfinite=True)
-        if src == "proximal":
-            lw = (batch.old_logp - batch.behav_logp).clamp(-20, 20)
-            return torch.where(batch.response_mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
         return None, {}
 
     def begin_proximal(self, batch: RolloutBatch, step: int) -> Optional[FusedOldLogp]:
@@ -239,12 +238,7 @@ class PolicyUpdate:
                          adv: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], dict]:
         """The behaviour weights of one micro-batch from its proximal log-probs: the configured correction, or the
         plain decoupled-PPO weight ``pi_prox / mu`` (as :meth:`behaviour_weights` for the whole batch)."""
-        corr = self.cfg.algo.correction
-        if corr.mode != "none":
-            return correction_weights(prox, behav, mask, level=corr.level, mode=corr.mode, high=corr.high,
-                                      low=corr.low, advantages=adv, opsm_delta=corr.opsm_delta)
-        lw = (prox - behav).clamp(-20, 20)
-        return torch.where(mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
+        return decoupled_weights(self.cfg.algo.correction, prox, behav, mask, adv)
 
     def ref_logp(self, batch: RolloutBatch, routes: Any) -> Optional[torch.Tensor]:
         """Log-probs of the frozen reference model (KL penalty), replaying ``routes``; None without one.  Raises
@@ -265,6 +259,7 @@ class PolicyUpdate:
         started; so does the ``trainer.max_nan_skips``-th skip in a row under ``skip``.  ``keep_start``: keep the
         state of the start of the call for :meth:`restore_start` (the trainer evaluates the new weights next)."""
         self._step, self._iteration = step + 1, iteration
+        self.finite.step, self.finite.iteration = self._step, iteration
         self.applied = 0
         one_update = self.cfg.trainer.updates_per_step == 1
         stop = self.cfg.trainer.on_nan == "stop"
@@ -293,24 +288,6 @@ class PolicyUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
-    @staticmethod
-    def _refusal(exc: BaseException, stage: str, what: str) -> NonFiniteError:
-        """``exc`` as a :class:`NonFiniteError` of ``stage``; re-raised when it is not a non-finite refusal."""
-        err = as_nonfinite(exc, stage, what)
-        if err is None:
-            raise exc
-        return err
-
-    def _agreed(self, err: Optional[NonFiniteError], stage: str, what: str) -> Optional[NonFiniteError]:
-        """``err`` as every process sees it: with several processes, one process's error is every process's
-        (their updates must stay in step); also kept in ``_agreed_err``."""
-        if self.world > 1:
-            flag = torch.tensor([0.0 if err is None else 1.0], device=self.device)
-            if float(self.acc.reduce(flag, "sum").item()) > 0 and err is None:
-                err = NonFiniteError(stage, f"{what} (on another process)")
-        self._agreed_err = err
-        return err
-
     def _skip_batch(self, err: NonFiniteError, metrics: dict[str, float]) -> dict[str, float]:
         """A stage before any optimizer update found non-finite values: the policy decides (raise, or drop the
         batch: no update, counted)."""
@@ -336,17 +313,17 @@ class PolicyUpdate:
                 weights, wm = self.behaviour_weights(batch, adv)
                 metrics.update(wm)
             except (ValueError, RuntimeError) as exc:
-                err = self._refusal(exc, "old_logp", "old log-probs at consumption")
-        if self._agreed(err, "old_logp", "old log-probs at consumption") is not None:
-            return self._skip_batch(self._agreed_err, metrics)
+                err = self.finite.refusal(exc, "old_logp", "old log-probs at consumption")
+        if self.finite.agreed(err, "old_logp", "old log-probs at consumption") is not None:
+            return self._skip_batch(self.finite.agreed_err, metrics)
         self._prox = prox
         ref_lp = None
         try:
             ref_lp = self.ref_logp(batch, routes)
         except NonFiniteError as exc:
             err = exc
-        if self._agreed(err, "reference", "reference log-probs") is not None:
-            return self._skip_batch(self._agreed_err, metrics)
+        if self.finite.agreed(err, "reference", "reference log-probs") is not None:
+            return self._skip_batch(self.finite.agreed_err, metrics)
         skipped_before = self.nan.skipped
         mini_metrics: list[dict] = []
         grad_norms: list[torch.Tensor] = []
@@ -454,7 +431,7 @@ class PolicyUpdate:
             self.sync_predictor_grads()
             faults.poison_("gradients", self._step, next((p.grad for p in self.model.parameters()
                                                           if p.grad is not None), None))
-            gn = self._grad_norm()
+            gn = grad_norm(self.acc, self.model, self.cfg.optim.grad_clip)
             ok = self.check_finite(torch.as_tensor(gn), "gradient norm", "gradients")
         if ok:
             ok = self.guarded_step()
@@ -479,15 +456,6 @@ class PolicyUpdate:
             return True
         self.guard.restore()
         return False
-
-    def _grad_norm(self) -> torch.Tensor:
-        """The global gradient norm (clipped to ``optim.grad_clip`` when > 0); a plain tensor also for a sharded
-        model."""
-        clip = self.cfg.optim.grad_clip
-        if clip > 0:
-            return as_full_tensor(self.acc.clip_grad_norm_(self.model.parameters(), clip))
-        return as_full_tensor(torch.sqrt(sum((q.grad.detach().float() ** 2).sum() for q in self.model.parameters()
-                                             if q.grad is not None)))
 
     def micro_loss(self, mb: _MiniBatch, j: int, adv: torch.Tensor, weights: Optional[torch.Tensor],
                    ref_lp: Optional[torch.Tensor], fused: Optional[FusedOldLogp]):
@@ -557,32 +525,9 @@ class PolicyUpdate:
 
     # ------------------------------------------------------------------ multi-process details
     def check_finite(self, value: torch.Tensor, what: str, stage: str) -> bool:
-        """True when ``value`` is finite on every process; otherwise the policy decides (:attr:`nan`): it raises
-        :class:`NonFiniteError` (``stop``, or too many skips in a row) or counts the skip and False is returned."""
-        ok = is_finite(value)
-        if self.world > 1:
-            flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
-            ok = float(self.acc.reduce(flag, "sum").item()) == 0.0
-        if not ok:
-            self.nan.record(NonFiniteError(stage, what, step=self._step, iteration=self._iteration))
-        return ok
+        """True when ``value`` is finite on every process, else the policy decides (:meth:`FiniteAgreement.check`)."""
+        return self.finite.check(value, what, stage)
 
     def sync_predictor_grads(self) -> None:
-        """PR2 predictors are not wrapped in DDP: average their gradients over processes by hand so every process
-        applies the same predictor update.  Each process's backward ran on ``loss * world``, so the sum over
-        processes is divided by ``world**2``: the mean over processes of the local gradients."""
-        if self.predictors is None or self.world == 1:
-            return
-        params = [p for p in self.predictors.parameters() if p.requires_grad]
-        for p in params:     # a process without PR2 features this step contributes zeros (no deadlock)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-        flat /= float(self.world * self.world)
-        off = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[off:off + n].view_as(g))
-            off += n
+        """The PR2 predictors' gradients averaged over processes by hand (:func:`average_predictor_grads`)."""
+        average_predictor_grads(self.predictors, self.world)
