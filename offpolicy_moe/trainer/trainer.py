@@ -30,7 +30,6 @@ stop it at the next iteration boundary with a checkpoint there (:mod:`~offpolicy
 """
 from __future__ import annotations
 
-import copy
 import os
 import random
 import sys
@@ -43,34 +42,33 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
-from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes
 from offpolicy_moe.trainer.checks import CheckedConfig, check_config
 from offpolicy_moe.trainer.callbacks import Callback, CallbackList
-from offpolicy_moe.run.checkpoint import rng_state, set_rng_state
+from offpolicy_moe.run.checkpoint import set_rng_state
 from offpolicy_moe.run.checkpoint_state import CheckpointState
 from offpolicy_moe.run.export import export_final
-from offpolicy_moe.run.full_state import full_model_state, is_sharded, load_full_optimizer_state
+from offpolicy_moe.run.full_state import full_model_state
 from offpolicy_moe.trainer.forward import RoutedForward
 from offpolicy_moe.run import fault_injection as faults
-from offpolicy_moe.run.nonfinite import STAGES, NanCounter, NonFiniteError, all_finite, as_nonfinite, watch_logits
+from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.run.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.trainer.old_logp import OldLogpPass
-from offpolicy_moe.trainer.optim import adamw, lr_schedule
-from offpolicy_moe.sources.asynchronous import AsyncBatchSource
-from offpolicy_moe.sources.base import BatchSource, SourceStopped
-from offpolicy_moe.sources.ray_source import RayBatchSource
-from offpolicy_moe.sources.sync import SyncBatchSource
-from offpolicy_moe.sources.versions import token_lag
-from offpolicy_moe.rollout.engine import REPLAY_ENGINE, make_engine
+from offpolicy_moe.sources.base import SourceStopped
 from offpolicy_moe.run.run_dir import RunDir
+from offpolicy_moe.trainer.build import (build_engine, build_optimizer, build_source, frozen_reference,
+                                        routing_controller)
+from offpolicy_moe.trainer.evaluation import eval_due, evaluate_policy
+from offpolicy_moe.trainer.finite_agreement import agree_on_stage
+from offpolicy_moe.trainer.run_checkpoints import RunCheckpoints
 from offpolicy_moe.trainer.sft import sft_warm_start
+from offpolicy_moe.trainer.step_metrics import mean_over_processes, offpolicy_metrics
 from offpolicy_moe.run.signals import RunInterrupted, StopRequest, graceful_stop
 from offpolicy_moe.trainer.update import PolicyUpdate, loss_setup
 from offpolicy_moe.models import is_moe, load_policy
-from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
-from offpolicy_moe.tasks import RewardError, apply_chat_template, evaluate_greedy, make_task
+from offpolicy_moe.routing import PR2Predictors, RoutingController
+from offpolicy_moe.tasks import RewardError, apply_chat_template, make_task
 
 __all__ = ["Trainer", "TrainingStopped"]
 
@@ -138,16 +136,18 @@ class Trainer:
                              f"{type(model).__name__} has no MoE layer (model.preset={cfg.model.preset!r})")
         self.measure_routing = self.is_moe and bool(rt.metrics)
         model.train()
-        self.controller = self._routing_controller(model)
+        self.controller = routing_controller(model, cfg, is_moe=self.is_moe, measure_routing=self.measure_routing)
         self.predictors = PR2Predictors.from_controller(self.controller) if rt.replay == "pr2" else None
         self.ref_model: Optional[torch.nn.Module] = None   # created after the SFT warm start when algo.kl.coef > 0
-        self._build_optimizer(model)
+        self.optimizer, self.scheduler = build_optimizer(model, self.predictors, cfg)
         if self.predictors is not None:
             self.predictors.to(self.accelerator.device)
         self.unwrapped = model
         # the synchronous source's engine: its own copy of the bare model, before FSDP can shard it (the
         # asynchronous source's workers build theirs from the config)
-        self.engine = self._build_engine() if cfg.buffer.mode != "async" else None
+        self.engine = (build_engine(model, self.tok, cfg, self.predictors, is_moe=self.is_moe,
+                                    measure_routing=self.measure_routing, device=self.accelerator.device)
+                       if cfg.buffer.mode != "async" else None)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         self.unwrapped = self.accelerator.unwrap_model(self.model)     # the bare model (no DDP wrapper)
         self.forward = RoutedForward(device=self.accelerator.device, controller=self.controller, replay=rt.replay,
@@ -164,9 +164,14 @@ class Trainer:
                                           model=self.model, bare_model=self.unwrapped, optimizer=self.optimizer,
                                           scheduler=self.scheduler, accelerator=self.accelerator, task=self.task,
                                           predictors=self.predictors, nan=self.nan)
-        self.source = self._build_source()
+        self.source = build_source(cfg, engine=self.engine, task=self.task, model=self.unwrapped, prepare=self.prepare,
+                                   on_nonfinite=self.drop_nonfinite, rank=self.rank, world=self.world)
         self.checkpoints = CheckpointState(self.run_dir.ckpt_root, model=self.unwrapped, world=self.world,
                                            keep=tc.keep_checkpoints, accelerator=self.accelerator)
+        self.run_checkpoints = RunCheckpoints(self.checkpoints, accelerator=self.accelerator, run_dir=self.run_dir,
+                                              source=self.source, model=self.unwrapped, optimizer=self.optimizer,
+                                              scheduler=self.scheduler, nan=self.nan, predictors=self.predictors,
+                                              rank=self.rank, publish_every=cfg.rollout.publish_every)
         # counters (all checkpointed; updates / nan_skipped live in the policy update, iterations in the source)
         self.step = 0               # trained steps done = policy version
         self.sft_done = False
@@ -177,67 +182,11 @@ class Trainer:
         self.console: Optional[ConsoleLogger] = None
 
     # ------------------------------------------------------------------ building
-    def _routing_controller(self, model: torch.nn.Module) -> Optional[RoutingController]:
-        """The actor's routing controller (replay, recording, routing metrics), and gradient checkpointing that
-        replays the forward's routes in the recompute."""
-        rt = self.cfg.algo.routing
-        controller = None
-        if self.is_moe and (rt.replay != "none" or self.measure_routing):
-            controller = RoutingController(model)
-        if self.cfg.model.gradient_checkpointing:
-            if controller is not None:
-                controller.enable_gradient_checkpointing(model)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return controller
-
-    def _build_optimizer(self, model: torch.nn.Module) -> None:
-        """AdamW over the policy (and the PR2 predictors' own parameter group) and the lr schedule."""
-        cfg = self.cfg
-        params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
-        if self.predictors is not None:
-            params.append(pr2_param_group(self.predictors, cfg.optim.lr, cfg.algo.routing.pr2_lr_mult))
-        self.optimizer = adamw(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                               weight_decay=cfg.optim.weight_decay)
-        total_updates = cfg.trainer.steps * cfg.trainer.updates_per_step
-        self.scheduler = lr_schedule(self.optimizer, cfg.optim.scheduler, cfg.optim.warmup_steps, total_updates)
-
-    def _build_engine(self):
-        rt = self.cfg.algo.routing
-        offsets = None
-        if self.predictors is not None:
-            offsets = {"pr2_predictors": self.predictors, "pr2_in_weights": rt.pr2_bias_in_weights,
-                       "pr2_feature_sample_rate": rt.pr2_feature_sample_rate}
-        record = self.is_moe and (rt.replay in REPLAY_ENGINE or self.measure_routing)
-        return make_engine(self.unwrapped, self.tok, self.cfg.rollout, record_routes=record, router_offsets=offsets,
-                           device=self.accelerator.device, seed=self.cfg.seed)
-
-    def _build_source(self) -> BatchSource:
-        """The batch source of ``buffer.mode``: workers for ``async`` (Ray actors with ``rollout.backend=ray``), this
-        process's engine otherwise."""
-        if self.cfg.buffer.mode == "async" and self.cfg.rollout.backend == "ray":
-            # (a non-finite batch raises out of the Ray source: the run stops as diverged under either policy)
-            return RayBatchSource(self.cfg, model=self.unwrapped, prepare=self.prepare, rank=self.rank,
-                                  world=self.world)
-        if self.cfg.buffer.mode == "async":
-            return AsyncBatchSource(self.cfg, model=self.unwrapped, prepare=self.prepare, rank=self.rank,
-                                    world=self.world, on_nonfinite=self.drop_nonfinite)
-        return SyncBatchSource(self.cfg, engine=self.engine, task=self.task, prepare=self.prepare, rank=self.rank,
-                               world=self.world, on_nonfinite=self.drop_nonfinite)
-
     def make_ref_model(self, state: Optional[dict] = None) -> None:
         """The frozen reference policy for the KL penalty (a copy of the current weights, or ``state``); the
         routed forward gives it its own routing controller (it replays the actor's routes under R3/R2)."""
-        if is_sharded(self.unwrapped):
-            raise ConfigError("algo.kl.coef > 0 needs a frozen copy of the policy, which a sharded (FSDP) model "
-                              "cannot give yet; use DDP or set algo.kl.coef=0")
-        ref = copy.deepcopy(self.unwrapped).eval()
-        if state is not None:
-            ref.load_state_dict(state)
-        for p in ref.parameters():
-            p.requires_grad_(False)
-        self.ref_model = ref
-        self.forward.set_reference(ref)
+        self.ref_model = frozen_reference(self.unwrapped, state)
+        self.forward.set_reference(self.ref_model)
 
     @property
     def ref_controller(self) -> Optional[RoutingController]:
@@ -287,11 +236,7 @@ class Trainer:
         must be dropped.  ``collective``: every process calls this for the same iteration, and one process's error
         is everyone's (their batches must stay in step)."""
         if collective and self.world > 1:
-            code = float(STAGES.index(err.stage) + 1) if err is not None else 0.0
-            t = torch.tensor([code], device=self.accelerator.device)
-            worst = int(self.accelerator.reduce(t, "max").item())
-            if worst and err is None:
-                err = NonFiniteError(STAGES[worst - 1], "values on another process")
+            err = agree_on_stage(err, self.accelerator)
         if err is None:
             return False
         self.nan.record(err.located(self.step + 1))
@@ -311,58 +256,31 @@ class Trainer:
                             self.predictors.state_dict() if self.predictors is not None else None, force=force)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out split (``eval/accuracy``, ``eval/partial``) and on as many training
-        prompts (the first ones of the train split: ``eval/train_accuracy``, ``eval/train_partial``).  A NaN or
-        infinite next-token logit (greedy decoding would pick a token from it silently) raises
-        :class:`NonFiniteError` (stage ``evaluation``)."""
-        kw = dict(max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=self.cfg.trainer.eval_batch_size)
-        with watch_logits(self.unwrapped) as watch, faults.poisoned("evaluation", self.step, self.unwrapped):
-            out = evaluate_greedy(self.unwrapped, self.tok, self.task.eval_dataset, task=self.task, **kw)
-            train_ds = self.task.train_dataset
-            n = min(len(train_ds), max(len(self.task.eval_dataset), 1))
-            out.update(evaluate_greedy(self.unwrapped, self.tok, train_ds.select(range(n)), prefix="eval/train_",
-                                       **kw))
-        if watch.bad:
-            raise NonFiniteError("evaluation", "next-token logits of greedy decoding", step=self.step)
-        return out
+        """Greedy accuracy on the held-out split and on as many training prompts (``eval/*``,
+        :func:`~offpolicy_moe.trainer.evaluation.evaluate_policy`); non-finite logits raise :class:`NonFiniteError`
+        (stage ``evaluation``)."""
+        return evaluate_policy(self.unwrapped, self.tok, self.task, self.cfg, self.step)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Optional[Path]:
         """Checkpoint ``step_<step>`` (main process writes; every process gives its RNG states; all wait)."""
-        self.accelerator.wait_for_everyone()
-        state = self.checkpoints.build(
-            counters={"step": self.step, "updates": self.updates, "nan_skipped": self.nan_skipped,
-                      "nan": self.nan.state_dict(), "sft_done": self.sft_done},
-            source=self.source, metrics_offset=self.run_dir.metrics_offset(), last_metrics=self.last_metrics) if self.is_main else None
-        path = self.checkpoints.save(self.step, state, optimizer=self.optimizer, scheduler=self.scheduler,
-                                     modules={"ref_model": self.ref_model, "predictors": self.predictors},
-                                     is_main=self.is_main)
+        counters = {"step": self.step, "updates": self.updates, "nan_skipped": self.nan_skipped,
+                    "nan": self.nan.state_dict(), "sft_done": self.sft_done}
+        path = self.run_checkpoints.save(self.step, counters, last_metrics=self.last_metrics,
+                                         modules={"ref_model": self.ref_model, "predictors": self.predictors})
         self.saved_at = (self.step, self.iteration)
-        self.accelerator.wait_for_everyone()
         return path
 
     def load(self, path: Path) -> None:
         """Restore everything from a checkpoint folder; clear errors when it does not fit the configured model."""
-        ck = self.checkpoints.load(path, rank=self.rank)
+        ck = self.run_checkpoints.load(path)    # optimizer, scheduler, source, predictors, non-finite counts
         st = ck.state
-        load_full_optimizer_state(self.unwrapped, self.optimizer, st["optimizer"])
-        self.scheduler.load_state_dict(st["scheduler"])
-        self.source.load_state_dict(st["source"])
-        if self.predictors is not None and "predictors" in ck.modules:
-            self.predictors.load_state_dict(ck.modules["predictors"])
         if "ref_model" in ck.modules:
             self.make_ref_model(ck.modules["ref_model"])
         self.step = st["step"]
         self.policy_update.updates = st["updates"]
-        self.nan.load_state_dict(st.get("nan", {"skipped": st["nan_skipped"]}))
         self.sft_done = st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
-        # a resume between two publications (rollout.publish_every > 1) can only give generation the newest
-        # weights: the version it held is not kept
-        if self.source.published != self.step and self.step % self.cfg.rollout.publish_every:
-            print(f"offpolicy-moe: warning: resumed at step {self.step} between publications "
-                  f"(rollout.publish_every={self.cfg.rollout.publish_every}): generation restarts from version "
-                  f"{self.step} instead of {self.source.published}", file=sys.stderr)
         self.publish(self.step, force=True)
         set_rng_state(ck.rng)
         self.run_dir.restore_metrics(st["metrics_offset"], path)
@@ -371,10 +289,7 @@ class Trainer:
     # ------------------------------------------------------------------ logging
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Mean over processes, remembered as the latest values, written by the loggers."""
-        if self.world > 1 and metrics:
-            keys = sorted(metrics)
-            t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
-            metrics = dict(zip(keys, self.accelerator.reduce(t, "mean").tolist()))
+        metrics = mean_over_processes(metrics, self.accelerator)
         self.last_metrics.update(metrics)
         if self.logger is not None:
             self.logger.log(step, metrics)
@@ -485,7 +400,7 @@ class Trainer:
         try:
             while self.step < tc.steps:
                 self.stop_if_requested()
-                boundary = self._boundary()       # restored when the step stops before it trains (checkpoint)
+                boundary = self.run_checkpoints.boundary()   # restored if the step stops before it trains
                 t_step = time.perf_counter()
                 try:
                     batch, source_metrics = self.source.next(self.step)
@@ -496,7 +411,7 @@ class Trainer:
                     raise self._diverged(exc, boundary) from exc
                 self.callbacks.on_batch(self, batch)
                 t0 = time.perf_counter()
-                due = self._eval_due(self.step + 1)
+                due = eval_due(tc, self.step + 1)
                 try:
                     m = self.update(batch, keep_start=due)
                 except RewardError as exc:      # task.on_reward_error=stop: nothing was trained on this batch yet
@@ -507,7 +422,8 @@ class Trainer:
                     raise self._diverged(exc, boundary) from exc
                 t_update = time.perf_counter() - t0
                 m.update(source_metrics)
-                m.update(self._offpolicy_metrics(batch, m.pop("_tokens"), t_update))
+                m.update(offpolicy_metrics(self.step, batch, self.source, tc.updates_per_step, m.pop("_tokens"),
+                                           t_update))
                 self.step += 1
                 if due:           # before publishing: generation only ever gets weights known to be finite
                     m.update(self._evaluate_step(boundary))
@@ -517,11 +433,6 @@ class Trainer:
         finally:
             self.source.close()
             self.task.rewards.close()         # the math reward's math-verify process, if one was started
-
-    def _eval_due(self, step: int) -> bool:
-        """Whether trained step ``step`` ends with an evaluation (every ``trainer.eval_every``, and the last)."""
-        tc = self.cfg.trainer
-        return (tc.eval_every > 0 and step % tc.eval_every == 0) or step == tc.steps
 
     def _evaluate_step(self, boundary: dict) -> dict[str, float]:
         """The evaluation of the step just trained (``eval/*``, ``perf/time_eval_s``).  Non-finite logits put back
@@ -576,28 +487,8 @@ class Trainer:
             path = self.run_dir.latest_checkpoint()
         raise RunInterrupted(signum, self.step, str(path) if path is not None else None)
 
-    def _boundary(self) -> dict:
-        """What a step changes before its update besides weights and optimizer (the RNG states, the batch
-        source's counters and queue, the non-finite counts: skips of a step that is rolled back are not kept)."""
-        return {"rng": rng_state(), "source": self.source.state_dict(), "nan": self.nan.state_dict()}
-
     def _save_boundary(self, boundary: dict) -> Optional[Path]:
         """Checkpoint the iteration boundary ``boundary`` (with the weights and optimizer the policy update put
         back): the last good state before a non-finite update stopped the run."""
-        self.source.load_state_dict(boundary["source"])
-        set_rng_state(boundary["rng"])
-        self.nan.load_state_dict(boundary["nan"])
+        self.run_checkpoints.restore_boundary(boundary)
         return self.save()
-
-    def _offpolicy_metrics(self, batch: RolloutBatch, tokens: float, t_update: float) -> dict[str, float]:
-        """How stale the trained batch was (over its response tokens' versions), what the source dropped and
-        holds, and the update's throughput."""
-        mean_lag, max_lag = token_lag(self.step, batch)
-        return {**batch.extras,
-                "offpolicy/staleness_steps": mean_lag, "offpolicy/staleness_max": max_lag,
-                "offpolicy/staleness_updates": mean_lag * self.cfg.trainer.updates_per_step,
-                "offpolicy/batch_version": float(batch.version),
-                "offpolicy/generated_at": float(batch.generated_at),
-                "offpolicy/dropped": float(self.source.dropped),
-                "offpolicy/buffer_size": float(len(self.source)),
-                "perf/update_tokens_per_s": tokens / max(t_update, 1e-9), "perf/time_update_s": t_update}

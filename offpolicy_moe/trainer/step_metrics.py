@@ -1,0 +1,39 @@
+"""Metrics the loop adds to a trained step's: how stale its batch was and the update's throughput
+(``offpolicy/*``, ``perf/update_*``), and the mean over processes of what is logged."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.sources.base import BatchSource
+from offpolicy_moe.sources.versions import token_lag
+
+__all__ = ["offpolicy_metrics", "mean_over_processes"]
+
+
+def offpolicy_metrics(step: int, batch: RolloutBatch, source: BatchSource, updates_per_step: int, tokens: float,
+                      t_update: float) -> dict[str, float]:
+    """How stale the batch trained at policy version ``step`` was (over its response tokens' versions, in steps
+    and in optimizer updates), what the source dropped and holds, and the update's throughput (``tokens`` in
+    ``t_update`` seconds), with the batch's own extras."""
+    mean_lag, max_lag = token_lag(step, batch)
+    return {**batch.extras,
+            "offpolicy/staleness_steps": mean_lag, "offpolicy/staleness_max": max_lag,
+            "offpolicy/staleness_updates": mean_lag * updates_per_step,
+            "offpolicy/batch_version": float(batch.version),
+            "offpolicy/generated_at": float(batch.generated_at),
+            "offpolicy/dropped": float(source.dropped),
+            "offpolicy/buffer_size": float(len(source)),
+            "perf/update_tokens_per_s": tokens / max(t_update, 1e-9), "perf/time_update_s": t_update}
+
+
+def mean_over_processes(metrics: dict[str, float], accelerator: Any) -> dict[str, float]:
+    """Each metric's mean over the processes (one float64 all-reduce, keys in sorted order); ``metrics`` itself
+    with one process or none to reduce."""
+    if accelerator.num_processes > 1 and metrics:
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+        metrics = dict(zip(keys, accelerator.reduce(t, "mean").tolist()))
+    return metrics
