@@ -23,8 +23,8 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.seeds import iteration_seed
-from offpolicy_moe.run import fault_injection as faults
-from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
+from offpolicy_moe.rollout.worker import checked_generation
+from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.buffer import StalenessBuffer, iteration_budget
 from offpolicy_moe.sources.base import BatchSource
 
@@ -64,27 +64,9 @@ class SyncBatchSource(BatchSource):
     def generate(self, iteration: int) -> RolloutBatch:
         """Iteration ``iteration``'s batch: this process's share of its ``rollout.prompts_per_step`` prompts,
         ``rollout.group_size`` responses each, with globally unique group ids ``iteration * prompts + j``."""
-        ro = self.cfg.rollout
-        rows = self.task.sample_prompts(iteration, ro.prompts_per_step)
-        mine = list(range(self.rank, ro.prompts_per_step, self.world))
-        if not mine:
-            raise ValueError(f"rollout.prompts_per_step={ro.prompts_per_step} < number of processes {self.world}")
-        with faults.poisoned("generation", iteration + 1, getattr(self.engine, "model", None)):
-            try:
-                batch = self.engine.generate([rows[j]["prompt"] for j in mine], [rows[j]["answer"] for j in mine],
-                                             group_size=ro.group_size,
-                                             seed=iteration_seed(self.cfg.seed, iteration, self.rank),
-                                             iteration=iteration)
-            except (ValueError, RuntimeError) as exc:
-                err = as_nonfinite(exc, "generation", "sampling probabilities")
-                if err is None:
-                    raise
-                raise NonFiniteError(err.stage, err.what, iteration=iteration) from exc
-        if not all_finite(batch.behav_logp, batch.response_mask):
-            raise NonFiniteError("generation", "behaviour log-probs of the sampled tokens", iteration=iteration)
-        batch.group_ids = (iteration * ro.prompts_per_step
-                           + torch.tensor(mine, dtype=torch.long).repeat_interleave(ro.group_size))
-        return batch
+        return checked_generation(self.engine, self.task, self.cfg.rollout, iteration=iteration,
+                                  seed=iteration_seed(self.cfg.seed, iteration, self.rank), rank=self.rank,
+                                  world=self.world)
 
     def next(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate and prepare iterations until the buffer releases the batch of step ``step``.  A bounded buffer
