@@ -14,7 +14,8 @@ import pytest
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments" / "bench"))
+BENCH = ROOT / "experiments" / "bench"
+sys.path.insert(0, str(BENCH))
 
 import bench_tta  # noqa: E402
 from tta.analysis import (ASYNC_STALENESS, LOSSES, curve, default_target, parse_arms, per_seed_ratios,  # noqa: E402
@@ -262,3 +263,10 @@ def test_trl_prompt_tokens_equal_ours_without_a_bos_in_the_text():
     doubled = tok(text=[tok.bos_token + "1+2+3="])["input_ids"][0]
     assert doubled[:2] == [tok.bos_token_id, tok.bos_token_id]
     assert not prompt_ids_match(tok, [])
+
+
+@pytest.mark.parametrize("arms, says", [("foo", "unknown arm 'foo'"), ("trl", "no arm of ours")])
+def test_the_phase_breakdown_refuses_bad_arms_in_one_line(arms, says):
+    r = subprocess.run([sys.executable, str(BENCH / "bench_tta_phases.py"), "--arms", arms], capture_output=True,
+                       text=True, cwd=BENCH)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr

@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", default=None, help="JSON record of every run")
     args = p.parse_args(argv)
-    arms = [a for a in parse_arms(args.arms) if a.system == "ours"]
+    try:
+        arms = [a for a in parse_arms(args.arms) if a.system == "ours"]
+    except ValueError as exc:
+        p.error(str(exc))
     if not arms:
         p.error("--arms: no arm of ours (sync, async-k<K>-<loss>)")
     job = argparse.Namespace(prompts=16, group=8, max_new_tokens=3, lr=3e-4, steps=args.steps, eval_every=0,
