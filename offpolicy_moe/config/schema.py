@@ -77,6 +77,7 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     num_layers: int = ranged(2, ge=1)
     hidden_size: int = ranged(64, ge=1)
+    head_dim: int = ranged(16, ge=1)               # attention head size of the presets (32: vLLM's CPU attention)
     num_experts: int = ranged(8, ge=1)
     top_k: int = ranged(2, ge=1)
     dtype: str = ranged("float32", choices=DTYPE_NAMES)           # trainer precision
@@ -126,6 +127,11 @@ class RolloutConfig:
     ray_address: Optional[str] = ranged(None, optional=True)       # e.g. "10.0.0.1:6379" (ray start --head)
     # backend=ray, a rollout node lost: continue (with the remaining actors) | stop (checkpoint, then stop)
     ray_on_node_loss: str = ranged("continue", choices=("continue", "stop"))
+    # engine=vllm (docs/engines.md): the engine's KV cache (MiB of CPU memory, or of GPU memory on a GPU)
+    vllm_kv_cache_mib: int = ranged(256, ge=16)
+    vllm_eager: bool = True           # engine=vllm: no torch.compile / CUDA graphs (fast start; False on GPUs)
+    # engine=vllm on a CPU: the cores its threads bind to (VLLM_CPU_OMP_THREADS_BIND): nobind | auto | e.g. "1"
+    vllm_cpus: str = "nobind"
 
 
 @dataclass

@@ -39,7 +39,7 @@ from offpolicy_moe.losses import (AGG_MODES, get_loss_spec, list_policy_losses, 
                                   resolve_loss_options)
 from offpolicy_moe.models.experts import experts_implementations
 from offpolicy_moe.models.moe_shape import declares_moe
-from offpolicy_moe.models.presets import HEAD_DIM, PRESETS
+from offpolicy_moe.models.presets import PRESETS
 from offpolicy_moe.tasks import parse_reward_specs
 
 # Ranges of the loss keys (their dataclass belongs to the losses; the generic walk applies these).
@@ -293,8 +293,8 @@ def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None
                 found.error(f"model.num_experts: an MoE preset needs >= 2 experts, got {m.num_experts}")
             elif m.top_k > m.num_experts:
                 found.error(f"model.top_k: must be in [1, model.num_experts={m.num_experts}], got {m.top_k}")
-        if m.hidden_size >= 1 and m.hidden_size % HEAD_DIM:
-            found.error(f"model.hidden_size: the presets need a multiple of the head size {HEAD_DIM}, "
+        if m.hidden_size >= 1 and m.head_dim >= 1 and m.hidden_size % m.head_dim:
+            found.error(f"model.hidden_size: the presets need a multiple of model.head_dim={m.head_dim}, "
                         f"got {m.hidden_size}")
     for key, value in (("model.path", m.path), ("model.tokenizer_path", m.tokenizer_path),
                        ("task.name", cfg.task.name)):

@@ -22,7 +22,7 @@ from ..tasks.tokenizer import build_char_tokenizer, encode_texts
 from .dtypes import resolve_dtype
 from .experts import AUTO, resolve_experts_implementation
 from .moe_shape import moe_shape
-from .presets import PRESETS, build_preset
+from .presets import HEAD_DIM, PRESETS, build_preset
 
 # Files of which at least one must be present for AutoTokenizer to load a folder offline.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
@@ -201,7 +201,8 @@ def build_model(cfg, tok, *, seed: Optional[int] = None):
     special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
     return build_preset(preset, len(tok), num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                         num_experts=cfg.num_experts, top_k=cfg.top_k, special_ids=special, dtype=cfg.dtype,
-                        experts_implementation=cfg.experts_implementation, seed=seed)
+                        experts_implementation=cfg.experts_implementation, seed=seed,
+                        head_dim=int(getattr(cfg, "head_dim", HEAD_DIM)))
 
 
 def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_experts: Optional[int] = None,

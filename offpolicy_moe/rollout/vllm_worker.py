@@ -1,0 +1,235 @@
+"""What runs INSIDE vLLM's worker process: the route recorder and the weight loader.
+
+vLLM runs the model in its own worker (in the engine-core process, or in this process when vLLM's multiprocessing
+is off).  :class:`~offpolicy_moe.rollout.vllm_engine.VLLMRolloutEngine` reaches it with ``LLM.collective_rpc``,
+which calls a function here with the worker as its first argument; the functions are pickled by name, so the
+worker imports this module (and nothing of the trainer).
+
+**Routes from the engine's own forwards.**  :func:`install_route_recorder` hooks every MoE layer's router (the
+``gate`` linear of the decoder layer's MoE block, vLLM's ``ReplicatedLinear``) and the model's forward.  Each
+forward of the engine (a prefill chunk, a decode step, or a mixed batch) runs ``N`` scheduled tokens of several
+requests, flattened: request ``r`` owns rows ``query_start_loc[r] : query_start_loc[r + 1]`` in the order of the
+runner's ``input_batch.req_ids``, at the ``positions`` the model receives.  The expert ids are the ones the MoE
+kernel itself selected: on the CPU, vLLM's fused-MoE layer picks them in Python (``cpu_fused_moe.select_experts``,
+softmax / grouped top-k / score bias as the model needs), and the recorder wraps that function, so it sees the
+``topk_ids`` the kernel then runs.  Where a kernel selects internally, the recorder takes the top-``K`` of the
+router logits the ``gate`` hook saw (softmax keeps their order, so this is the plain softmax-top-k choice).  After
+the forward the ids are filed under ``(request, position)``: the trace holds what the engine computed while it
+sampled, from its own kernels and precision; nothing is recomputed by the trainer.  :func:`take_routes` hands them
+over and forgets them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+__all__ = ["ROUTER_NAME", "RouteRecorder", "install_route_recorder", "take_routes", "decode_routes", "load_weights",
+           "router_layers"]
+
+# the router linear of a decoder layer's MoE block in vLLM's models: layers.<i>.<block>.gate
+ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward|moe)\.gate$")
+
+
+def router_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(decoder layer index, router module)`` of every MoE layer of a vLLM model, by layer index."""
+    found = []
+    for name, module in model.named_modules():
+        m = ROUTER_NAME.search(name)
+        if m:
+            found.append((int(m.group(1)), module))
+    return sorted(found, key=lambda t: t[0])
+
+
+class RouteRecorder:
+    """Hooks on a vLLM model runner's model: the router logits of each forward, filed per request and position."""
+
+    def __init__(self, runner: Any, top_k: int):
+        self.runner = runner
+        self.top_k = int(top_k)
+        model = runner.model
+        self.layers = router_layers(model)
+        if not self.layers:
+            raise RuntimeError(f"no MoE router (layers.<i>.mlp.gate) found in vLLM's {type(model).__name__}")
+        self._step: Optional[tuple[list[str], np.ndarray, torch.Tensor]] = None
+        self._logits: list[Optional[torch.Tensor]] = [None] * len(self.layers)
+        self._selected: list[torch.Tensor] = []          # the kernel's own top-k ids, one per MoE layer call
+        self.from_kernel = 0                              # forwards whose ids came from the kernel's selection
+        self.routes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
+                         model.register_forward_hook(self._after, with_kwargs=True)]
+        for j, (_, gate) in enumerate(self.layers):
+            self._handles.append(gate.register_forward_hook(self._router_hook(j)))
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Decoder-layer index of each recorded MoE layer."""
+        return [i for i, _ in self.layers]
+
+    def _before(self, module: Any, args: tuple, kwargs: dict) -> None:
+        batch = self.runner.input_batch
+        n = int(batch.num_reqs)
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if n == 0 or positions is None:
+            self._step = None
+            return
+        starts = np.asarray(self.runner.query_start_loc.np[:n + 1], dtype=np.int64).copy()
+        self._step = (list(batch.req_ids[:n]), starts, positions[:int(starts[-1])].detach().to("cpu", copy=True))
+        self._logits = [None] * len(self.layers)
+        self._selected = []
+
+    def selected(self, topk_ids: torch.Tensor) -> None:
+        """Called with the ids a fused-MoE kernel selected (``[N, K]``), layer by layer within a forward."""
+        if self._step is not None:
+            self._selected.append(topk_ids.detach().to("cpu", copy=True))
+
+    def _router_hook(self, j: int):
+        def hook(module: Any, inputs: Any, output: Any) -> None:
+            logits = output[0] if isinstance(output, tuple) else output
+            self._logits[j] = logits.detach()
+        return hook
+
+    def _after(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._step is None:
+            return
+        req_ids, starts, positions = self._step
+        self._step = None
+        n = int(starts[-1])
+        if len(self._selected) == len(self.layers):
+            ids = torch.stack([s[:n] for s in self._selected], 1)
+            self.from_kernel += 1
+        elif any(lg is None for lg in self._logits):
+            missing = [self.layers[j][0] for j, lg in enumerate(self._logits) if lg is None]
+            raise RuntimeError(f"route recorder: the routers of layers {missing} did not run in this forward")
+        else:
+            ids = torch.stack([lg[:n].float().topk(self.top_k, dim=-1).indices for lg in self._logits], 1)
+        self._selected = []
+        ids = ids.to(torch.int16).numpy()                                       # [N, L, K]
+        pos = positions.numpy().astype(np.int64)
+        for r, rid in enumerate(req_ids):
+            a, b = int(starts[r]), int(starts[r + 1])
+            if b > a:
+                self.routes.setdefault(rid, []).append((pos[a:b], ids[a:b]))
+        self._logits = [None] * len(self.layers)
+
+    def take(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{request id: (positions [n], expert ids [n, L, K] int16)}`` of everything recorded since the last take
+        (a position recorded twice, as after a preemption, keeps its last forward's routes)."""
+        out = {}
+        for rid, parts in self.routes.items():
+            out[rid] = (np.concatenate([p for p, _ in parts]), np.concatenate([i for _, i in parts]))
+        self.routes = {}
+        return out
+
+
+def _watch_kernel_selection(rec: RouteRecorder) -> bool:
+    """Wrap vLLM's CPU fused-MoE expert selection so that ``rec`` sees the ids the kernel runs; False where this
+    vLLM has no such function (the recorder then reads the router logits)."""
+    try:
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+    except ImportError:
+        return False
+    own = getattr(cpu_fused_moe, "select_experts", None)
+    if own is None:
+        return False
+
+    def select_experts(*args: Any, **kwargs: Any) -> Any:
+        weights, ids = own(*args, **kwargs)
+        rec.selected(ids)
+        return weights, ids
+
+    cpu_fused_moe.select_experts = select_experts
+    return True
+
+
+def install_route_recorder(worker: Any, top_k: int) -> list[int]:
+    """Install a :class:`RouteRecorder` on ``worker``'s model runner (once); returns the MoE layer indices."""
+    runner = worker.model_runner
+    rec = getattr(runner, "_offpolicy_moe_routes", None)
+    if rec is None:
+        rec = RouteRecorder(runner, top_k)
+        _watch_kernel_selection(rec)
+        runner._offpolicy_moe_routes = rec
+    return rec.layer_ids
+
+
+def kernel_selected_forwards(worker: Any) -> int:
+    """How many recorded forwards took their ids from the kernel's own selection (not the router logits)."""
+    rec = getattr(worker.model_runner, "_offpolicy_moe_routes", None)
+    return 0 if rec is None else int(rec.from_kernel)
+
+
+def take_routes(worker: Any) -> dict[str, tuple[bytes, bytes, tuple[int, ...]]]:
+    """The routes recorded in ``worker`` since the last call (see :meth:`RouteRecorder.take`), as raw bytes
+    ``(positions int64, ids int16, ids shape)`` per request, which vLLM's RPC carries unchanged
+    (:func:`decode_routes` reads them)."""
+    rec = getattr(worker.model_runner, "_offpolicy_moe_routes", None)
+    if rec is None:
+        raise RuntimeError("route recorder: not installed in this vLLM worker")
+    return {rid: (pos.astype(np.int64).tobytes(), ids.astype(np.int16).tobytes(), tuple(ids.shape))
+            for rid, (pos, ids) in rec.take().items()}
+
+
+def decode_routes(raw: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Inverse of :func:`take_routes`' encoding: ``{request id: (positions [n], ids [n, L, K])}``."""
+    return {rid: (np.frombuffer(p, dtype=np.int64), np.frombuffer(i, dtype=np.int16).reshape(tuple(shape)))
+            for rid, (p, i, shape) in raw.items()}
+
+
+def load_weights(worker: Any, path: str) -> list[str]:
+    """Load the checkpoint-named tensors of the safetensors file ``path`` into ``worker``'s model in place; returns
+    the names of the model's parameters that no tensor filled (empty: a complete load).
+
+    Two steps, because vLLM's kernels keep weights in two ways.  Most layers (the CPU's oneDNN linears among them)
+    hold a processed copy of their weights, so they go through vLLM's own in-place reload
+    (``model_runner.reload_weights``: the model's ``load_weights`` maps the checkpoint names, fusing q/k/v and
+    gate/up, then the kernels' weight processing runs again).  The routed experts keep their stacked parameters,
+    which that reload leaves alone; the model's ``load_weights`` copies the experts' tensors into them.  A file,
+    not the tensors, crosses the process boundary: vLLM's RPC pickles its arguments, and the file lies beside the
+    engine's model folder (memory-backed where the machine has ``/dev/shm``)."""
+    runner = worker.model_runner
+    model = runner.get_model()
+    tensors = load_file(path)
+    filled: set[str] = set()
+    own_load = model.load_weights
+
+    def counted(weights: Any) -> Any:
+        loaded = own_load(weights)
+        filled.update(loaded or ())
+        return loaded
+
+    model.load_weights = counted
+    try:
+        runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+    finally:
+        del model.load_weights
+    experts = [(k, v) for k, v in tensors.items() if ".experts." in k]
+    if experts:
+        filled.update(model.load_weights(experts) or ())
+    return _unfilled(model, filled)
+
+
+def _unfilled(model: torch.nn.Module, filled: set[str]) -> list[str]:
+    """Parameters of ``model`` that none of the ``filled`` names reaches.  A loader may name a parameter by a
+    shorter module path (vLLM's fused-MoE wrapper answers for ``...experts.routed_experts.w13_weight`` as
+    ``...experts.w13_weight``): a name reaches a parameter when its parts are the parameter's parts with some
+    inner module names left out."""
+    full = {n.split(".")[0] + "|" + n.split(".")[-1]: [] for n in filled}
+    for n in filled:
+        full[n.split(".")[0] + "|" + n.split(".")[-1]].append(n.split("."))
+    missing = []
+    for name, _ in model.named_parameters():
+        if name in filled:
+            continue
+        parts = name.split(".")
+        if not any(_is_subsequence(f, parts) for f in full.get(parts[0] + "|" + parts[-1], ())):
+            missing.append(name)
+    return sorted(missing)
+
+
+def _is_subsequence(short: list[str], long: list[str]) -> bool:
+    it = iter(long)
+    return all(part in it for part in short)
