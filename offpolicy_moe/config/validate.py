@@ -30,11 +30,12 @@ Checks that read files (task files, ``model.path``, tokenizer, answer lengths, b
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
 from offpolicy_moe.config.ranges import Rule, declared_rules, field_problems
-from offpolicy_moe.config.schema import LOGGERS, TrainConfig
+from offpolicy_moe.config.schema import LOGGERS, RolloutConfig, TrainConfig
 from offpolicy_moe.losses import (AGG_MODES, get_loss_spec, list_policy_losses, loss_options_problem,
                                   resolve_loss_options)
 from offpolicy_moe.models.experts import experts_implementations
@@ -240,6 +241,15 @@ def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
         found.warn("rollout.router_noise > 0 on a dense model has no effect")
     if ro.router_perturb > 0 and model_is_moe is False:
         found.warn("rollout.router_perturb > 0 on a dense model has no effect")
+    if ro.engine == "vllm" and ro.update_in_flight:
+        found.error("rollout.update_in_flight=true with rollout.engine=vllm: vLLM takes new weights between "
+                    "generations only; turn update_in_flight off")
+    if ro.engine != "vllm":
+        defaults = RolloutConfig()
+        for key in (f.name for f in fields(RolloutConfig) if f.name.startswith("vllm_")):
+            if getattr(ro, key) != getattr(defaults, key):
+                found.error(f"rollout.{key} sets the vLLM engine, but rollout.engine={ro.engine}: set "
+                            "rollout.engine=vllm or leave it out")
 
 
 def check_trainer(cfg: Any, found: Findings) -> None:

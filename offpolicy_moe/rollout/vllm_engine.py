@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Optional, Sequence
@@ -60,6 +61,10 @@ class VLLMEngineError(RuntimeError):
     """The vLLM engine cannot start or serve (the message is one line naming the cause)."""
 
 
+class EngineProcessDied(RuntimeError):
+    """vLLM's engine process ended while a call waited on it."""
+
+
 def vllm_available() -> bool:
     """True when ``vllm`` is importable (``pip install -e ".[vllm]"``)."""
     import importlib.util
@@ -68,10 +73,49 @@ def vllm_available() -> bool:
 
 
 def _engine_dead_errors() -> tuple[type, ...]:
-    """The exception types vLLM raises when its engine process is gone."""
+    """The exception types that say vLLM's engine process is gone (vLLM's own, and the watchdog's)."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    return (EngineDeadError,)
+    return (EngineDeadError, EngineProcessDied)
+
+
+def engine_processes(llm: Any) -> list:
+    """The ``multiprocessing`` processes of ``llm``'s engine core (empty when it runs in this process)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def watched(llm: Any, call, poll_s: float = 0.5):
+    """``call()`` in a helper thread while this one watches ``llm``'s engine processes: when one ends before the
+    call returns, the client's wait is released (an error put on its output queue) and
+    :class:`EngineProcessDied` raised.  vLLM's own monitor marks the client dead, but a call already waiting on
+    the engine's output can wait for ever."""
+    procs = engine_processes(llm)
+    if not procs:
+        return call()
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            done["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True, name="offpolicy-moe-vllm-call")
+    worker.start()
+    while worker.is_alive():
+        worker.join(poll_s)
+        dead = [p for p in procs if p.exitcode is not None]
+        if worker.is_alive() and dead:
+            queue = getattr(llm.llm_engine.engine_core, "outputs_queue", None)
+            if queue is not None:
+                queue.put_nowait(EngineProcessDied("engine process ended"))
+            worker.join(5.0)
+            raise EngineProcessDied(f"vLLM's engine process {dead[0].pid} ended (exit code {dead[0].exitcode})")
+    if "error" in done:
+        raise done["error"]
+    return done.get("value")
 
 
 @dataclass(frozen=True)
@@ -205,7 +249,8 @@ class VLLMRolloutEngine(RolloutEngine):
         preflight(cfg, self.opts, type(policy).__name__)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None       # memory-backed where there is one
         self._dir = tempfile.mkdtemp(prefix="offpolicy-moe-vllm-", dir=shm)
-        policy.save_pretrained(self._dir, safe_serialization=True)
+        self._model_dir = os.path.join(self._dir, "model")            # what vLLM loads at every (re)start
+        policy.save_pretrained(self._model_dir, safe_serialization=True)
         self._last_sync: Optional[dict] = None
         self.restarts = 0
         self.start_s = 0.0
@@ -216,18 +261,15 @@ class VLLMRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------------------------------- lifecycle
     def _start(self) -> None:
         t0 = time.perf_counter()
-        self.llm = start_llm(self._dir, self.opts)
+        self.llm = start_llm(self._model_dir, self.opts)
         if self.record_routes:
             self.layer_ids = list(self.llm.collective_rpc(vllm_worker.install_route_recorder,
                                                           args=(self.top_k_experts,))[0])
         self.start_s = time.perf_counter() - t0
 
-    def _restart(self, why: BaseException) -> None:
-        """Start vLLM again after its process died, with the last synced weights."""
-        if self.restarts >= MAX_RESTARTS * (1 + self.version):
-            raise VLLMEngineError(f"rollout.engine=vllm: the engine died again after {self.restarts} restarts: "
-                                  f"{_last_line(why)}") from why
-        self.restarts += 1
+    def _restart(self, why: BaseException, count: bool = True) -> None:
+        """Start vLLM again (after its process died, or a failed weight sync), with the last synced weights."""
+        self.restarts += int(count)
         self._shutdown()
         self._start()
         if self._last_sync is not None:
@@ -237,8 +279,13 @@ class VLLMRolloutEngine(RolloutEngine):
         llm, self.llm = self.llm, None
         if llm is None:
             return
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+        for proc in engine_processes(llm):          # a dead engine's client may wait on it: end it first
+            if proc.exitcode is None:
+                with contextlib.suppress(Exception):
+                    proc.kill()
+        stopper = threading.Thread(target=lambda: llm.llm_engine.engine_core.shutdown(), daemon=True)
+        stopper.start()
+        stopper.join(30.0)
 
     def close(self) -> None:
         """Stop the engine and remove its model folder."""
@@ -254,6 +301,10 @@ class VLLMRolloutEngine(RolloutEngine):
         dead = _engine_dead_errors()
         for attempt in range(MAX_RESTARTS + 1):
             try:
+                ended = [p for p in engine_processes(self.llm) if p.exitcode is not None]
+                if ended:       # died between calls
+                    raise EngineProcessDied(f"vLLM's engine process {ended[0].pid} ended (exit code "
+                                            f"{ended[0].exitcode})")
                 return call()
             except dead as exc:
                 if attempt == MAX_RESTARTS:
@@ -274,11 +325,20 @@ class VLLMRolloutEngine(RolloutEngine):
         path = os.path.join(self._dir, "sync.safetensors")
         save_file({k: v.contiguous() for k, v in named.items()}, path)
         try:
-            missing = self.llm.collective_rpc(vllm_worker.load_weights, args=(path,))[0]
+            missing = watched(self.llm, lambda: self.llm.collective_rpc(vllm_worker.load_weights, args=(path,))[0])
+        except (_engine_dead_errors() + (VLLMEngineError,)):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the worker's error comes back as a plain Exception
+            # a reload that stopped half-way leaves the engine's weights (and vLLM's reload state) unknown: start
+            # it again on the last good weights before reporting, so the engine keeps serving the version it had
+            self._restart(exc, count=False)
+            raise VLLMEngineError(f"rollout.engine=vllm: the weight sync failed (the engine was restarted on "
+                                  f"version {self.version}): {_last_line(exc)}") from exc
         finally:
             with contextlib.suppress(OSError):
                 os.remove(path)
         if missing:
+            self._restart(RuntimeError("unfilled parameters"), count=False)
             raise VLLMEngineError(f"rollout.engine=vllm: the weight sync left {len(missing)} engine parameters "
                                   f"unfilled (first: {missing[0]}); the trainer's tensor names do not map onto "
                                   "the engine's model")
@@ -308,7 +368,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def _generate_once(self, prompts: list, params: list) -> tuple[list, dict]:
         if self.record_routes:
             self.llm.collective_rpc(vllm_worker.take_routes)          # nothing left from an earlier call
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = watched(self.llm, lambda: self.llm.generate(prompts, params, use_tqdm=False))
         routes = vllm_worker.decode_routes(self.llm.collective_rpc(vllm_worker.take_routes)[0]) \
             if self.record_routes else {}
         return outs, routes

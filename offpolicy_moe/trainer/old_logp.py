@@ -30,6 +30,16 @@ def _to_cpu(x: Any) -> Any:
     return x.to("cpu") if hasattr(x, "to") else x
 
 
+def conditioning_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: the attended positions whose expert choice can reach a scored log-prob, i.e. every attended
+    position but the last of its row.  The last token's logits predict nothing, and under causal attention no
+    other position sees its hidden state; an engine never feeds the token it sampled last, so it records no route
+    there (vLLM and SGLang leave that row out), and replaying it would change nothing."""
+    am = attention_mask.bool()
+    last = am & (am.long().flip(1).cumsum(1).flip(1) == 1)
+    return am & ~last
+
+
 class FusedOldLogp:
     """``old_logp`` gathered from the update forward of a fused batch (rows in batch order), plus the routes that
     forward used when routing is measured (``record_routes``)."""
@@ -141,7 +151,7 @@ class OldLogpPass:
             extras.update(metrics_to_floats(routing_metrics(batch.routes, own_routes, batch.attention_mask),
                                             drop_nonfinite=True))
             if replay in REPLAY_ENGINE:    # what replaying the engine's routes will override in this trainer
-                extras.update(replay_guardrails(batch.routes, own_routes, batch.attention_mask,
+                extras.update(replay_guardrails(batch.routes, own_routes, conditioning_positions(batch.attention_mask),
                                                 unreplayed_layers=len(self.forward.controller.unreplayed)))
         return lp_own.cpu()
 

@@ -1,0 +1,63 @@
+"""The tests against a real vLLM engine (marker ``vllm``; ``pip install -e ".[vllm]"``, docs/engines.md).
+
+The default suite leaves them out (pyproject's ``addopts``).  ``python -m pytest -q -m vllm`` runs them; without
+vLLM they are skipped, unless ``OFFPOLICY_MOE_REQUIRE_VLLM=1`` (as ``.ci/run`` sets it), under which a missing
+vLLM is an error, not a skip."""
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+if os.environ.get("OFFPOLICY_MOE_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401 - an ImportError here fails the run
+else:
+    pytest.importorskip("vllm")
+
+from offpolicy_moe.config import load_config  # noqa: E402
+from offpolicy_moe.models.loading import build_model  # noqa: E402
+from offpolicy_moe.tasks import build_char_tokenizer  # noqa: E402
+
+# the embedded model in the variant vLLM's CPU attention serves, a short fp32 job
+VLLM_MODEL = ("model.head_dim=32",)
+
+
+def vllm_config(*overrides: str):
+    """The default config with the vLLM engine, head size 32 and ``overrides``."""
+    return load_config(overrides=[*VLLM_MODEL, "rollout.engine=vllm", *overrides])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def policies(tok):
+    """Two policies of the vLLM variant with different weights (seeds 0 and 1)."""
+    cfg = vllm_config()
+    return build_model(cfg.model, tok, seed=0), build_model(cfg.model, tok, seed=1)
+
+
+def engine_processes() -> list[psutil.Process]:
+    """This process's vLLM engine-core children."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "EngineCore" in p.name() or any("EngineCore" in c for c in p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def trainer_logp(model: torch.nn.Module, batch, temperature: float) -> torch.Tensor:
+    """``[B, T]`` the trainer's log-probs of the batch's response tokens at ``temperature`` (fp32 forward)."""
+    am = batch.attention_mask
+    pos = (am.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(batch.input_ids, attention_mask=am, position_ids=pos).logits.float() / temperature
+    P = batch.prompt_len
+    return torch.log_softmax(logits[:, P - 1:-1], -1).gather(-1, batch.input_ids[:, P:, None]).squeeze(-1)

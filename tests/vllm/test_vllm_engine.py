@@ -1,0 +1,140 @@
+"""The vLLM engine against the trainer on the same weights: behaviour log-probs of the sampled distribution,
+versions, the engine's own routes replayed exactly, seeds, weight syncs, and its faults (killed, refused starts)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from offpolicy_moe.rollout.engine import make_engine
+from offpolicy_moe.rollout.vllm_engine import VLLMEngineError
+from offpolicy_moe.routing import RoutingController, replay_guardrails, routing_metrics
+from offpolicy_moe.trainer.old_logp import conditioning_positions
+from tests.vllm.conftest import engine_processes, trainer_logp, vllm_config
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["3+8+5=", "12+7=", "4+4=", "9+1+2="]
+ANSWERS = ["16", "19", "8", "12"]
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def engine(policies, tok):
+    """An fp32 vLLM engine of policy 0 recording routes (its own engine process), weights of policy 1 synced."""
+    cfg = vllm_config("rollout.dtype=float32", "rollout.max_new_tokens=8", f"rollout.temperature={TEMPERATURE}")
+    eng = make_engine(policies[0], tok, cfg.rollout, record_routes=True, seed=0)
+    eng.sync(policies[1].state_dict(), 1)
+    yield eng
+    eng.close()
+
+
+def _generate(engine, seed=7, iteration=0):
+    return engine.generate(PROMPTS, ANSWERS, group_size=4, seed=seed, iteration=iteration)
+
+
+def test_behaviour_logprobs_are_those_of_the_tempered_distribution_on_the_synced_weights(engine, policies):
+    batch = _generate(engine)
+    mask = batch.response_mask.bool()
+    synced = trainer_logp(policies[1], batch, TEMPERATURE)
+    assert (synced - batch.behav_logp)[mask].abs().max() < 2e-5        # fp32 engine == fp32 trainer
+    raw = trainer_logp(policies[1], batch, 1.0)
+    assert (raw - batch.behav_logp)[mask].abs().max() > 1e-2           # not the raw (untempered) log-probs
+    first = trainer_logp(policies[0], batch, TEMPERATURE)
+    assert (first - batch.behav_logp)[mask].abs().max() > 1e-2         # the sync replaced the exported weights
+    assert bool((batch.behav_logp[~mask] == 0).all())
+
+
+def test_versions_follow_the_sync(engine, policies):
+    engine.sync(policies[1].state_dict(), 5)
+    batch = _generate(engine, iteration=3)
+    assert engine.version == 5 and batch.version == 5 and batch.generated_at == 3
+    assert batch.token_versions.shape == batch.response_mask.shape
+    assert bool((batch.token_versions == 5).all())
+
+
+def test_the_engines_routes_are_replayed_exactly(engine, policies):
+    """fp32 engine and trainer on the same weights choose the same experts; replaying the engine's trace changes
+    no logit, and every position that reaches a scored log-prob is replayed (no fallback)."""
+    model = policies[1]
+    batch = _generate(engine)
+    am = batch.attention_mask
+    pos = (am.cumsum(1) - 1).clamp(min=0)
+    ctl = RoutingController(model)
+    with torch.no_grad():
+        with ctl.record() as rec:
+            plain = model(batch.input_ids, attention_mask=am, position_ids=pos).logits
+        with ctl.replay(batch.routes), ctl.record("own") as own:
+            replayed = model(batch.input_ids, attention_mask=am, position_ids=pos).logits
+    assert routing_metrics(batch.routes, rec.trace(), am)["routing/topk_agreement"] == 1.0
+    assert torch.equal(plain, replayed)
+    guard = replay_guardrails(batch.routes, own.trace(), conditioning_positions(am))
+    assert guard["routing/replay_fallback"] == 0.0 and guard["routing/replay_decisions"] > 0
+
+
+def test_a_seed_fixes_the_batch(engine):
+    """The same seed draws the same tokens; their log-probs agree to float32 rounding (vLLM may batch the same
+    requests differently, which moves the last bits)."""
+    a, b, c = _generate(engine, seed=11), _generate(engine, seed=11), _generate(engine, seed=12)
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert torch.allclose(a.behav_logp, b.behav_logp, atol=1e-5, rtol=0)
+    assert not torch.equal(a.input_ids, c.input_ids)
+
+
+def test_a_weight_sync_that_does_not_fit_is_one_line(engine, policies):
+    sd = dict(policies[1].state_dict())
+    sd.pop("model.layers.0.mlp.gate.weight")
+    with pytest.raises(VLLMEngineError, match="unfilled") as err:
+        engine.sync(sd, 6)
+    assert "\n" not in str(err.value)
+    bad = dict(policies[1].state_dict())
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(VLLMEngineError, match="weight sync failed") as err:
+        engine.sync(bad, 6)
+    assert "\n" not in str(err.value)
+    engine.sync(policies[1].state_dict(), 6)      # a good sync afterwards serves the right weights again
+    assert engine.version == 6
+    batch = _generate(engine)
+    assert (trainer_logp(policies[1], batch, TEMPERATURE) - batch.behav_logp)[batch.response_mask.bool()].abs().max() < 2e-5
+
+
+def test_an_engine_killed_during_generation_restarts_and_reissues_the_batch(engine, policies):
+    before = _generate(engine, seed=21)
+    restarts = engine.restarts
+    victims = engine_processes()
+    assert victims, "no vLLM engine process found"
+    timer = threading.Timer(0.05, lambda: [os.kill(p.pid, signal.SIGKILL) for p in victims])
+    timer.start()
+    after = _generate(engine, seed=21)
+    timer.join()
+    assert engine.restarts == restarts + 1
+    assert all(not p.is_running() or p.status() == "zombie" for p in victims)
+    assert torch.equal(before.input_ids, after.input_ids)              # reissued with its seeds
+    assert (trainer_logp(policies[1], after, TEMPERATURE) - after.behav_logp)[after.response_mask.bool()].abs().max() < 2e-5
+    assert engine.version == 6
+
+
+@pytest.mark.parametrize("override, match", [
+    ("model.head_dim=16", "head_dim >= 32"),
+    ("rollout.vllm_kv_cache_mib=100000000", "memory free now"),
+])
+def test_a_start_that_cannot_succeed_is_refused_before_vllm_starts(override, match, tok):
+    from offpolicy_moe.models.loading import build_model
+
+    cfg = vllm_config(override)
+    model = build_model(cfg.model, tok, seed=0)
+    before = {p.pid for p in engine_processes()}
+    with pytest.raises(VLLMEngineError, match=match) as err:
+        make_engine(model, tok, cfg.rollout, seed=0)
+    assert "\n" not in str(err.value)
+    assert {p.pid for p in engine_processes()} == before
+
+
+def test_a_start_that_fails_in_vllm_is_one_line(policies, tok):
+    cfg = vllm_config("rollout.vllm_cpus=4096")           # bind the engine's threads to a core that does not exist
+    with pytest.raises(VLLMEngineError, match="did not start") as err:
+        make_engine(policies[0], tok, cfg.rollout, seed=0)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,100 @@
+"""``offpolicy-moe train ... rollout.engine=vllm`` through the command line: synchronous, asynchronous (rollout
+worker processes) and Ray runs, the mismatch measured against the real engine, R3 on its routes, and the engine
+process killed in the middle of a run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+# a short job on the embedded model's vLLM variant: bf16 engine, fp32 trainer (the real mismatch), R3 + TIS
+JOB = ["model.head_dim=32", "rollout.engine=vllm", "rollout.dtype=bfloat16", "preset=[grpo,tis,r3]",
+       "rollout.prompts_per_step=8", "rollout.group_size=4", "trainer.sft_warmup_steps=5", "trainer.eval_every=0",
+       "task.eval_size=16", "logging.progress=false", "logging.loggers=[jsonl]", "trainer.min_free_mb=1"]
+
+
+def _train(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    return subprocess.run([sys.executable, "-m", "offpolicy_moe", "train", *JOB, *overrides, "--run-dir",
+                           str(run_dir)], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _train_rows(run_dir: Path) -> list[dict]:
+    return [r for r in _rows(run_dir) if "mismatch/k3_kl" in r]
+
+
+def test_a_synchronous_run_measures_the_real_mismatch_and_r3_replays_every_route(tmp_path):
+    run = tmp_path / "sync"
+    out = _train(run, "trainer.steps=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _train_rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["mismatch/k3_kl"] > 0 for r in rows)                   # a bf16 vLLM engine is not the trainer
+    assert all(r["routing/replay_fallback"] == 0.0 for r in rows)        # every scored position replayed
+    assert all(r["routing/replay_decisions"] > 0 for r in rows)
+    r3 = sum(r["mismatch/k3_kl_r3"] for r in rows)
+    plain = sum(r["mismatch/k3_kl_no_r3"] for r in rows)
+    assert r3 < plain, (r3, plain)                                      # R3 on vLLM's routes lowers the KL
+
+
+def test_an_asynchronous_run_with_rollout_workers(tmp_path):
+    run = tmp_path / "async"
+    out = _train(run, "trainer.steps=4", "buffer.mode=async", "buffer.staleness=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _train_rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["routing/replay_fallback"] == 0.0 for r in rows)
+    assert max(r["offpolicy/staleness_steps"] for r in rows) <= 1
+
+
+def test_a_ray_run(tmp_path):
+    pytest.importorskip("ray")
+    run = tmp_path / "ray"
+    out = _train(run, "trainer.steps=3", "buffer.mode=async", "buffer.staleness=1", "rollout.backend=ray")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["step"] for r in _train_rows(run)] == [1, 2, 3]
+
+
+def _engine_children(pid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "EngineCore" in p.name() or any("EngineCore" in c for c in p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_the_engine_killed_mid_run_is_restarted_and_every_step_trains_once(tmp_path):
+    run = tmp_path / "killed"
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.Popen([sys.executable, "-m", "offpolicy_moe", "train", *JOB, "trainer.steps=6", "--run-dir",
+                             str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    killed = []
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline and not killed:
+        if len(_train_rows(run)) >= 2:
+            for p in _engine_children(proc.pid):
+                os.kill(p.pid, signal.SIGKILL)
+                killed.append(p.pid)
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=600)
+    assert killed, "the run ended before the engine could be killed"
+    assert proc.returncode == 0, err[-3000:]
+    assert [r["step"] for r in _train_rows(run)] == [1, 2, 3, 4, 5, 6]
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in killed)
