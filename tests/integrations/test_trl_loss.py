@@ -150,3 +150,57 @@ def test_every_registered_loss_matches_the_library(tmp_path, name):
     assert plugin_grads.keys() == ref_grads.keys() and plugin_grads
     for key in ref_grads:
         torch.testing.assert_close(plugin_grads[key], ref_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("trl_loss,ours,agg", [("grpo", "grpo", "seq-mean-token-mean"), ("sapo", "sapo", None),
+                                               ("dr_grpo", "grpo", "seq-mean-token-sum-norm"),
+                                               ("dapo", "grpo", "token-mean"), ("cispo", "cispo", "token-mean")])
+def test_plugin_gives_trls_own_loss_with_all_masked_rows(tmp_path, trl_loss, ours, agg):
+    """Rows whose every token is masked (``mask_truncated_completions``, a tool mask): TRL's own ``_compute_loss``
+    (real TRL, its ``loss_type``) and the plug-in's loss on the same micro-batches agree in value and gradient by
+    default (``count_masked_rows=True``: TRL's row means count every row); with ``count_masked_rows=False`` the
+    row-mean losses differ (rows with a valid token only), the token-mean ones do not."""
+    from trl import GRPOTrainer
+
+    options = {"clip_high": 4.0} if ours == "cispo" else {}     # TRL's cispo cap epsilon_high=5 = 1 + 4
+    tr = trainer(tmp_path, gradient_accumulation_steps=GA, policy_loss=ours, loss_agg=agg,
+                 policy_loss_options=options)
+    parts = _generation_batch(tr)
+    for p, rows in zip(parts, ([1, 3], [0])):          # all-masked rows, as mask_truncated_completions leaves them
+        p["completion_mask"] = p["completion_mask"].clone()
+        p["completion_mask"][rows] = 0
+    tokens = sum(p["completion_mask"].sum() for p in parts)
+    for p in parts:                                     # TRL's token count of the generation batch, as TRL makes it
+        p["num_items_in_batch"] = tokens.clone()
+    model = tr.model
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    tr.current_gradient_accumulation_steps = GA
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for j, p in enumerate(parts):
+            tr._step = j
+            loss = fn(p)
+            loss.backward()
+            losses.append(loss.detach())
+        return torch.stack(losses), _grads(model)
+
+    tr.loss_type, tr.epsilon_high = trl_loss, (5.0 if trl_loss == "cispo" else tr.epsilon_high)
+    theirs, g_theirs = run(lambda p: GRPOTrainer._compute_loss(tr, model, p))
+    tr.loss_type, tr.epsilon_high = "dapo", 0.2
+    ours_loss, g_ours = run(lambda p: tr.compute_loss(model, p))
+    torch.testing.assert_close(ours_loss, theirs, rtol=1e-5, atol=1e-7)
+    assert any(float(x.abs()) > 0 for x in theirs)
+    for name in g_theirs:
+        torch.testing.assert_close(g_ours[name], g_theirs[name], rtol=1e-4, atol=1e-7, msg=name)
+    tr.args.count_masked_rows = False
+    tr._window = None
+    valid_only, _ = run(lambda p: tr.compute_loss(model, p))
+    if trl_loss in ("dapo", "cispo"):
+        torch.testing.assert_close(valid_only, theirs, rtol=1e-5, atol=1e-7)
+    else:      # 8 rows of which 3 are empty: the row means are 8/5 of TRL's
+        torch.testing.assert_close(valid_only.sum(), theirs.sum() * 8 / 5, rtol=1e-5, atol=1e-7)
