@@ -9,6 +9,7 @@ import torch
 from offpolicy_moe.losses import (correction_weights, get_loss_spec, get_policy_loss, global_counts,
                                   list_policy_losses, m2po_mask)
 from offpolicy_moe.routing import RouteTrace, RoutingController
+from tests.losses import aggregation_table
 from trl_fixtures import trainer
 
 GA = 2
@@ -152,19 +153,19 @@ def test_every_registered_loss_matches_the_library(tmp_path, name):
         torch.testing.assert_close(plugin_grads[key], ref_grads[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("trl_loss,ours,agg", [("grpo", "grpo", "seq-mean-token-mean"), ("sapo", "sapo", None),
-                                               ("dr_grpo", "grpo", "seq-mean-token-sum-norm"),
-                                               ("dapo", "grpo", "token-mean"), ("cispo", "cispo", "token-mean")])
-def test_plugin_gives_trls_own_loss_with_all_masked_rows(tmp_path, trl_loss, ours, agg):
-    """Rows whose every token is masked (``mask_truncated_completions``, a tool mask): TRL's own ``_compute_loss``
-    (real TRL, its ``loss_type``) and the plug-in's loss on the same micro-batches agree in value and gradient by
-    default (``count_masked_rows=True``: TRL's row means count every row); with ``count_masked_rows=False`` the
-    row-mean losses differ (rows with a valid token only), the token-mean ones do not."""
+@pytest.mark.parametrize("row", aggregation_table.rows("TRL"), ids=lambda r: r.loss)
+def test_plugin_gives_trls_own_loss_with_all_masked_rows(tmp_path, row):
+    """Each TRL row of docs/losses.md's aggregation table, on micro-batches with all-masked rows
+    (``mask_truncated_completions``, a tool mask): TRL's own ``_compute_loss`` (real TRL, that ``loss_type`` and
+    settings) and the plug-in with the row's loss, options and aggregation agree in value and gradient by default
+    (``count_masked_rows=True``: TRL's row means count every row, the table's "counted"); with
+    ``count_masked_rows=False`` the row-mean losses differ (rows with a valid token only), the token-mean ones do
+    not."""
+    trl_loss, ours, agg = row.loss, row.ours, row.aggregation
     from trl import GRPOTrainer
 
-    options = {"clip_high": 4.0} if ours == "cispo" else {}     # TRL's cispo cap epsilon_high=5 = 1 + 4
     tr = trainer(tmp_path, gradient_accumulation_steps=GA, policy_loss=ours, loss_agg=agg,
-                 policy_loss_options=options)
+                 policy_loss_options=row.options)
     parts = _generation_batch(tr)
     for p, rows in zip(parts, ([1, 3], [0])):          # all-masked rows, as mask_truncated_completions leaves them
         p["completion_mask"] = p["completion_mask"].clone()
@@ -189,9 +190,12 @@ def test_plugin_gives_trls_own_loss_with_all_masked_rows(tmp_path, trl_loss, our
             losses.append(loss.detach())
         return torch.stack(losses), _grads(model)
 
-    tr.loss_type, tr.epsilon_high = trl_loss, (5.0 if trl_loss == "cispo" else tr.epsilon_high)
+    saved = {k: getattr(tr, k) for k in ("loss_type", *row.settings)}
+    for k, v in {"loss_type": trl_loss, **row.settings}.items():
+        setattr(tr, k, v)
     theirs, g_theirs = run(lambda p: GRPOTrainer._compute_loss(tr, model, p))
-    tr.loss_type, tr.epsilon_high = "dapo", 0.2
+    for k, v in saved.items():
+        setattr(tr, k, v)
     ours_loss, g_ours = run(lambda p: tr.compute_loss(model, p))
     torch.testing.assert_close(ours_loss, theirs, rtol=1e-5, atol=1e-7)
     assert any(float(x.abs()) > 0 for x in theirs)
@@ -200,7 +204,8 @@ def test_plugin_gives_trls_own_loss_with_all_masked_rows(tmp_path, trl_loss, our
     tr.args.count_masked_rows = False
     tr._window = None
     valid_only, _ = run(lambda p: tr.compute_loss(model, p))
-    if trl_loss in ("dapo", "cispo"):
+    assert (row.empty_rows == "counted") == (agg != "token-mean")
+    if row.empty_rows != "counted":
         torch.testing.assert_close(valid_only, theirs, rtol=1e-5, atol=1e-7)
     else:      # 8 rows of which 3 are empty: the row means are 8/5 of TRL's
         torch.testing.assert_close(valid_only.sum(), theirs.sum() * 8 / 5, rtol=1e-5, atol=1e-7)
