@@ -5,7 +5,8 @@ Each subcommand lives in its own module under :mod:`offpolicy_moe.commands` and 
 ``offpolicy-moe --help`` stays fast and a broken optional dependency only affects its command.
 
 Every command shares one error path (:mod:`offpolicy_moe.commands.errors`): a user mistake is one line
-``offpolicy-moe <command>: error: ...`` with exit code 2, a run that started and failed exits 1, Ctrl-C exits 130.
+``offpolicy-moe <command>: error: ...`` with exit code 2, a run that started and failed exits 1, Ctrl-C exits 130;
+a warning, the command's or the library's, is one line ``offpolicy-moe <command>: warning: ...``, once per run.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"offpolicy-moe {args.command}: error: this command is not available in this build", file=sys.stderr)
         return 2
     try:
-        return int(args._run(args) or 0)
+        with errors.WarningLines(args.command).capture():
+            return int(args._run(args) or 0)
     except BrokenPipeError:     # the reader went away (`offpolicy-moe presets | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error when Python flushes
         return 0

@@ -135,3 +135,45 @@ def test_a_closed_pipe_is_not_a_traceback(monkeypatch):
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+
+
+_TINY_RUN = ["model.num_layers=1", "model.hidden_size=32", "model.num_experts=4", "model.top_k=2",
+             "rollout.prompts_per_step=2", "rollout.max_new_tokens=3", "trainer.steps=1", "trainer.eval_every=0",
+             "trainer.sft_warmup_steps=0", "trainer.checkpoint_every=0", "trainer.export_final=false",
+             "trainer.threads=1", "logging.progress=false", "logging.loggers=[jsonl]", "trainer.min_free_mb=1"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_warnings_are_one_line_each_once_through_the_cli(tmp_path, dry_run):
+    """A library warning (``warnings.warn`` in the task: its eval split is capped) and a config warning
+    (``group_size=1`` with std advantages), through the real CLI in a subprocess: each is one line
+    ``offpolicy-moe train: warning: ...``, said once in the whole run (checks, then training), with no source line,
+    no module path and no warning class."""
+    argv = [sys.executable, "-m", "offpolicy_moe", "train", *_TINY_RUN, "task.num_terms=2", "task.max_digits=1",
+            "task.train_size=20", "task.eval_size=80", "rollout.group_size=1", "--run-dir", str(tmp_path / "run")]
+    r = subprocess.run(argv + (["--dry-run"] if dry_run else []), capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONWARNINGS": ""})
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "warning" in x.lower()]
+    capped = [x for x in lines if "eval split capped" in x]
+    group = [x for x in lines if "rollout.group_size=1" in x]
+    assert capped == ["offpolicy-moe train: warning: the problem space has only 100 problems; eval split capped at "
+                      "50 (asked 80) so that training keeps at least half of it"]
+    assert len(group) == 1 and group[0].startswith("offpolicy-moe train: warning: rollout.group_size=1 ")
+    assert not [x for x in r.stderr.splitlines() if "UserWarning" in x or ".py:" in x or "warnings.warn" in x
+                or x.startswith(" ")]
+
+
+def test_warning_lines_join_and_deduplicate(capsys):
+    import warnings
+
+    from offpolicy_moe.commands.errors import WarningLines, warn
+
+    with WarningLines("demo").capture() as lines:
+        warn("a\n  - b")
+        warnings.warn("library says x", UserWarning)
+        warn("a\n  - b")
+        warnings.warn("library says x", RuntimeWarning)
+    assert capsys.readouterr().err.splitlines() == ["offpolicy-moe demo: warning: a; b",
+                                                    "offpolicy-moe demo: warning: library says x"]
+    assert lines.said == ["a; b", "library says x"]

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from offpolicy_moe.commands.errors import RunFailed, warn
 from offpolicy_moe.commands.train import build_config
-from offpolicy_moe.config.validate import validate
 
 #: the demo's settings on top of the schema defaults and the presets (key=value, overridable on the command line)
 DEMO_OVERRIDES = [
@@ -90,14 +89,17 @@ def run(args: argparse.Namespace) -> int:
     if args.quiet:
         overrides.append("logging.progress=false")
     cfg = build_config(None, overrides + list(args.overrides), run_dir)
-    for w in validate(cfg):        # a config mistake stops here: one line, exit code 2, no folder written
+    from offpolicy_moe.trainer.checks import check_config
+
+    checked = check_config(cfg)    # a config mistake stops here: one line, exit code 2, no folder written
+    for w in checked.warnings:
         warn(w)
     print(f"offpolicy-moe demo: tiny {cfg.model.num_experts}-expert top-{cfg.model.top_k} Qwen3-MoE, "
           f"{cfg.task.num_terms}-term arithmetic; SFT {cfg.trainer.sft_warmup_steps} steps, then "
           f"{cfg.trainer.steps} RL steps of {'+'.join(cfg.preset)} with staleness k={cfg.buffer.staleness} "
           f"and a {cfg.rollout.dtype} engine -> {run_dir}", flush=True)
     t0 = time.perf_counter()
-    summary = train(cfg)
+    summary = train(cfg, checked=checked)
     wall = time.perf_counter() - t0
     if summary["status"] != "completed":
         raise RunFailed(f"demo run {summary['status']}: {summary.get('error', '')}")

@@ -10,12 +10,18 @@ Two classes of failure, the same for every command:
 
 An interrupt (Ctrl-C) exits with :data:`INTERRUPTED` (130) and one line. Anything else is a bug and keeps its
 traceback.
+
+Warnings, of the command (:func:`warn`) or of the library (``warnings.warn`` anywhere in the run), are printed by
+:class:`WarningLines` as ``offpolicy-moe <command>: warning: <one line>``: no source line, no module path, each
+message once per run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import NoReturn
+import warnings
+from typing import Iterator, NoReturn
 
 
 USER_ERROR = 2
@@ -71,9 +77,41 @@ def exit_code(exc: BaseException) -> int | None:
     return None
 
 
+class CommandWarning(UserWarning):
+    """A warning of a command about its own input (a legal but probably unintended config)."""
+
+
 def warn(message: str) -> None:
-    """``offpolicy-moe: warning: <message>`` on stderr."""
-    print(f"offpolicy-moe: warning: {message}", file=sys.stderr)
+    """Warn about the command's input: under :meth:`WarningLines.capture` (every CLI command) one line
+    ``offpolicy-moe <command>: warning: <message>``, said once per run."""
+    warnings.warn(message, CommandWarning, stacklevel=2)
+
+
+class WarningLines:
+    """The warnings of one command run, each printed once as ``offpolicy-moe <command>: warning: <message>``."""
+
+    def __init__(self, command: str):
+        self.command = command
+        self.said: list[str] = []
+
+    def say(self, message: str) -> None:
+        """Print ``message`` (joined into one line) unless this run said it already."""
+        text = one_line(ValueError(str(message)))
+        if text not in self.said:
+            self.said.append(text)
+            print(f"offpolicy-moe {self.command}: warning: {text}", file=sys.stderr, flush=True)
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        self.say(str(message))
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator["WarningLines"]:
+        """Inside the block every shown warning goes through :meth:`say` (Python's filters still decide which are
+        shown; a command's own warnings always are)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", CommandWarning)
+            warnings.showwarning = self._show
+            yield self
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -25,7 +25,7 @@ import torch
 
 from offpolicy_moe.config.validate import Findings, validate
 from offpolicy_moe.models import PRESETS, CheckpointNotFoundError, load_model_config, load_tokenizer, tokenizer_source
-from offpolicy_moe.tasks import (PromptAnswerTask, RewardImportError, build_char_tokenizer, encode_texts, make_task,
+from offpolicy_moe.tasks import (PromptAnswerTask, RewardImportError, embedded_tokenizer, encode_texts, make_task,
                                  render_prompt)
 
 
@@ -52,7 +52,7 @@ def preflight_checked(cfg: Any) -> CheckedConfig:
     found = Findings()
     task = check_task_data(cfg, found)
     model_config = check_model_folder(cfg, found)
-    tok = check_tokenizer(cfg, found)
+    tok = check_tokenizer(cfg, found, task)
     check_model_shape(cfg, found, model_config, tok)
     check_experts_kernel(cfg, found)
     if task is not None and tok is not None:
@@ -119,11 +119,12 @@ def check_model_folder(cfg: Any, found: Findings):
         return None
 
 
-def check_tokenizer(cfg: Any, found: Findings):
-    """The tokenizer a real start would use: loaded from its folder, or the built-in character tokenizer."""
+def check_tokenizer(cfg: Any, found: Findings, task: Any = None):
+    """The tokenizer a real start would use: loaded from its folder, or the built-in character tokenizer (with byte
+    fallback when the task's text needs it)."""
     source = tokenizer_source(cfg.model)
     if source is None:
-        return build_char_tokenizer()
+        return embedded_tokenizer(task.alphabet if task is not None else ())
     try:
         return load_tokenizer(*source)
     except CheckpointNotFoundError as exc:

@@ -18,7 +18,8 @@ cross-field rules (E = error, W = warning):
 | correction | ``mode`` ≠ none with ``old_logp_source=engine`` (E: the mismatch would be corrected twice); ``low`` < ``high`` (E); truncate with ``high`` < 1 (W) |
 | routing | replay on a dense model (E); R2 with bypass (E: R2 records in the old-log-prob pass bypass skips); R2 with one update per step (W: R3 paper, arXiv 2510.11370) |
 | rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W) |
-| trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached) |
+| trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached); ``buffer.max_delay`` set with a mode other than ``bounded`` (E: only ``bounded`` reads it), above ``buffer.staleness`` (W: the later batches are dropped, never trained staler than k) |
+| unread keys | a key set away from its default while the key that switches it on is off (:data:`UNREAD_UNLESS`: correction bounds without a correction, the KL kind without a KL, PR2 settings without PR2) (W) |
 | optim | ``betas`` two values in [0, 1) (E) |
 | model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder; ``experts_implementation=deepgemm`` with both dtypes bfloat16 (E) |
 | task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; reverse: the same digit bounds; else ``jsonl:<path>`` (E) |
@@ -108,6 +109,8 @@ def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
     check_rollout(cfg, found, model_is_moe)
     check_async(cfg, found)
     check_trainer(cfg, found)
+    check_buffer(cfg, found)
+    check_unread(cfg, found)
     check_optim(cfg, found)
     check_model(cfg, found, model_is_moe)
     check_task(cfg, found)
@@ -268,6 +271,54 @@ def check_trainer(cfg: Any, found: Findings) -> None:
     if tr.steps >= 1 and k >= 1 and k >= tr.steps:
         found.error(f"buffer.staleness={k} >= trainer.steps={tr.steps}: the trained policy reaches version "
                     f"{tr.steps - 1} at most, so a lag of {k} versions never occurs; use trainer.steps > {k}")
+
+
+def check_buffer(cfg: Any, found: Findings) -> None:
+    """``buffer.max_delay``: read by the bounded buffer only; above ``buffer.staleness`` it drops batches.
+
+    In bounded mode a batch arrives ``d ~ U{0..max_delay}`` iterations after it was generated and is dropped when the
+    trainer has moved more than ``k = buffer.staleness`` versions past it, so whatever ``max_delay`` is, no batch is
+    trained more than ``k`` versions stale: delays above ``k`` show as drops (``offpolicy/dropped``), not as
+    staleness."""
+    b = cfg.buffer
+    if b.max_delay is None:
+        return
+    if b.mode != "bounded":
+        found.error(f"buffer.max_delay={b.max_delay} is read by buffer.mode=bounded only; buffer.mode={b.mode} "
+                    "ignores it: remove it, or set buffer.mode=bounded")
+    elif b.max_delay > b.staleness:
+        found.warn(f"buffer.max_delay={b.max_delay} > buffer.staleness={b.staleness}: a batch that arrives after the "
+                   f"trainer has moved more than {b.staleness} versions past it is dropped (offpolicy/dropped), so "
+                   f"no batch is trained more than {b.staleness} versions stale; raise buffer.staleness for staler "
+                   "data")
+
+
+#: ``key: (the key that switches it on, the predicate of that key's value, what it says)``: a key set away from its
+#: default while the predicate is false is not read by the run (:func:`check_unread` warns)
+UNREAD_UNLESS: dict[str, tuple[str, Any, str]] = {
+    **{f"algo.correction.{k}": ("algo.correction.mode", lambda v: v != "none", "a correction mode")
+       for k in ("level", "high", "low", "opsm_delta")},
+    "algo.kl.kind": ("algo.kl.coef", lambda v: v > 0, "algo.kl.coef > 0"),
+    **{f"algo.routing.{k}": ("algo.routing.replay", lambda v: v == "pr2", "algo.routing.replay=pr2")
+       for k in ("pr2_lr_mult", "pr2_feature_sample_rate", "pr2_bias_in_weights")},
+}
+
+
+def _get(obj: Any, key: str) -> Any:
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_unread(cfg: Any, found: Findings) -> None:
+    """A key of :data:`UNREAD_UNLESS` set away from its default while its switch is off: a warning naming both, so
+    that an option is never silently ignored."""
+    default = type(cfg)()
+    for key, (switch, on, needs) in UNREAD_UNLESS.items():
+        value = _get(cfg, key)
+        if value != _get(default, key) and not on(_get(cfg, switch)):
+            found.warn(f"{key}={value} has no effect with {switch}={_get(cfg, switch)}: it is read only with "
+                       f"{needs}")
 
 
 def check_optim(cfg: Any, found: Findings) -> None:

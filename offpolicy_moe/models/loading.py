@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..tasks.tokenizer import build_char_tokenizer, encode_texts
+from ..tasks.tokenizer import embedded_tokenizer, encode_texts
 from .dtypes import resolve_dtype
 from .experts import AUTO, resolve_experts_implementation
 from .moe_shape import moe_shape
@@ -210,7 +210,8 @@ def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_ex
     """``(model, tokenizer)`` for a ``ModelConfig``, checked with :func:`check_compatibility`.
 
     Tokenizer: the ``tokenizer`` argument, else ``cfg.tokenizer_path``, else (checkpoint) ``cfg.path``,
-    else (preset) the built-in char tokenizer.  For a preset, its experts and top-k are checked against
+    else (preset) the built-in char tokenizer, with byte fallback when ``task``'s text needs it
+    (:func:`~offpolicy_moe.tasks.tokenizer.embedded_tokenizer`).  For a preset, its experts and top-k are checked against
     ``cfg``; for a checkpoint only against ``expected_num_experts``/``expected_top_k`` when given (the
     preset-size fields of ``cfg`` describe presets, not checkpoints).  ``seed`` fixes a preset's init.
     """
@@ -218,7 +219,7 @@ def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_ex
         load_model_config(cfg.path)   # a folder that is not a model is named as such before its tokenizer is read
     if tokenizer is None:
         source = tokenizer_source(cfg)
-        tokenizer = load_tokenizer(*source) if source else build_char_tokenizer()
+        tokenizer = load_tokenizer(*source) if source else embedded_tokenizer(task.alphabet if task else ())
     model = build_model(cfg, tokenizer, seed=seed)
     if getattr(cfg, "path", None):
         n_exp, k = expected_num_experts, expected_top_k

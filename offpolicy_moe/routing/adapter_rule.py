@@ -67,7 +67,8 @@ class AdapterRule:
             ids, rec = rep
             idx = ids if rec is None else torch.where(rec[:, None], ids, idx)
         modified = d_sel is not None or rep is not None
-        self._observe(s, logits, own, idx, d_w, modified, b, sl)
+        st.observe(s.index, idx, own, b, sl, logits, logits,
+                   (idx.detach(), None if d_w is None else d_w.detach()) if modified else None)
         if not modified:
             return None
         lw = logits if d_w is None else (logits.float() + d_w).to(logits.dtype)
@@ -81,14 +82,3 @@ class AdapterRule:
         idx, dw = entry
         lw = logits if dw is None else (logits.float() + dw).to(logits.dtype)
         return (logits, s.adapter.weights(s.router, lw, idx), idx) + tuple(output[3:])
-
-    def _observe(self, s: Slot, logits, own, idx, d_w, modified: bool, b: int, sl: int) -> None:
-        """Hand the call's ids to the recorders, captures, aux store and checkpoint tape."""
-        st = self.state
-        st.record(s.index, idx, own, b, sl)
-        if st.aux is not None:
-            st.aux.append((logits, idx))
-        for c in st.captures:
-            c.add(s.index, logits, own, b, sl)
-        if st.tape is not None:
-            st.tape.append((idx.detach(), None if d_w is None else d_w.detach()) if modified else None)

@@ -1,33 +1,18 @@
 """RoutingController: record, replay and shift the expert routing of a Hugging Face MoE model.
 
-Mechanism: one forward hook per router module rewrites the router's output tuple
-``(logits, weights, indices)`` (transformers 5.x contract), plus a pre-/post-hook on the router's parent MoE block
-(the block sees ``hidden[B, s, H]``, which gives each call's batch and sequence shape, and lets us detect a block
-whose forward bypasses the router, e.g. a hub kernel). Hooks are installed when the first context opens and removed
-when the last one closes, also on exceptions. Nothing is patched at class level.
+Mechanism: hooks, installed when the first context opens and removed when the last one closes (also on exceptions);
+nothing is patched at class level. A router with a family adapter gets a forward hook that rewrites its
+``(logits, weights, indices)`` (``AdapterRule``); any other router runs its own forward with its top-k intercepted
+(``GenericRule``). A pre-/post-hook on each router's MoE block gives the call's ``[B, s]`` and detects a block that
+bypasses its router (a hub kernel). The contexts set one :class:`~offpolicy_moe.routing.state.RoutingState`
+(``ctl.state``), which the rules read; recorders and captures get only the frozen ``ModelShape``.
 
-State: one :class:`~offpolicy_moe.routing.state.RoutingState` owned by the controller (``ctl.state``); the contexts
-set it, the two routing rules read it (``AdapterRule`` for routers with a family adapter, ``GenericRule`` for the
-others). Recorders and captures get only the frozen :class:`~offpolicy_moe.routing.state.ModelShape`.
-
-Contexts (they nest freely; the state is plain attributes, so autograd threads see it):
-  * ``record(which="used")``: routes actually used (after replay/offsets/noise), or ``which="own"``: the router's
-    native top-k. ``rec.trace()`` -> :class:`RouteTrace` aligned with ``generate``'s ``sequences`` (last row "not
-    recorded": that token is never fed back) or with a forward's ``input_ids``.
-  * ``replay(trace)``: R3 (arXiv:2510.11370) / R2 (arXiv:2507.18071): selection forced to the trace where
-    recorded; weights recomputed from the training router's logits with the model's own rule, gathered from the
-    full distribution; router gradients flow.
-  * ``offsets(predictors, in_weights=True, feature_cache=None, fixed=None)``: PR2 rollout (arXiv:2606.00395):
-    selection on ``logits + h W_p`` (and weights too when ``in_weights``); ``fixed``: a fixed router-weight
-    perturbation ``h dW^T`` (``routing/perturb.py``) added to selection, weights and the cached logits.
-  * ``logit_noise(sigma)``: Gaussian noise on the router logits (selection and weights): a controllable
-    engine/trainer mismatch.
-  * ``capture_router_logits(positions)``: detached router logits and the router's own top-k at given tokens
-    (PR2 predictor targets).
-Gradient checkpointing: pass ``context_fn=ctl.checkpoint_context_fn`` (non-reentrant) or call
-``ctl.enable_gradient_checkpointing()``: every router call inside a checkpointed layer stores the route it used
-(and the logit shift of the weights), and the recompute in backward uses exactly those, so gradients are exact
-even after the ``with`` block closed.
+Contexts (they nest freely; each is documented on its method): :meth:`~RoutingController.record` (routes used, or
+the router's own), :meth:`~RoutingController.replay` (R3, arXiv:2510.11370; R2, arXiv:2507.18071),
+:meth:`~RoutingController.offsets` (PR2, arXiv:2606.00395, and a fixed router perturbation),
+:meth:`~RoutingController.logit_noise` and :meth:`~RoutingController.capture_router_logits` (PR2's targets).
+Gradient checkpointing: :meth:`~RoutingController.checkpoint_context_fn` makes the recompute in backward use the
+routes the forward used, so gradients are exact even after the ``with`` block closed.
 """
 from __future__ import annotations
 
@@ -113,16 +98,6 @@ class RoutingController:
         """Family adapter of MoE layer ``layer``."""
         return self._slots[layer].adapter
 
-    @property
-    def _replay(self) -> ReplayPlan | None:
-        """The open replay (read-only view of ``state.replay``)."""
-        return self.state.replay
-
-    @property
-    def _recorders(self) -> list:
-        """The open recorders (read-only view of ``state.recorders``)."""
-        return self.state.recorders
-
     def _rule(self, s: Slot) -> AdapterRule | GenericRule:
         return self._adapter_rule if s.adapter is not None else self._generic_rule
 
@@ -165,6 +140,29 @@ class RoutingController:
             yield
         finally:
             self._release()
+
+    @contextlib.contextmanager
+    def _setting(self, name: str, value, context: str, guard: bool = False):
+        """Hooks on while the block runs, with ``state.<name> = value`` (None again after); contexts of one kind do
+        not nest. ``guard``: ``model.generate`` refuses what cannot be recorded (``routing/generation.py``)."""
+        if getattr(self.state, name) is not None:
+            raise RuntimeError(f"{context} contexts cannot be nested")
+        with self._session(), self._guard() if guard else contextlib.nullcontext():
+            setattr(self.state, name, value)
+            try:
+                yield value
+            finally:
+                setattr(self.state, name, None)
+
+    @contextlib.contextmanager
+    def _joining(self, name: str, member, guard: bool = False):
+        """Hooks on while the block runs, with ``member`` in the list ``state.<name>`` (recorders, captures)."""
+        with self._session(), self._guard() if guard else contextlib.nullcontext():
+            getattr(self.state, name).append(member)
+            try:
+                yield member
+            finally:
+                getattr(self.state, name).remove(member)
 
     def _block_pre(self, i: int):
         state = self.state
@@ -242,13 +240,8 @@ class RoutingController:
         """
         if which not in ("used", "own"):
             raise ValueError(f"which must be 'used' or 'own', got {which!r}")
-        rec = Recorder(self.shape, which)
-        with self._session(), self._generate_guard():
-            self.state.recorders.append(rec)
-            try:
-                yield rec
-            finally:
-                self.state.recorders.remove(rec)
+        with self._joining("recorders", Recorder(self.shape, which), guard=True) as rec:
+            yield rec
 
     @contextlib.contextmanager
     def replay(self, trace: RouteTrace, validate: bool = True, aux_from_used: bool = True) -> Iterator[None]:
@@ -274,15 +267,9 @@ class RoutingController:
             raise TraceValidationError(f"trace layer_ids {trace.layer_ids} differ from the model's {self.layer_ids}")
         if validate:
             trace.validate(max_missing=1.0)
-        if self.state.replay is not None:
-            raise RuntimeError("replay contexts cannot be nested")
-        with self._session():
-            self.state.replay = ReplayPlan(trace)
+        with self._setting("replay", ReplayPlan(trace), "replay"):
             self.state.aux = [] if aux_from_used else None
-            try:
-                yield
-            finally:
-                self.state.replay = None
+            yield
 
     @contextlib.contextmanager
     def offsets(self, predictors: PR2Predictors, in_weights: bool = True,
@@ -306,17 +293,11 @@ class RoutingController:
                     self.num_moe_layers, self.num_experts, self.hidden_size):
                 raise ValueError(f"{name} have (L, E, H) = {(mod.num_layers, mod.num_experts, mod.hidden_size)}"
                                  f" but the model has {(self.num_moe_layers, self.num_experts, self.hidden_size)}")
-        if self.state.offsets is not None:
-            raise RuntimeError("offsets contexts cannot be nested")
-        if feature_cache is not None and feature_cache.has_data:
+        if feature_cache is not None and feature_cache.has_data and self.state.offsets is None:
             raise ValueError("feature_cache already holds features: call cache.reset() or use a new FeatureCache")
-        guard = self._generate_guard() if feature_cache is not None else contextlib.nullcontext()
-        with self._session(), guard:
-            self.state.offsets = OffsetPlan(predictors, in_weights, feature_cache, fixed)
-            try:
-                yield
-            finally:
-                self.state.offsets = None
+        with self._setting("offsets", OffsetPlan(predictors, in_weights, feature_cache, fixed), "offsets",
+                           guard=feature_cache is not None):
+            yield
 
     @contextlib.contextmanager
     def logit_noise(self, sigma: float, generator: torch.Generator | None = None) -> Iterator[None]:
@@ -326,14 +307,8 @@ class RoutingController:
         """
         if not (sigma >= 0.0):
             raise ValueError(f"sigma must be >= 0, got {sigma}")
-        if self.state.noise is not None:
-            raise RuntimeError("logit_noise contexts cannot be nested")
-        with self._session():
-            self.state.noise = NoisePlan(float(sigma), generator)
-            try:
-                yield
-            finally:
-                self.state.noise = None
+        with self._setting("noise", NoisePlan(float(sigma), generator), "logit_noise"):
+            yield
 
     @contextlib.contextmanager
     def capture_router_logits(self, positions) -> Iterator[RouterCapture]:
@@ -346,26 +321,15 @@ class RoutingController:
         if hasattr(positions, "positions"):
             positions = positions.positions()
         bi, pos = positions
-        cap = RouterCapture(self.shape, torch.as_tensor(bi), torch.as_tensor(pos))
-        with self._session():
-            self.state.captures.append(cap)
-            try:
-                yield cap
-            finally:
-                self.state.captures.remove(cap)
+        with self._joining("captures", RouterCapture(self.shape, torch.as_tensor(bi), torch.as_tensor(pos))) as cap:
+            yield cap
 
-    # ------------------------------------------------------------------------------------ generate guard
     # ------------------------------------------------------------------------------------ generate guard
     @staticmethod
     def check_generate_kwargs(model: nn.Module, kwargs: dict) -> None:
         """Raise :class:`UnsupportedGenerationError` for generation modes whose routes cannot be recorded (beam
         search, assisted decoding, ``use_cache=False``; ``routing/generation.py``)."""
         check_generate_kwargs(model, kwargs)
-
-    def _generate_guard(self):
-        """While recording, ``model.generate`` refuses unsupported modes and tells recorders the length of
-        ``sequences`` (``routing/generation.py``)."""
-        return self._guard()
 
     # ------------------------------------------------------------------------------ gradient checkpointing
     def checkpoint_context_fn(self):

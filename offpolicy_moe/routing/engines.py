@@ -4,9 +4,9 @@ Pure layout functions (no model): each returns int64 ``[S, L_moe, K]`` route ids
 (prompt then completion), -1 where a position was not recorded. ``RouteTrace.from_vllm`` / ``from_sglang`` wrap
 them into a trace tied to the token ids.
 
-What the engines send (sources: vLLM ``docs/features/routed_experts.md``, ``tests/entrypoints/openai/
-test_return_routed_experts.py``; SGLang ``python/sglang/srt/layers/moe/routed_experts_capturer.py``; the notes in
-``/work/shared/research/engine_route_formats.md``):
+What the engines send (sources: https://github.com/vllm-project/vllm/blob/main/docs/features/routed_experts.md,
+https://github.com/vllm-project/vllm/blob/main/tests/entrypoints/openai/test_return_routed_experts.py,
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/moe/routed_experts_capturer.py):
 
 =============  ===============================================  ===========================  ==============  =======
 engine         payload                                          rows                         layers          dtype

@@ -59,23 +59,17 @@ class GenerateGuard:
     def __call__(self):
         model = self.model
         gen = getattr(model, "generate", None)
-        if gen is None or self.users > 0:
-            self.users += 1
-            try:
-                yield
-            finally:
-                self.users -= 1
-            return
-        had = "generate" in model.__dict__
+        wrap, had = gen is not None and self.users == 0, "generate" in model.__dict__
+        if wrap:
+            model.generate = self._guarded(gen)
         self.users += 1
-        model.generate = self._guarded(gen)
         try:
             yield
         finally:
             self.users -= 1
-            if had:
+            if wrap and had:
                 model.generate = gen
-            else:
+            elif wrap:
                 with contextlib.suppress(AttributeError):
                     del model.generate
 

@@ -12,7 +12,7 @@ import torch
 from einops import rearrange
 
 from .discovery import Slot
-from .intercept import TopKIntercept
+from .intercept import SelectionSeen, TopKIntercept
 from .state import OWN_CHOICE, RouterBypassError, RoutingState
 
 __all__ = ["GenericRule", "RouterBypassError"]
@@ -84,15 +84,25 @@ class GenericRule:
                 forced, rows = ids, rec
         mode = TopKIntercept(n, e, k, forced=forced, forced_rows=rows, shift=d_w)
         mode.bs = (b, sl)
-        if mode.modified and (st.captures or any(r.which == "own" for r in st.recorders)):
+        # forced ids alone: the intercept's own top-k already is the router's choice; a shift hides it
+        if d_w is not None and (st.captures or any(r.which == "own" for r in st.recorders)):
             mode.own_probe = self._probe(s, module, args, kwargs, n, None)
         return mode
 
     def _probe(self, s: Slot, module, args, kwargs, n: int, shift) -> TopKIntercept:
-        """Run the scope's forward once more without gradients (hooks bypassed) to learn a selection."""
-        probe = TopKIntercept(n, s.num_experts, s.top_k, shift=shift)
-        with torch.no_grad(), probe:
-            module.forward(*args, **kwargs)
+        """Learn a selection by running the scope's forward once more, up to its top-k only (no experts when the
+        scope is the whole block), without gradients, on copies of its tensor inputs (a router that scales its
+        input in place, DBRX's jitter, scales it once) and with the random state the real call will see (the same
+        jitter draw)."""
+        probe = TopKIntercept(n, s.num_experts, s.top_k, shift=shift, stop=True)
+        args, kwargs = _copied(args), _copied(kwargs)
+        devices = sorted({a.device.index for a in (*args, *kwargs.values())
+                          if isinstance(a, torch.Tensor) and a.is_cuda})
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), probe:
+            try:
+                module.forward(*args, **kwargs)
+            except SelectionSeen:
+                pass
         if probe.used is None:
             raise RouterBypassError(f"{type(module).__name__} ran no top-k over {s.num_experts} experts")
         return probe
@@ -115,17 +125,17 @@ class GenericRule:
         if st.recomputing:
             return _swap_logits(output, mode)
         b, sl = mode.bs
-        own = mode.own if mode.own_probe is None else mode.own_probe.own
-        st.record(i, mode.used, own, b, sl)
-        if st.aux is not None and mode.logits is not None:
-            st.aux.append((rearrange(mode.logits, "... e -> (...) e"), mode.used))
-        for c in st.captures:
-            probe = mode.own_probe or mode
-            c.add(i, rearrange(probe.logits, "... e -> (...) e"), own, b, sl)
-        if st.tape is not None:
-            st.tape.append((mode.used.detach(), None if mode.shift is None else mode.shift.detach())
-                           if mode.modified else None)
+        probe = mode.own_probe or mode
+        st.observe(i, mode.used, probe.own, b, sl, mode.logits, probe.logits,
+                   (mode.used.detach(), None if mode.shift is None else mode.shift.detach()) if mode.modified else None)
         return _swap_logits(output, mode)
+
+
+def _copied(values):
+    """``values`` (a tuple or a dict) with every tensor cloned."""
+    if isinstance(values, dict):
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+    return tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def _swap_logits(output, mode: TopKIntercept):

@@ -23,12 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["TopKIntercept"]
+__all__ = ["SelectionSeen", "TopKIntercept"]
 
 _TOPK = {torch.topk, torch.Tensor.topk}
 _LINEAR = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
            torch.addmm, torch.bmm, torch.einsum}
 _MASKED = {torch.masked_fill, torch.Tensor.masked_fill}
+
+
+class SelectionSeen(Exception):
+    """Raised by a probing :class:`TopKIntercept` (``stop=True``) once the selection is known: the rest of the
+    forward (the experts, when the block holds the top-k) never runs."""
 
 
 class TopKIntercept(TorchFunctionMode):
@@ -41,6 +46,7 @@ class TopKIntercept(TorchFunctionMode):
         forced: ``[N, K]`` int64 ids to force, or None.
         forced_rows: bool ``[N]``, rows where ``forced`` applies (None: all rows).
         shift: float ``[N, E]`` added to the router logits, or None.
+        stop: raise :class:`SelectionSeen` right after the expert top-k (a probe that only needs the selection).
 
     After the call: ``logits`` (unshifted ``[N, E]`` or None), ``own`` (the real top-k ids of the last matching
     top-k, ``[N, K]``), ``used`` (the ids the rule went on with), ``shifted`` (the shifted tensor handed to the
@@ -48,10 +54,10 @@ class TopKIntercept(TorchFunctionMode):
     """
 
     def __init__(self, n: int, num_experts: int, top_k: int, forced: torch.Tensor | None = None,
-                 forced_rows: torch.Tensor | None = None, shift: torch.Tensor | None = None):
+                 forced_rows: torch.Tensor | None = None, shift: torch.Tensor | None = None, stop: bool = False):
         super().__init__()
         self.n, self.e, self.k = int(n), int(num_experts), int(top_k)
-        self.forced, self.forced_rows, self.shift = forced, forced_rows, shift
+        self.forced, self.forced_rows, self.shift, self.stop = forced, forced_rows, shift, stop
         self.logits: torch.Tensor | None = None
         self.shifted: torch.Tensor | None = None
         self.own: torch.Tensor | None = None
@@ -95,6 +101,8 @@ class TopKIntercept(TorchFunctionMode):
         self.own = own
         if self.forced is None:
             self.used = own
+            if self.stop:
+                raise SelectionSeen
             return real
         forced = self.forced.to(own.device, own.dtype).reshape(self.n, self.k)
         if self.forced_rows is not None:

@@ -27,11 +27,21 @@ import torch
 from .trace import RouteTrace
 
 __all__ = ["GUARDRAIL_METRICS", "RouteComparison", "compare_traces", "replay_guardrails", "routing_metrics",
-           "zero_deviation"]
+           "set_overlap", "zero_deviation"]
 
 #: stable names of the replay guardrail metrics (see :func:`replay_guardrails`)
 GUARDRAIL_METRICS = ("routing/replay_fallback", "routing/replay_outside_topk", "routing/replay_outside_topk_decisions",
                      "routing/replay_decisions")
+
+
+def in_set(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` bool: whether each id of ``a[..., K]`` is among the ids of ``b[..., K']`` of the same row."""
+    return (a[..., :, None] == b[..., None, :]).any(-1)
+
+
+def set_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``|a ∩ b|`` per row of id tensors ``[..., K]`` (ids unique within a row)."""
+    return in_set(a, b).sum(-1)
 
 
 def zero_deviation(same: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
@@ -115,10 +125,8 @@ def compare_traces(trace_a: RouteTrace, trace_b: RouteTrace, mask: torch.Tensor 
     b = trace_b.long_ids().to(a.device)
     valid = trace_a.recorded_mask() & trace_b.recorded_mask().to(a.device)
     if mask is not None:
-        if tuple(mask.shape) != tuple(a.shape[:2]):
-            raise ValueError(f"mask shape {tuple(mask.shape)} does not match the traces' [B, S] = {tuple(a.shape[:2])}")
-        valid = valid & mask.to(a.device).bool()
-    overlap = (a[..., :, None] == b[..., None, :]).any(-1).sum(-1)
+        valid = valid & _mask_like(mask, a.shape[0], a.shape[1], a.device)
+    overlap = set_overlap(a, b)
     coverage = None
     if probs_b is not None:
         want = tuple(a.shape[:3]) + (trace_a.num_experts,)
@@ -169,7 +177,7 @@ def replay_guardrails(replayed: RouteTrace, own: RouteTrace, mask: torch.Tensor 
                 "routing/replay_outside_topk_decisions": 0.0, "routing/replay_decisions": float(replayed_decisions)}
     a = replayed.long_ids().to(m.device)[rec]          # [R_tok, L, K]
     o = own.long_ids().to(m.device)[rec]
-    outside = ~(a[..., :, None] == o[..., None, :]).any(-1)   # [R_tok, L, K]
+    outside = ~in_set(a, o)   # [R_tok, L, K]
     return {"routing/replay_fallback": (decisions - replayed_decisions) / decisions,
             "routing/replay_outside_topk": float(outside.float().mean()),
             "routing/replay_outside_topk_decisions": float(outside.any(-1).float().mean()),

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .metrics import zero_deviation
-from .trace import RouteTrace
+from .metrics import set_overlap, zero_deviation
+from .trace import RouteTrace, repad_destinations
 
 #: the no-predictor KL (nats) below which ``pr2/skill_ratio`` is not reported: no drift to predict
 SKILL_MIN_BASE_KL = 1e-6
@@ -146,12 +146,8 @@ class PR2Features:
 
     def repad(self, attention_mask: torch.Tensor, side: str) -> "PR2Features":
         """Follow ``trace.repad(attention_mask, side)``: new positions of the real tokens; pad tokens dropped."""
-        if side not in ("left", "right"):
-            raise ValueError(f"side must be 'left' or 'right', got {side!r}")
         m = attention_mask.bool()
-        b, s = m.shape
-        rank = torch.cumsum(m.long(), 1) - 1
-        dst = rank if side == "right" else rank + (s - m.sum(1))[:, None]
+        dst, _ = repad_destinations(m, side)
         old_to_new = torch.where(m, dst, torch.full_like(dst, -1))
         np_ = old_to_new.to(self.batch_index.device)[self.batch_index, self.position]
         keep = np_ >= 0
@@ -176,12 +172,8 @@ def cat_features(parts: Sequence[PR2Features], batch_sizes: Sequence[int]) -> PR
     if len(parts) != len(batch_sizes) or not parts:
         raise ValueError(f"need one batch size per feature record, got {len(parts)} records and "
                          f"{len(batch_sizes)} sizes")
-    off = 0
-    bi = []
-    for p, n in zip(parts, batch_sizes):
-        bi.append(p.batch_index + off)
-        off += n
-    return PR2Features(torch.cat(bi), torch.cat([p.position for p in parts]), torch.cat([p.h for p in parts]),
+    offsets = [sum(batch_sizes[:i]) for i in range(len(parts))]
+    return PR2Features(torch.cat([p.batch_index + off for p, off in zip(parts, offsets)]), torch.cat([p.position for p in parts]), torch.cat([p.h for p in parts]),
                        torch.cat([p.logits for p in parts]))
 
 
@@ -261,11 +253,6 @@ class FeatureCache:
 
 
 # ------------------------------------------------------------------------------------------------- the loss
-def _set_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a ∩ b| per row for id tensors ``[..., K]`` (ids unique within a row)."""
-    return (a[..., :, None] == b[..., None, :]).any(-1).sum(-1)
-
-
 def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current_logits: torch.Tensor, *,
                        current_ids: torch.Tensor | None = None, replayed_ids: torch.Tensor | None = None,
                        current_is_probs: bool = False, top_k: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -357,14 +344,14 @@ def _route_metrics(cur, rho, neg_ent, logq, logits_old, current_ids, replayed_id
     i_unb = torch.topk(logits_old, k, -1)[1]      # the unbiased route: what R3 would have replayed
     base_kl = float((neg_ent - rho * F.log_softmax(logits_old, dim=-1)).sum(-1).mean())
     valid = (i_rep >= 0).all(-1)  # [M, L]: recorded
-    overlap = _set_overlap(i_rep, i_cur).float()
+    overlap = set_overlap(i_rep, i_cur).float()
     vf = valid.float()
     nvalid = vf.sum().clamp_min(1.0)
     cover = rho.gather(-1, i_rep.clamp_min(0)).sum(-1)
     zd = zero_deviation(overlap == k, valid)
-    zd_r3 = zero_deviation(_set_overlap(i_unb, i_cur) == k, valid)
+    zd_r3 = zero_deviation(set_overlap(i_unb, i_cur) == k, valid)
     return {"pr2/base_kl": base_kl, "pr2/topk_agreement": float((overlap / k * vf).sum() / nvalid),
             "pr2/coverage_gap": float(((1.0 - cover) * vf).sum() / nvalid),
             "pr2/zero_dev_layer": zd[0], "pr2/zero_dev_token": zd[1],
             "pr2/zero_dev_layer_r3": zd_r3[0], "pr2/zero_dev_token_r3": zd_r3[1],
-            "pr2/bias_route_change": float(((_set_overlap(i_rep, i_unb) < k).float() * vf).sum() / nvalid)}
+            "pr2/bias_route_change": float(((set_overlap(i_rep, i_unb) < k).float() * vf).sum() / nvalid)}

@@ -177,7 +177,16 @@ class RoutingState:
         """MoE layer ``i``'s replayed ids and recorded rows for a ``[b, s]`` call, or None outside ``replay``."""
         return None if self.replay is None else self.replay.layer(i, b, s, device)
 
-    def record(self, i: int, used: torch.Tensor, own: torch.Tensor, b: int, s: int) -> None:
-        """Hand one router call's ids (``used`` and the router's ``own``, ``[b*s, K]``) to the open recorders."""
+    def observe(self, i: int, used: torch.Tensor, own: torch.Tensor, b: int, s: int, logits: torch.Tensor | None,
+                own_logits: torch.Tensor | None, taped) -> None:
+        """Hand one router call of MoE layer ``i`` on; ids ``[b*s, K]``: ``used`` and the router's ``own`` to the
+        recorders, ``(logits, used)`` to the aux-loss store, the unshifted ``own_logits`` and ``own`` to the captures,
+        ``taped`` (the route and weight shift, or None: the router's own) to the checkpoint tape."""
         for r in self.recorders:
             r.add(i, used if r.which == "used" else own, b, s)
+        if self.aux is not None and logits is not None:
+            self.aux.append((rearrange(logits, "... e -> (...) e"), used))
+        for c in self.captures:
+            c.add(i, rearrange(own_logits, "... e -> (...) e"), own, b, s)
+        if self.tape is not None:
+            self.tape.append(taped)

@@ -70,6 +70,20 @@ def _check_mask(mask: torch.Tensor, b: int, s: int, what: str = "attention_mask"
     return mask.bool()
 
 
+def repad_destinations(mask: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the valid entries of each row of ``mask[B, S]``: their column once moved to ``side`` ("left" or "right")
+    keeping order, ``[B, S]`` (meaningful where ``mask``), and the new mask."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    s = mask.shape[1]
+    n = mask.sum(1)  # [B]
+    rank = torch.cumsum(mask.long(), 1) - 1  # position of each valid entry among the valid ones
+    cols = torch.arange(s, device=mask.device)[None, :]
+    if side == "right":
+        return rank, cols < n[:, None]
+    return rank + (s - n)[:, None], cols >= (s - n)[:, None]
+
+
 def repad(x: torch.Tensor, mask: torch.Tensor, side: str, fill) -> tuple[torch.Tensor, torch.Tensor]:
     """Move the valid entries of each row of ``x[B, S, ...]`` to the ``side`` ("left" or "right") of the row.
 
@@ -77,18 +91,12 @@ def repad(x: torch.Tensor, mask: torch.Tensor, side: str, fill) -> tuple[torch.T
     the other slots get ``fill``. Works on token ids, masks, logprobs and route ids alike, so a trace moves exactly
     like its tokens. Returns ``(x_new, mask_new)``.
     """
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
     b, s = x.shape[:2]
     m = _check_mask(mask.to(x.device), b, s, "mask")
-    n = m.sum(1)  # [B]
-    rank = torch.cumsum(m.long(), 1) - 1  # position of each valid entry among the valid ones
-    dst = rank if side == "right" else rank + (s - n)[:, None]
+    dst, new_mask = repad_destinations(m, side)
     out = torch.full_like(x, fill)
     rows = repeat(torch.arange(b, device=x.device), "b -> b s", s=s)
     out[rows[m], dst[m]] = x[m]
-    cols = torch.arange(s, device=x.device)[None, :]
-    new_mask = cols < n[:, None] if side == "right" else cols >= (s - n)[:, None]
     return out, new_mask
 
 

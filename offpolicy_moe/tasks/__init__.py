@@ -15,7 +15,8 @@ from .math_answer import MathVerifier, extract_final_answer
 from .reverse import ReverseTask
 from .rewards import (REWARD_KINDS, clean_completion, compute_rewards, exact_match_reward, get_reward_fn,
                       partial_credit_reward)
-from .tokenizer import (VOCAB, build_char_tokenizer, char_table, decode_completions, encode_prompts, encode_texts,
+from .tokenizer import (VOCAB, build_char_tokenizer, char_table, decode_completions, embedded_tokenizer, encode_prompts,
+                        encode_texts,
                         left_pad)
 
 TASK_NAMES = ("arithmetic", "reverse", "dataset:<folder or file>", "jsonl:<file>")
@@ -53,6 +54,7 @@ __all__ = [
     "ChatTemplateRecord", "DatasetTask", "JsonlTask", "MathVerifier", "ON_REWARD_ERROR", "PromptAnswerTask",
     "REWARD_KINDS", "ReverseTask", "RewardError", "RewardImportError", "RewardScores", "RewardSet", "RewardSpec",
     "TASK_NAMES", "VOCAB", "apply_chat_template", "build_char_tokenizer", "char_table", "clean_completion",
+    "embedded_tokenizer",
     "compute_rewards", "decode_completions", "encode_prompts", "encode_texts", "evaluate_expression",
     "evaluate_greedy", "exact_match_reward", "extract_final_answer", "format_problem", "get_reward_fn",
     "greedy_completions", "left_pad", "load_rows", "make_task", "parse_reward_specs", "partial_credit_reward",

@@ -9,6 +9,12 @@ Vocabulary (ids are stable; tests and saved checkpoints rely on them)::
 
     0 <pad>   1 <bos>   2 <eos>   3..12 "0".."9"   13 "+"  14 "-"  15 "*"  16 "="  17 "("  18 ")"  19 " "
 
+Byte fallback (:func:`build_char_tokenizer` with ``byte_fallback=True``, chosen by :func:`embedded_tokenizer` for
+a task whose text leaves that alphabet): the same 20 ids, then ``<0x00>`` .. ``<0xFF>`` at ids 20..275. A character
+of the alphabet is its own token; any other character is the tokens of its UTF-8 bytes (SentencePiece's byte
+fallback, https://github.com/google/sentencepiece), so any UTF-8 text encodes and decodes back exactly. The
+arithmetic task never leaves the alphabet, so it keeps the 20-token vocabulary and its results.
+
 ``tok("12+7=")`` prepends ``<bos>`` (a template post-processor); ``add_special_tokens=False`` does not.
 
 :func:`encode_prompts` and :func:`encode_texts` are the hot-path helpers used by the engine and SFT:
@@ -27,6 +33,7 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS)
 CHARS: str = "0123456789" + "+-*=()" + " "
 VOCAB: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(CHARS))}
+BYTE_TOKENS: tuple[str, ...] = tuple(f"<0x{b:02X}>" for b in range(256))
 
 # Attribute under which a per-tokenizer lookup table is cached on the tokenizer object itself
 # (no module-level mutable state).
@@ -34,22 +41,29 @@ _TABLE_ATTR = "_offpolicy_moe_char_table"
 _PIECES_ATTR = "_offpolicy_moe_id_pieces"
 
 
-def build_char_tokenizer(padding_side: str = "left"):
-    """Build the character-level tokenizer (specials ``<pad>``, ``<bos>``, ``<eos>`` + digits + ``+-*=()`` + space).
+def build_char_tokenizer(padding_side: str = "left", byte_fallback: bool = False):
+    """Build the character-level tokenizer (specials ``<pad>``, ``<bos>``, ``<eos>`` + digits + ``+-*=()`` + space),
+    with ``byte_fallback`` also the 256 byte tokens (module docstring).
 
     Returns a ``transformers.PreTrainedTokenizerFast`` with ``pad_token``, ``bos_token`` and
     ``eos_token`` set and the given ``padding_side`` ("left" for generation, the default; "right"
     for teacher forcing).  ``decode(encode(s), skip_special_tokens=True) == s`` for every string over
-    the alphabet.  An unknown character raises ``ValueError`` naming it (see :func:`char_table`).
+    the alphabet (with ``byte_fallback``: every string).  Without it an unknown character raises ``ValueError``
+    naming it (see :func:`char_table`).
     """
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=None))
+    if byte_fallback:
+        vocab = {**VOCAB, **{t: len(VOCAB) + b for b, t in enumerate(BYTE_TOKENS)}}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+        backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    else:
+        backend = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=None))
+        backend.decoder = decoders.Fuse()
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
     backend.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, VOCAB[BOS])]
@@ -66,22 +80,33 @@ def build_char_tokenizer(padding_side: str = "left"):
     return tok
 
 
+def embedded_tokenizer(alphabet=(), padding_side: str = "left"):
+    """The embedded model's tokenizer for text made of the characters ``alphabet`` (a task's ``alphabet``): the
+    20-token character tokenizer when they are all in it (the arithmetic task: ids and results unchanged), else the
+    same with byte fallback, which encodes any UTF-8 text."""
+    return build_char_tokenizer(padding_side, byte_fallback=not set(alphabet) <= set(CHARS))
+
+
 def char_table(tok) -> np.ndarray | None:
     """Return a 128-entry ``char -> id`` lookup table when ``tok`` is character-level, else ``None``.
 
     A tokenizer counts as character-level when every non-special vocabulary entry is one ASCII
     character and tokenising the whole alphabet yields exactly one id per character.  Unknown
-    characters map to -1 (callers raise).  The table is cached on the tokenizer object.
+    characters map to -1 (callers raise).  With byte fallback (the ``<0xXX>`` entries) an ASCII character
+    outside the alphabet maps to its byte's token, so the table covers all of ASCII.  The table is cached on the
+    tokenizer object.
     """
     cached = getattr(tok, _TABLE_ATTR, None)
     if cached is not None:
         return cached if isinstance(cached, np.ndarray) else None
     vocab = tok.get_vocab()
     specials = set(getattr(tok, "all_special_tokens", []) or [])
-    plain = {t: i for t, i in vocab.items() if t not in specials}
+    plain = {t: i for t, i in vocab.items() if t not in specials and t not in BYTE_TOKENS}
     table: np.ndarray | None = None
     if plain and all(len(t) == 1 and ord(t) < 128 for t in plain):
         candidate = np.full(128, -1, dtype=np.int64)
+        if all(t in vocab for t in BYTE_TOKENS):
+            candidate[:] = [vocab[BYTE_TOKENS[b]] for b in range(128)]
         for t, i in plain.items():
             candidate[ord(t)] = i
         alphabet = "".join(sorted(plain))
@@ -119,8 +144,11 @@ def encode_texts(tok, texts: Sequence[str], *, add_bos: bool = False) -> list[li
         raise TypeError("encode_texts expects a sequence of strings, got a single str")
     table = char_table(tok)
     prefix = [tok.bos_token_id] if (add_bos and tok.bos_token_id is not None) else []
-    if table is not None:
+    if table is not None and not (tok.get_vocab().get(BYTE_TOKENS[255]) is not None and
+                                  not all(t.isascii() for t in texts)):
         return [prefix + _char_ids(table, t).tolist() for t in texts]
+    if table is not None:       # byte fallback and a non-ASCII text: the tokenizer itself
+        return [prefix + list(e) for e in tok(list(texts), add_special_tokens=False)["input_ids"]]
     if not texts:
         return []
     enc = tok(list(texts), add_special_tokens=False)["input_ids"]

@@ -202,3 +202,112 @@ def test_caught_experts_kernels_are_refused_before_compute_naming_the_key():
     with pytest.raises(ConfigError, match=r"model.experts_implementation=sonicmoe is a GPU kernel and needs a CUDA "
                                           r"GPU"):
         check_config(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Options that a run would ignore or cap without a word (issue 37, item 4): every key of validate.UNREAD_UNLESS is
+# measured both ways on the one-step job: with its switch off a non-default value is warned about by name AND leaves
+# the run bit-identical (so the warning is true), with its switch on the same value changes the run (so the switch is
+# the right one). buffer.max_delay is refused outside bounded mode and warned about above the staleness, whose
+# meaning (drops, never staler batches) the bounded buffer itself pins.
+from offpolicy_moe.config.validate import UNREAD_UNLESS, validate  # noqa: E402
+
+#: PR2 trains its predictors at off-policy mini-steps: two updates per step, one step stale
+PR2_ON = ["algo.routing.replay=pr2", "trainer.updates_per_step=2", "buffer.staleness=1", "trainer.steps=3",
+          "trainer.log_every=1"]
+#: a non-default value of each unread key, and the switch that makes the run read it
+UNREAD_CASES = {
+    "algo.correction.level": ("sequence", ["algo.correction.mode=truncate", "algo.correction.high=1.001"]),
+    "algo.correction.high": (1.001, ["algo.correction.mode=truncate"]),
+    "algo.correction.low": (0.999, ["algo.correction.mode=mask", "algo.correction.high=1.5"]),
+    "algo.correction.opsm_delta": (1e-9, ["algo.correction.mode=truncate"]),
+    "algo.kl.kind": ("k1", ["algo.kl.coef=0.5"]),
+    "algo.routing.pr2_lr_mult": (1e5, PR2_ON),
+    "algo.routing.pr2_feature_sample_rate": (1.0, PR2_ON),
+    "algo.routing.pr2_bias_in_weights": (False, PR2_ON),
+}
+
+
+def _fingerprint(overrides: list[str], run_dir) -> list:
+    """The policy's weights and the logged metrics (timings left out) after two steps of the tiny job with
+    ``overrides`` (a bfloat16 engine, so that the behaviour log-probs differ from the trainer's and the correction
+    keys have something to correct)."""
+    from offpolicy_moe.trainer.checks import check_config
+    from offpolicy_moe.trainer.trainer import Trainer
+
+    cfg = load_config(None, ONE_STEP + ["rollout.dtype=bfloat16", "trainer.steps=2", "trainer.log_every=1"] + overrides)
+    cfg.run_dir = str(run_dir)
+    trainer = Trainer(cfg, checked=check_config(cfg))
+    assert trainer.run()["status"] == "completed"
+    import json
+    import torch
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    measured = [torch.tensor([v for k, v in sorted(r.items()) if not k.startswith(("perf/", "time/"))
+                              and not k.endswith(("_s", "_per_s"))]) for r in rows]
+    return [p.detach().clone() for p in trainer.unwrapped.parameters()] + measured
+
+
+def _same(a: list, b: list) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_every_unread_key_has_a_case():
+    assert set(UNREAD_CASES) == set(UNREAD_UNLESS)
+
+
+@pytest.mark.parametrize("key", sorted(UNREAD_CASES))
+def test_an_unread_key_is_warned_about_and_really_unread(key, tmp_path):
+    value, switch = UNREAD_CASES[key]
+    setting = f"{key}={value}"
+    warnings_ = validate(load_config(None, ONE_STEP + [setting]))
+    assert any(w.startswith(f"{key}=") and UNREAD_UNLESS[key][0] in w for w in warnings_), warnings_
+    assert validate(load_config(None, ONE_STEP + switch + [setting])) == [] or not any(
+        w.startswith(f"{key}=") for w in validate(load_config(None, ONE_STEP + switch + [setting])))
+    off = _fingerprint([], tmp_path / "a"), _fingerprint([setting], tmp_path / "b")
+    assert _same(*off), f"{setting} changed the run although its switch is off: the warning would be wrong"
+    on = _fingerprint(switch, tmp_path / "c"), _fingerprint(switch + [setting], tmp_path / "d")
+    assert not _same(*on), f"{setting} did not change the run with {switch}"
+
+
+def test_max_delay_outside_bounded_mode_is_refused_in_one_line(tmp_path, capsys):
+    from offpolicy_moe.cli import main
+
+    for mode in ("fixed", "async"):
+        argv = ["train", "--dry-run", *ONE_STEP, "buffer.staleness=0", f"buffer.mode={mode}", "buffer.max_delay=3",
+                "--run-dir", str(tmp_path / mode)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"offpolicy-moe train: error: invalid configuration: buffer.max_delay=3 is read by "
+                       f"buffer.mode=bounded only; buffer.mode={mode} ignores it: remove it, or set "
+                       f"buffer.mode=bounded"]
+
+
+def test_max_delay_above_the_staleness_is_said_and_means_drops_never_staler_batches(tmp_path, capsys):
+    """buffer.max_delay=100 with buffer.staleness=1: the dry run says it in one line; the bounded buffer (the run's
+    own, driven as the trainer drives it) then trains no batch more than 1 version stale and drops the late ones."""
+    from types import SimpleNamespace
+
+    from offpolicy_moe.cli import main
+    from offpolicy_moe.sources.buffer import StalenessBuffer
+
+    argv = ["train", "--dry-run", *ONE_STEP, "trainer.steps=40", "buffer.mode=bounded", "buffer.staleness=1",
+            "buffer.max_delay=100", "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 0
+    said = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert said == ["offpolicy-moe train: warning: buffer.max_delay=100 > buffer.staleness=1: a batch that arrives "
+                    "after the trainer has moved more than 1 versions past it is dropped (offpolicy/dropped), so no "
+                    "batch is trained more than 1 versions stale; raise buffer.staleness for staler data"]
+    buf, trained, lags, delays = StalenessBuffer(1, "bounded", max_delay=100, seed=0), 0, [], []
+    for it in range(2000):
+        buf.push(SimpleNamespace(version=trained, generated_at=it), it)
+        batch, _ = buf.pop(it, trained)
+        if batch is not None:
+            lags.append(trained - batch.version)
+            delays.append(it - batch.generated_at)
+            trained += 1
+    assert lags and max(lags) <= 1 and buf.dropped > 0 and max(delays) > 1
+    assert validate(load_config(None, ONE_STEP + ["trainer.steps=40", "buffer.mode=bounded", "buffer.staleness=1",
+                                                  "buffer.max_delay=1"])) == []

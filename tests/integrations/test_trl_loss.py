@@ -9,6 +9,7 @@ import torch
 from offpolicy_moe.losses import (correction_weights, get_loss_spec, get_policy_loss, global_counts,
                                   list_policy_losses, m2po_mask)
 from offpolicy_moe.routing import RouteTrace, RoutingController
+from tests.losses import aggregation_table
 from trl_fixtures import trainer
 
 GA = 2
@@ -150,3 +151,61 @@ def test_every_registered_loss_matches_the_library(tmp_path, name):
     assert plugin_grads.keys() == ref_grads.keys() and plugin_grads
     for key in ref_grads:
         torch.testing.assert_close(plugin_grads[key], ref_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("row", aggregation_table.rows("TRL"), ids=lambda r: r.loss)
+def test_plugin_gives_trls_own_loss_with_all_masked_rows(tmp_path, row):
+    """Each TRL row of docs/losses.md's aggregation table, on micro-batches with all-masked rows
+    (``mask_truncated_completions``, a tool mask): TRL's own ``_compute_loss`` (real TRL, that ``loss_type`` and
+    settings) and the plug-in with the row's loss, options and aggregation agree in value and gradient by default
+    (``count_masked_rows=True``: TRL's row means count every row, the table's "counted"); with
+    ``count_masked_rows=False`` the row-mean losses differ (rows with a valid token only), the token-mean ones do
+    not."""
+    trl_loss, ours, agg = row.loss, row.ours, row.aggregation
+    from trl import GRPOTrainer
+
+    tr = trainer(tmp_path, gradient_accumulation_steps=GA, policy_loss=ours, loss_agg=agg,
+                 policy_loss_options=row.options)
+    parts = _generation_batch(tr)
+    for p, rows in zip(parts, ([1, 3], [0])):          # all-masked rows, as mask_truncated_completions leaves them
+        p["completion_mask"] = p["completion_mask"].clone()
+        p["completion_mask"][rows] = 0
+    tokens = sum(p["completion_mask"].sum() for p in parts)
+    for p in parts:                                     # TRL's token count of the generation batch, as TRL makes it
+        p["num_items_in_batch"] = tokens.clone()
+    model = tr.model
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    tr.current_gradient_accumulation_steps = GA
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for j, p in enumerate(parts):
+            tr._step = j
+            loss = fn(p)
+            loss.backward()
+            losses.append(loss.detach())
+        return torch.stack(losses), _grads(model)
+
+    saved = {k: getattr(tr, k) for k in ("loss_type", *row.settings)}
+    for k, v in {"loss_type": trl_loss, **row.settings}.items():
+        setattr(tr, k, v)
+    theirs, g_theirs = run(lambda p: GRPOTrainer._compute_loss(tr, model, p))
+    for k, v in saved.items():
+        setattr(tr, k, v)
+    ours_loss, g_ours = run(lambda p: tr.compute_loss(model, p))
+    torch.testing.assert_close(ours_loss, theirs, rtol=1e-5, atol=1e-7)
+    assert any(float(x.abs()) > 0 for x in theirs)
+    for name in g_theirs:
+        torch.testing.assert_close(g_ours[name], g_theirs[name], rtol=1e-4, atol=1e-7, msg=name)
+    tr.args.count_masked_rows = False
+    tr._window = None
+    valid_only, _ = run(lambda p: tr.compute_loss(model, p))
+    assert (row.empty_rows == "counted") == (agg != "token-mean")
+    if row.empty_rows != "counted":
+        torch.testing.assert_close(valid_only, theirs, rtol=1e-5, atol=1e-7)
+    else:      # 8 rows of which 3 are empty: the row means are 8/5 of TRL's
+        torch.testing.assert_close(valid_only.sum(), theirs.sum() * 8 / 5, rtol=1e-5, atol=1e-7)

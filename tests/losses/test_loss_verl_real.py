@@ -100,3 +100,55 @@ def test_grpo_equals_verls_vanilla_with_dual_clip():
     mine, _ = grpo_loss(logp2, old, adv, mask, weights=w, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(_grad(mine, logp2), _grad(theirs, logp), rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# docs/losses.md, "Aggregation and all-masked rows": every verl row run against verl's own function
+from aggregation_table import rows as table_rows  # noqa: E402
+from offpolicy_moe.losses import get_policy_loss  # noqa: E402
+
+VERL_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def _with_empty_row(seed):
+    logp, old, adv, mask, w = _batch(seed)
+    mask = mask.clone()
+    mask[2] = False                                  # an all-masked row
+    return logp, old, adv, mask, w
+
+
+@pytest.mark.parametrize("row", table_rows("verl"), ids=lambda r: r.loss)
+@pytest.mark.parametrize("global_rows", [False, True])
+def test_docs_aggregation_table_row_against_verl(row, global_rows):
+    """The row's aggregation and its treatment of an all-masked row, measured on verl's own function: with
+    ``loss_agg_mode`` every mode passed is the one applied (ours with that ``agg``); with a fixed mode, any mode
+    passed gives that one; "counted in global_batch_size": without ``global_batch_info`` the empty row is not
+    counted (ours' default count), with ``global_batch_size = B`` it is (ours with ``num_seqs=B``); "counted": always
+    (``num_seqs=B``). DPPO: gradients (verl's value is a REINFORCE surrogate of the same gradient)."""
+    logp, old, adv, mask, w = _with_empty_row(11)
+    if row.loss == "geo_mean":    # verl folds token weights as a geometric mean (the options table says so)
+        w = None
+    B, T = mask.shape
+    theirs_fn, ours_fn = core.get_policy_loss_fn(row.loss), get_policy_loss(row.ours)
+    for passed in VERL_MODES:
+        cfg = _cfg(**row.settings)
+        if global_rows:
+            cfg.global_batch_info.update(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B,
+                                         loss_scale_factor=None)
+        applied = passed if row.aggregation == "loss_agg_mode" else row.aggregation
+        counted = row.empty_rows == "counted" or (global_rows and row.empty_rows == "counted in global_batch_size")
+        kw = dict(num_seqs=B if counted else None, num_tokens=int(mask.sum()))
+        if applied == "row mean":
+            applied = "seq-mean-token-mean"
+        l1 = logp.detach().clone().requires_grad_(True)
+        theirs, _ = theirs_fn(old, l1, adv, mask.double(), passed, cfg, w)
+        l2 = logp.detach().clone().requires_grad_(True)
+        mine, _ = ours_fn(l2, old, adv, mask, agg=applied, weights=w, **kw, **row.options)
+        if not row.loss.startswith("dppo"):
+            torch.testing.assert_close(mine, theirs, rtol=1e-7, atol=1e-10, msg=f"{row.loss} {passed}")
+        torch.testing.assert_close(_grad(mine, l2), _grad(theirs, l1), rtol=1e-7, atol=1e-10,
+                                   msg=f"{row.loss} {passed}")
+        if row.empty_rows != "–" and applied != "token-mean":    # the count matters here: the other one differs
+            other, _ = ours_fn(l2, old, adv, mask, agg=applied, weights=w, num_tokens=int(mask.sum()),
+                               num_seqs=None if counted else B, **row.options)
+            assert not torch.allclose(other, mine, rtol=1e-6), f"{row.loss} {passed}: the row count did not matter"

@@ -201,7 +201,7 @@ def test_nothing_stays_patched_even_on_exception():
         with ctl.replay(forced), ctl.record():
             model(ids, attention_mask=mask, position_ids=pos)
             raise RuntimeError("boom")
-    assert not ctl.active and ctl._replay is None and not ctl._recorders
+    assert not ctl.active and ctl.state.replay is None and not ctl.state.recorders
     assert "generate" not in model.__dict__
     assert [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()] == hooks_before
     with torch.no_grad():

@@ -76,3 +76,26 @@ def test_the_gpu_twin_passes_the_dry_run_on_a_local_checkpoint_with_a_chat_templ
                f"model.path={tmp_path / 'ckpt'}", f"task.name=dataset:{tmp_path / 'gsm'}",
                f"run_dir={tmp_path / 'run'}"])
     assert rc == 0, capsys.readouterr().err
+
+
+def test_word_problems_with_letters_run_on_the_embedded_model(tmp_path, monkeypatch, capsys):
+    """``--words``: GSM8K-style questions and worked solutions (letters, punctuation, newlines, ``####``). The
+    example config accepts them on the embedded model (byte-fallback tokenizer), and a three-step run trains on them
+    and decodes its completions."""
+    import json as _json
+
+    data = _write(tmp_path, "--words", "--limit", "300")
+    rows = [_json.loads(x) for x in data.read_text().splitlines()]
+    assert all(any(c.isalpha() for c in r["question"]) and "\n" in r["answer"] for r in rows)
+    for r in rows:
+        final = int(r["answer"].rsplit("#### ", 1)[1])
+        steps = [s for s in r["answer"].splitlines() if "=" in s]
+        assert eval(steps[-1].split("=")[0]) == final == int(steps[-1].split("=")[1])      # noqa: S307
+    monkeypatch.chdir(REPO)
+    yaml = str(REPO / "experiments" / "byo_task" / "train.yaml")
+    over = [f"task.name=dataset:{data}", f"run_dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=1",
+            "trainer.eval_every=0", "rollout.prompts_per_step=2", "rollout.group_size=2", "trainer.threads=1",
+            "logging.progress=false", "task.eval_size=8", "model.num_layers=1", "model.hidden_size=32"]
+    assert main(["train", "--dry-run", yaml, *over]) == 0, capsys.readouterr().err
+    assert main(["train", yaml, *over]) == 0, capsys.readouterr().err
+    assert "completed: 3 steps" in capsys.readouterr().out

@@ -68,3 +68,51 @@ def test_char_table_detects_char_tokenizer_after_save(tmp_path):
 def test_decode_completions_cuts_at_eos_and_drops_pad():
     rows = torch.tensor([[4, 12, 2, 0], [2, 5, 5, 0], [6, 7, 0, 0], [5, 2, 6, 2], [4, 0, 12, 0], [4, 1, 12, 13]])
     assert decode_completions(TOK, rows) == ["19", "", "34<pad><pad>", "2", "1<pad>9<pad>", "1<bos>9+"]
+
+
+# ------------------------------------------------------------------------------------------------ byte fallback
+from offpolicy_moe.tasks import embedded_tokenizer  # noqa: E402
+from offpolicy_moe.tasks.tokenizer import BYTE_TOKENS, VOCAB  # noqa: E402
+
+BYTES = build_char_tokenizer(byte_fallback=True)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.text(max_size=40))
+def test_byte_fallback_round_trips_any_text_and_fast_path_agrees(s):
+    ids = BYTES(s, add_special_tokens=False)["input_ids"]
+    assert BYTES.decode(ids, skip_special_tokens=True) == s
+    assert encode_texts(BYTES, [s]) == [ids]
+    assert decode_completions(BYTES, [ids + [BYTES.eos_token_id, 0]]) == [s]
+    assert len(ids) == sum(1 if c in CHARS else len(c.encode("utf-8")) for c in s)
+
+
+def test_byte_fallback_keeps_the_alphabet_ids_and_appends_the_bytes():
+    assert len(BYTES) == 20 + 256
+    assert {t: BYTES.convert_tokens_to_ids(t) for t in VOCAB} == VOCAB
+    assert BYTES.convert_tokens_to_ids(list(BYTE_TOKENS)) == list(range(20, 276))
+    assert BYTES("12+7=")["input_ids"] == TOK("12+7=")["input_ids"] == [1, 4, 5, 13, 10, 16]
+    assert BYTES("a\n#é", add_special_tokens=False)["input_ids"] == [20 + 0x61, 20 + 0x0A, 20 + 0x23, 20 + 0xC3,
+                                                                     20 + 0xA9]
+
+
+def test_embedded_tokenizer_keeps_the_arithmetic_vocabulary():
+    """The arithmetic task stays on the 20-token vocabulary (its model and results unchanged); text with any other
+    character gets the byte fallback."""
+    from offpolicy_moe.config.schema import TaskConfig
+    from offpolicy_moe.tasks import make_task
+
+    assert len(embedded_tokenizer(make_task(TaskConfig()).alphabet)) == 20
+    assert len(embedded_tokenizer(set("How many?\n"))) == 276
+    assert len(embedded_tokenizer()) == 20
+
+
+def test_byte_fallback_tokenizer_survives_save_and_load(tmp_path):
+    from transformers import AutoTokenizer
+
+    BYTES.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    text = "Ann has 7 pens.\n#### 21 — ok"
+    assert again(text)["input_ids"] == BYTES(text)["input_ids"]
+    assert encode_texts(again, [text]) == encode_texts(BYTES, [text])
+    assert again.decode(again(text, add_special_tokens=False)["input_ids"]) == text

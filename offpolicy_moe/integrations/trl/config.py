@@ -69,7 +69,10 @@ class OffPolicyGRPOConfig(GRPOConfig):
       (:func:`offpolicy_moe.losses.policy_loss_options`), e.g. ``{"tau": 0.04}`` for M2PO;
     * ``loss_agg``: aggregation mode (None: the loss's default), with global token / sequence counts over the
       optimizer step's micro-batches; ``loss_norm_length``: the Dr. GRPO constant (default
-      ``max_completion_length``);
+      ``max_completion_length``); ``count_masked_rows``: the sequence count of the ``seq-mean-*`` modes counts every
+      row, all-masked ones included (``mask_truncated_completions``, tool masks), as TRL's ``grpo``, ``sapo`` and
+      ``dr_grpo`` divide (the default); ``False``: rows with a valid token only (this library's and verl's
+      ``agg_loss`` convention);
     * ``correction_mode`` (``none`` | ``truncate`` (TIS) | ``mask`` (MIS / IcePop) | ``opsm`` and any other mode of
       :func:`offpolicy_moe.losses.correction_weights`), ``correction_level``, ``correction_high``,
       ``correction_low``, ``correction_opsm_delta``: weights ``w(exp(old_logp - behav_logp))`` per token (OPSM,
@@ -87,6 +90,8 @@ class OffPolicyGRPOConfig(GRPOConfig):
     policy_loss_options: Optional[dict] = field(default=None, metadata={"help": "Options of the policy loss."})
     loss_agg: Optional[str] = field(default=None, metadata={"help": f"Aggregation: one of {', '.join(AGG_MODES)}."})
     loss_norm_length: Optional[int] = field(default=None, metadata={"help": "seq-mean-token-sum-norm constant."})
+    count_masked_rows: bool = field(default=True, metadata={
+        "help": "seq-mean-* modes count every row, all-masked ones too (TRL's numbers); False: rows with a token."})
     correction_mode: str = field(default="none", metadata={"help": "none | truncate (TIS) | mask (MIS/IcePop)."})
     correction_level: str = field(default="token", metadata={"help": "token | sequence | geometric."})
     correction_high: float = field(default=2.0, metadata={"help": "Upper bound of the correction weight."})

@@ -294,13 +294,22 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
                 self._metrics[mode][k].append(v)
 
     # ------------------------------------------------------------------ the loss
+    def _counts(self, parts: list[dict], pg) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(num_tokens, num_seqs)`` over ``parts`` and the processes; ``num_seqs`` counts every row with
+        ``count_masked_rows`` (TRL's row means), else the rows with a valid token."""
+        masks = [self._loss_mask(p) for p in parts]
+        n_tok, n_seq = global_counts(masks, pg)
+        if self.args.count_masked_rows:
+            n_seq = global_counts([torch.ones_like(m[:, :1]) for m in masks], pg)[1]
+        return n_tok, n_seq
+
     def _window_of(self, inputs: dict, mode: str) -> tuple[Any, Any, dict]:
         """``(num_tokens, num_seqs, selection kwargs)`` of this micro-batch: counts over the optimizer step's
         micro-batches (all processes), and the loss's mini-batch-wide selection (M2PO's global mask) when it has
         one and the step has several micro-batches or processes."""
         pg = torch.distributed.group.WORLD if self.world > 1 else None
         if mode != "train":
-            n_tok, n_seq = global_counts([self._loss_mask(inputs)], pg)
+            n_tok, n_seq = self._counts([inputs], pg)
             return n_tok, n_seq, {}
         ga = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         spg = self.args.steps_per_generation
@@ -308,7 +317,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         start = self._step - j
         if self._window is None or self._window["start"] != start:
             parts = [self._buffered_inputs[(start + i) % spg] for i in range(ga)]
-            n_tok, n_seq = global_counts([self._loss_mask(p) for p in parts], pg)
+            n_tok, n_seq = self._counts(parts, pg)
             sel = [{} for _ in parts]
             if self.global_pass and (ga > 1 or self.world > 1):
                 sel = self._global_selection(parts)
