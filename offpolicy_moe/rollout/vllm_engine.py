@@ -30,6 +30,7 @@ import contextlib
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -283,6 +284,8 @@ class VLLMRolloutEngine(RolloutEngine):
             if proc.exitcode is None:
                 with contextlib.suppress(Exception):
                     proc.kill()
+        if sys.is_finalizing():                     # no new thread may start now; the engine is gone already
+            return
         stopper = threading.Thread(target=lambda: llm.llm_engine.engine_core.shutdown(), daemon=True)
         stopper.start()
         stopper.join(30.0)
