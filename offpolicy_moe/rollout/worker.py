@@ -29,7 +29,7 @@ from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
 from offpolicy_moe.rollout.engine import RolloutEngine, make_engine
 from offpolicy_moe.models import is_moe, load_policy
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.tasks import apply_chat_template, make_task
 
@@ -59,7 +59,7 @@ class WorkerSpec:
     threads: int = 1
     weight_timeout_s: float = 600.0
     update_in_flight: bool = False
-    faults: tuple = ()          # armed test faults (run/fault_injection.py); empty in every real run
+    probe: Any = None           # a test probe's hand-off (run/probes.py); None in every real run
 
 
 def pack(obj: Any) -> bytes:
@@ -105,7 +105,7 @@ def checked_generation(engine: Any, task: Any, rollout: Any, *, iteration: int, 
                        world: int = 1) -> RolloutBatch:
     """:func:`generate_iteration`, raising :class:`~offpolicy_moe.run.nonfinite.NonFiniteError` (stage
     ``generation``) when sampling met non-finite probabilities or a sampled token's log-prob is not finite."""
-    with faults.poisoned("generation", iteration + 1, getattr(engine, "model", None)):
+    with probes.poisoned("generation", iteration + 1, getattr(engine, "model", None)):
         try:
             batch = generate_iteration(engine, task, rollout, iteration=iteration, seed=seed, rank=rank, world=world)
         except (ValueError, RuntimeError) as exc:
@@ -151,7 +151,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
     ``("error", index, iteration, traceback_text)``."""
     iteration = -1
     try:
-        faults.install(tuple(spec.faults))
+        probes.receive(spec.probe)
         torch.set_num_threads(max(int(spec.threads), 1))
         cfg = spec.cfg
         task = make_task(cfg.task)

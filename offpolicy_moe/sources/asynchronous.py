@@ -39,7 +39,7 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import Order, WorkerSpec, pack, pid_alive, unpack, worker_main
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.base import BatchSource, SourceStopped
@@ -236,7 +236,7 @@ class AsyncBatchSource(BatchSource):
         ro = self.cfg.rollout
         spec = WorkerSpec(cfg=self.cfg, index=index, rank=self.rank, world=self.world, parent_pid=os.getpid(),
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
-                          update_in_flight=bool(ro.update_in_flight), faults=faults.armed())
+                          update_in_flight=bool(ro.update_in_flight), probe=probes.handoff())
         proc = self._ctx.Process(target=worker_main, args=(spec, self._board, o_recv, r_send),
                                  name=f"offpolicy-moe-rollout-{self.rank}-{index}", daemon=True)
         proc.start()

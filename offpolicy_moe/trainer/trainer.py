@@ -51,7 +51,7 @@ from offpolicy_moe.run.checkpoint_state import CheckpointState
 from offpolicy_moe.run.export import export_final
 from offpolicy_moe.run.full_state import full_model_state
 from offpolicy_moe.trainer.forward import RoutedForward
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.run.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.trainer.old_logp import OldLogpPass
@@ -222,7 +222,7 @@ class Trainer:
         takes_old = self.old_logp.takes_at_prepare(batch)
         stage = "old_logp" if takes_old else "metrics"
         try:
-            with faults.poisoned(stage, batch.generated_at + 1, self.unwrapped):
+            with probes.poisoned(stage, batch.generated_at + 1, self.unwrapped):
                 self.old_logp.prepare(batch)
         except (ValueError, RuntimeError) as exc:
             err = as_nonfinite(exc, stage, "trainer log-probs" if takes_old else "log-probs of the measurements")

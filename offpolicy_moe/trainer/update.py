@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.trainer.finite_agreement import FiniteAgreement
 from offpolicy_moe.trainer.forward import RoutedForward
@@ -196,7 +196,7 @@ class PolicyUpdate:
         :class:`NonFiniteError` (stage ``reference``) when one of the response tokens' is not finite."""
         if self.forward.ref_model is None:
             return None
-        with torch.no_grad(), faults.poisoned("reference", self._step, self.forward.ref_model):
+        with torch.no_grad(), probes.poisoned("reference", self._step, self.forward.ref_model):
             lp = self.forward.logp_pieces(self.forward.ref_model, batch, routes).cpu()
         if not all_finite(lp, batch.response_mask):
             raise NonFiniteError("reference", "reference log-probs", step=self._step, iteration=self._iteration)
@@ -364,7 +364,7 @@ class PolicyUpdate:
             zero_missing_grads(self.model)
         if ok:
             self.sync_predictor_grads()
-            faults.poison_("gradients", self._step, next((p.grad for p in self.model.parameters()
+            probes.poison_("gradients", self._step, next((p.grad for p in self.model.parameters()
                                                           if p.grad is not None), None))
             gn = grad_norm(self.acc, self.model, self.cfg.optim.grad_clip)
             ok = self.check_finite(torch.as_tensor(gn), "gradient norm", "gradients")
@@ -386,7 +386,7 @@ class PolicyUpdate:
         if skip:
             self.guard.snapshot()
         self.optimizer.step()
-        faults.poison_("optimizer", self._step, self.guard.params[0] if self.guard.params else None)
+        probes.poison_("optimizer", self._step, self.guard.params[0] if self.guard.params else None)
         if self.check_finite(self.guard.params_max_abs(), "parameters after the optimizer step", "optimizer"):
             return True
         self.guard.restore()
@@ -415,7 +415,7 @@ class PolicyUpdate:
             logp, recorded = self.forward.logp(self.model, p, routes, record=True)
         else:
             logp = self.forward.logp(self.model, p, routes)
-        logp = faults.value("loss", self._step, logp)
+        logp = probes.value("loss", self._step, logp)
         adv_rows = adv.index_select(0, rows).to(dev)
         mo = old.micro(rows, p, logp, mb.index, adv_rows, recorded)
         tensors = MicroBatchTensors(logp, mo.old_logp, adv_rows, p.response_mask.to(dev), mb.num_tokens,

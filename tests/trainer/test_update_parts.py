@@ -1,5 +1,6 @@
 """The update's seams: one old-log-prob strategy chosen in trainer/build.py (the only reader of
-``algo.old_logp_source``) and the micro-batch loss as a pure function."""
+``algo.old_logp_source``), the micro-batch loss as a pure function, and the fault injection reaching the step only
+through the test seam of run/probes.py."""
 from __future__ import annotations
 
 import ast
@@ -10,6 +11,7 @@ import torch
 
 import offpolicy_moe
 from offpolicy_moe.losses import aggregate, get_loss_spec, kl_penalty, resolve_loss_options
+from offpolicy_moe.run import fault_injection, probes
 from offpolicy_moe.trainer import old_logp_strategy as strategies
 from offpolicy_moe.trainer.build import old_logp_strategy
 from offpolicy_moe.trainer.micro_loss import LossOptions, MicroBatchTensors, micro_batch_loss
@@ -97,3 +99,27 @@ def test_the_micro_batch_loss_is_pure():
     a, b = micro_batch_loss(t, _options(0.1)), micro_batch_loss(t, _options(0.1))
     assert torch.equal(a.total, b.total)
     assert all(torch.equal(before[k], getattr(t, k)) for k in before)
+
+
+def test_without_a_probe_the_seam_changes_nothing():
+    fault_injection.disarm()
+    assert probes.installed() is None
+    x = torch.ones(3)
+    assert probes.value("loss", 2, x) is x
+    assert probes.poison_("gradients", 2, x) is False and torch.equal(x, torch.ones(3))
+    with probes.poisoned("reference", 2, torch.nn.Linear(2, 2)) as fired:
+        assert fired is False
+    assert probes.handoff() is None
+
+
+def test_arming_a_fault_installs_it_in_the_seam_and_disarming_removes_it():
+    try:
+        fault_injection.arm("loss", 2)
+        assert probes.installed() is fault_injection.PROBE
+        fn, args = probes.handoff()
+        assert args == ((fault_injection.Fault("loss", 2, 1),),)
+        assert torch.isnan(probes.value("loss", 2, torch.ones(2))).all()
+        assert torch.equal(probes.value("loss", 2, torch.ones(2)), torch.ones(2))     # consumed
+    finally:
+        fault_injection.disarm()
+    assert probes.installed() is None
