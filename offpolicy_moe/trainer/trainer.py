@@ -47,7 +47,6 @@ from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes
 from offpolicy_moe.trainer.checks import CheckedConfig, check_config
 from offpolicy_moe.trainer.callbacks import Callback, CallbackList
 from offpolicy_moe.run.checkpoint import set_rng_state
-from offpolicy_moe.run.checkpoint_state import CheckpointState
 from offpolicy_moe.run.export import export_final
 from offpolicy_moe.run.full_state import full_model_state
 from offpolicy_moe.trainer.forward import RoutedForward
@@ -167,12 +166,10 @@ class Trainer:
                                           policy=policy, accelerator=self.accelerator, task=self.task, nan=self.nan)
         self.source = build_source(cfg, engine=self.engine, task=self.task, model=self.unwrapped, prepare=self.prepare,
                                    on_nonfinite=self.drop_nonfinite, rank=self.rank, world=self.world)
-        self.checkpoints = CheckpointState(self.run_dir.ckpt_root, model=self.unwrapped, world=self.world,
-                                           keep=tc.keep_checkpoints, accelerator=self.accelerator)
-        self.run_checkpoints = RunCheckpoints(self.checkpoints, accelerator=self.accelerator, run_dir=self.run_dir,
-                                              source=self.source, model=self.unwrapped, optimizer=self.optimizer,
-                                              scheduler=self.scheduler, nan=self.nan, predictors=self.predictors,
-                                              rank=self.rank, publish_every=cfg.rollout.publish_every)
+        self.run_checkpoints = RunCheckpoints(accelerator=self.accelerator, run_dir=self.run_dir, source=self.source,
+                                              model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler,
+                                              nan=self.nan, predictors=self.predictors, keep=tc.keep_checkpoints,
+                                              publish_every=cfg.rollout.publish_every)
         # counters (all checkpointed; updates / nan_skipped live in the policy update, iterations in the source)
         self.step = 0               # trained steps done = policy version
         self.sft_done = False
@@ -280,7 +277,7 @@ class Trainer:
         if "ref_model" in ck.modules:
             self.make_ref_model(ck.modules["ref_model"])
         self.step = st["step"]
-        self.policy_update.updates = st["updates"]
+        self.policy_update.load_state_dict({"updates": st["updates"]})
         self.sft_done = st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
         self.publish(self.step, force=True)

@@ -168,6 +168,14 @@ class PolicyUpdate:
     def nan_skipped(self, value: int) -> None:
         self.nan.skipped = int(value)
 
+    def state_dict(self) -> dict:
+        """The update's own checkpointed counter (the non-finite counts are :attr:`nan`'s)."""
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back :meth:`state_dict`."""
+        self.updates = int(state["updates"])
+
     @property
     def process_group(self):
         """The all-reduce group of global counts and selections (None with one process)."""
