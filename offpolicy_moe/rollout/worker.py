@@ -10,7 +10,7 @@ between decode steps, and every token carries the version that sampled it (``Rol
 
 A worker exits when it receives ``None``, when its parent (the trainer) is gone, or after reporting an error.
 Sampling that meets non-finite values (NaN logits, non-finite behaviour log-probs) is not an error of the worker:
-it reports ``("nonfinite", ...)`` for that order, like any other stage's non-finite value, and serves the next one;
+it reports :class:`BatchNonFinite` for that order, like any other stage's non-finite value, and serves the next one;
 the trainer applies ``trainer.on_nan``.
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
 from offpolicy_moe.rollout.engine import RolloutEngine, make_engine
 from offpolicy_moe.models import is_moe, load_policy
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.tasks import apply_chat_template, make_task
 
-__all__ = ["Order", "WorkerSpec", "generate_iteration", "checked_generation", "build_engine", "worker_main", "pack",
+__all__ = ["Order", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "worker_main", "pack",
            "unpack"]
 
 @dataclass(frozen=True)
@@ -59,7 +59,48 @@ class WorkerSpec:
     threads: int = 1
     weight_timeout_s: float = 600.0
     update_in_flight: bool = False
-    faults: tuple = ()          # armed test faults (run/fault_injection.py); empty in every real run
+    probe: Any = None           # a test probe's hand-off (run/probes.py); None in every real run
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """A worker built its engine and waits for orders."""
+
+    index: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """The batch of ``iteration`` (order ``attempt``), as :meth:`RolloutBatch.state_dict`, with the worker's
+    ``timings`` (``wait_s``, ``sync_s``, ``generate_s``, ``cpu_s``)."""
+
+    index: int
+    iteration: int
+    attempt: int
+    state: dict
+    timings: dict
+
+
+@dataclass(frozen=True)
+class BatchNonFinite:
+    """Sampling of ``iteration`` (order ``attempt``) met non-finite values at ``stage`` (``what``); the worker goes
+    on."""
+
+    index: int
+    iteration: int
+    attempt: int
+    stage: str
+    what: str
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """The worker failed at ``iteration`` (-1 before its first order) with ``traceback_text``; it exits."""
+
+    index: int
+    iteration: int
+    traceback_text: str
 
 
 def pack(obj: Any) -> bytes:
@@ -105,7 +146,7 @@ def checked_generation(engine: Any, task: Any, rollout: Any, *, iteration: int, 
                        world: int = 1) -> RolloutBatch:
     """:func:`generate_iteration`, raising :class:`~offpolicy_moe.run.nonfinite.NonFiniteError` (stage
     ``generation``) when sampling met non-finite probabilities or a sampled token's log-prob is not finite."""
-    with faults.poisoned("generation", iteration + 1, getattr(engine, "model", None)):
+    with probes.poisoned("generation", iteration + 1, getattr(engine, "model", None)):
         try:
             batch = generate_iteration(engine, task, rollout, iteration=iteration, seed=seed, rank=rank, world=world)
         except (ValueError, RuntimeError) as exc:
@@ -145,13 +186,12 @@ def _next_order(conn: Any, trainer_pid: int) -> Optional[Order]:
 
 
 def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any) -> None:
-    """Entry point of a rollout worker process (see module docstring); messages sent on ``results``:
-    ``("ready", index, pid)``, ``("batch", index, iteration, attempt, batch_state, timings)``,
-    ``("nonfinite", index, iteration, attempt, (stage, what))`` (the worker goes on),
-    ``("error", index, iteration, traceback_text)``."""
+    """Entry point of a rollout worker process (see module docstring); messages sent on ``results`` (packed):
+    :class:`WorkerReady`, then per order :class:`BatchDone` or :class:`BatchNonFinite` (the worker goes on), or
+    :class:`WorkerFailed` before it exits."""
     iteration = -1
     try:
-        faults.install(tuple(spec.faults))
+        probes.receive(spec.probe)
         torch.set_num_threads(max(int(spec.threads), 1))
         cfg = spec.cfg
         task = make_task(cfg.task)
@@ -161,7 +201,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
         engine.version = -1                       # nothing loaded yet: the first order loads the board
         if spec.update_in_flight:
             engine.between_tokens = board.load_into
-        results.send_bytes(pack(("ready", spec.index, os.getpid())))
+        results.send_bytes(pack(WorkerReady(spec.index, os.getpid())))
         while True:
             t0 = time.perf_counter()
             order = _next_order(orders, spec.parent_pid)
@@ -177,15 +217,15 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
                 batch = checked_generation(engine, task, cfg.rollout, iteration=order.iteration, seed=order.seed,
                                            rank=spec.rank, world=spec.world)
             except NonFiniteError as exc:
-                results.send_bytes(pack(("nonfinite", spec.index, order.iteration, order.attempt,
-                                         (exc.stage, exc.what))))
+                results.send_bytes(pack(BatchNonFinite(spec.index, order.iteration, order.attempt, exc.stage,
+                                                       exc.what)))
                 continue
             t3 = time.perf_counter()
             timings = {"wait_s": t1 - t0, "sync_s": t2 - t1, "generate_s": t3 - t2, "cpu_s": time.process_time() - c1}
-            results.send_bytes(pack(("batch", spec.index, order.iteration, order.attempt, batch.state_dict(),
-                                     timings)))
+            results.send_bytes(pack(BatchDone(spec.index, order.iteration, order.attempt, batch.state_dict(),
+                                              timings)))
     except Exception:  # noqa: BLE001 - reported to the trainer, which names this worker
         try:
-            results.send_bytes(pack(("error", spec.index, iteration, traceback.format_exc())))
+            results.send_bytes(pack(WorkerFailed(spec.index, iteration, traceback.format_exc())))
         finally:
             raise SystemExit(1)

@@ -2,9 +2,10 @@
 
 Used by tests/faults and experiments/nonfinite_faults.py to prove ``trainer.on_nan`` at every stage
 (:data:`~offpolicy_moe.run.nonfinite.STAGES`).  It is not a config key and nothing in a run's config reaches it:
-a run injects nothing unless a test or that script called :func:`arm` in the same process (the asynchronous
-source hands the armed faults to its workers, :func:`armed` / :func:`install`).  Unarmed, every injection point
-costs one test of an empty list.
+a run injects nothing unless a test or that script called :func:`arm` in the same process.  Arming installs this
+module as the probe of the step's test seam (:mod:`offpolicy_moe.run.probes`), which the production code calls;
+no production module imports this one (the asynchronous source hands the armed faults to its workers through the
+seam's hand-off, :func:`armed` / :func:`install`).  Unarmed, every point of the seam costs one test of ``None``.
 
 How each stage is hit (the NaN then travels through the production code of that stage):
 
@@ -26,9 +27,10 @@ from typing import Iterator, Optional
 
 import torch
 
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import STAGES
 
-__all__ = ["Fault", "arm", "disarm", "armed", "install", "fires", "poisoned", "value", "poison_"]
+__all__ = ["Fault", "arm", "disarm", "armed", "install", "fires", "poisoned", "value", "poison_", "PROBE"]
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,15 @@ def arm(stage: str, step: int, times: int = 1) -> Fault:
         raise ValueError(f"a fault needs step >= 1 and times >= 1, got step={step}, times={times}")
     fault = Fault(stage, int(step), int(times))
     _ARMED.append([fault, fault.times])
+    probes.install(PROBE)
     return fault
 
 
 def disarm() -> None:
-    """Remove every armed fault."""
+    """Remove every armed fault (and this probe from the seam)."""
     _ARMED.clear()
+    if probes.installed() is PROBE:
+        probes.uninstall()
 
 
 def armed() -> tuple[Fault, ...]:
@@ -122,3 +127,20 @@ def poison_(stage: str, step: int, tensor: Optional[torch.Tensor]) -> bool:
     with torch.no_grad():
         tensor.fill_(float("nan"))
     return True
+
+
+class _FaultProbe:
+    """This module as a :class:`~offpolicy_moe.run.probes.Probe`."""
+
+    poisoned = staticmethod(poisoned)
+    value = staticmethod(value)
+    poison_ = staticmethod(poison_)
+
+    @staticmethod
+    def handoff() -> tuple:
+        """The armed faults with their remaining counts, for :func:`install` in a worker process."""
+        return install, (armed(),)
+
+
+#: the probe :func:`arm` installs
+PROBE = _FaultProbe()

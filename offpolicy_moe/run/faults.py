@@ -16,16 +16,12 @@ import torch
 
 from offpolicy_moe.run.nonfinite import NonFiniteError
 
-__all__ = ["RunDirError", "NonFiniteError", "NonFiniteLossError", "check_run_dir", "is_finite"]
+__all__ = ["RunDirError", "NonFiniteError", "check_run_dir", "is_finite"]
 
 
 class RunDirError(RuntimeError):
     """The run folder cannot be used (unwritable, not a folder, disk full)."""
 
-
-#: the error a non-finite value raises in any stage of a step (:mod:`~offpolicy_moe.run.nonfinite`); the name is
-#: kept for the callers that catch it by its first name
-NonFiniteLossError = NonFiniteError
 
 
 def check_run_dir(run_dir: str | os.PathLike, min_free_mb: float = 50.0) -> Path:

@@ -38,8 +38,9 @@ from offpolicy_moe.config.validate import ConfigError, async_problems
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.weights import WeightBoard
-from offpolicy_moe.rollout.worker import Order, WorkerSpec, pack, pid_alive, unpack, worker_main
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.rollout.worker import (BatchDone, BatchNonFinite, Order, WorkerFailed, WorkerSpec, pack, pid_alive,
+                                          unpack, worker_main)
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.base import BatchSource, SourceStopped
@@ -236,7 +237,7 @@ class AsyncBatchSource(BatchSource):
         ro = self.cfg.rollout
         spec = WorkerSpec(cfg=self.cfg, index=index, rank=self.rank, world=self.world, parent_pid=os.getpid(),
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
-                          update_in_flight=bool(ro.update_in_flight), faults=faults.armed())
+                          update_in_flight=bool(ro.update_in_flight), probe=probes.handoff())
         proc = self._ctx.Process(target=worker_main, args=(spec, self._board, o_recv, r_send),
                                  name=f"offpolicy-moe-rollout-{self.rank}-{index}", daemon=True)
         proc.start()
@@ -303,19 +304,20 @@ class AsyncBatchSource(BatchSource):
                 self._on_death(w)
         return bool(got)
 
-    def _handle(self, w: _Worker, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "error":
-            w.error = msg[3].strip().splitlines()[-1] if msg[3].strip() else "unknown error"
+    def _handle(self, w: _Worker, msg: Any) -> None:
+        """One message of worker ``w`` (:mod:`~offpolicy_moe.rollout.worker`'s records)."""
+        if isinstance(msg, WorkerFailed):
+            text = msg.traceback_text.strip()
+            w.error = text.splitlines()[-1] if text else "unknown error"
             return
-        if kind == "nonfinite":       # the worker's sampling met NaN/Inf; the worker goes on
-            _, _, iteration, attempt, (stage, what) = msg
-            if self.dispatch.accept(w.index, iteration, attempt, iteration):    # (not a superseded answer)
-                self._nonfinite(NonFiniteError(stage, f"{what} (rollout worker {w.index})", iteration=iteration))
+        if isinstance(msg, BatchNonFinite):       # the worker's sampling met NaN/Inf; the worker goes on
+            if self.dispatch.accept(w.index, msg.iteration, msg.attempt, msg.iteration):   # (not a superseded answer)
+                self._nonfinite(NonFiniteError(msg.stage, f"{msg.what} (rollout worker {w.index})",
+                                               iteration=msg.iteration))
             return
-        if kind != "batch":
+        if not isinstance(msg, BatchDone):
             return
-        _, _, iteration, attempt, state, timings = msg
+        iteration, attempt, state, timings = msg.iteration, msg.attempt, msg.state, msg.timings
         for key in ("wait", "sync", "generate", "cpu"):
             self.timing[f"worker_{key}_s"] += float(timings[f"{key}_s"])
         batch = RolloutBatch.from_state_dict(state)
@@ -341,7 +343,7 @@ class AsyncBatchSource(BatchSource):
         err = err.located(err.iteration + 1)
         if self.on_nonfinite is None or not self.on_nonfinite(err):
             raise err
-        self.dispatch._requeue([err.iteration])     # the dispatcher's own re-issue (as for a dropped stale batch)
+        self.dispatch.requeue([err.iteration])     # the dispatcher's own re-issue (as for a dropped stale batch)
         self._issue(self.published)
 
     def _on_death(self, w: _Worker) -> None:

@@ -43,7 +43,7 @@ from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.ray_actor import RolloutActor, WeightRegistry, encode_weights
 from offpolicy_moe.rollout.seeds import iteration_seed
-from offpolicy_moe.rollout.worker import Order, WorkerSpec
+from offpolicy_moe.rollout.worker import BatchDone, Order, WorkerSpec
 from offpolicy_moe.sources.asynchronous import AsyncBatchSource, PipelineTimeout, WorkerDied
 from offpolicy_moe.sources.schedule import Assignment
 
@@ -261,7 +261,7 @@ class RayBatchSource(AsyncBatchSource):
                 died = actor_died(self.ray, e)
                 self._on_actor_death(actor, _cause(e), died=died, raw=str(e) if died else "")
                 continue
-            self._handle(actor, ("batch", actor.index, iteration, attempt, state, timings))
+            self._handle(actor, BatchDone(actor.index, iteration, attempt, state, timings))
         return bool(done)
 
     def _node_alive(self, node_id: str) -> bool:

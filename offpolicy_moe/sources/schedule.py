@@ -106,7 +106,7 @@ class Dispatcher:
             return False
         if is_stale(iteration, oldest_version, self.k):
             self.dropped += 1
-            self._requeue([iteration])
+            self.requeue([iteration])
             return False
         return True
 
@@ -114,7 +114,7 @@ class Dispatcher:
         """Worker ``worker`` died: its iterations in flight are re-issued (returned); it has nothing in flight."""
         lost = self.inflight.get(worker, [])
         self.inflight[worker] = []
-        self._requeue(lost)
+        self.requeue(lost)
         return list(lost)
 
     def release(self, step: int) -> None:
@@ -127,7 +127,8 @@ class Dispatcher:
         """Resume at ``cursor`` with iterations ``received`` already in hand: the rest are issued again."""
         self.cursor = int(cursor)
         self.next_issue = max([self.cursor - 1, *received]) + 1
-        self._requeue([i for i in range(self.cursor, self.next_issue) if i not in received])
+        self.requeue([i for i in range(self.cursor, self.next_issue) if i not in received])
 
-    def _requeue(self, iterations: list[int]) -> None:
+    def requeue(self, iterations: list[int]) -> None:
+        """Issue ``iterations`` again (at the next :meth:`issue`)."""
         self.reissue = sorted(set(self.reissue) | set(iterations))

@@ -1,6 +1,6 @@
 """How the trainer's parts are built from the config: the routing controller, the optimizer with its learning-rate
-schedule, the synchronous source's rollout engine, the batch source of ``buffer.mode`` and the frozen reference
-policy of the KL penalty."""
+schedule, the synchronous source's rollout engine, the batch source of ``buffer.mode``, the frozen reference
+policy of the KL penalty and the run's one old-log-prob strategy (the only reader of ``algo.old_logp_source``)."""
 from __future__ import annotations
 
 import copy
@@ -16,9 +16,13 @@ from offpolicy_moe.sources.asynchronous import AsyncBatchSource
 from offpolicy_moe.sources.base import BatchSource
 from offpolicy_moe.sources.ray_source import RayBatchSource
 from offpolicy_moe.sources.sync import SyncBatchSource
+from offpolicy_moe.trainer.old_logp import OldLogpPass
+from offpolicy_moe.trainer.old_logp_strategy import (AtConsumption, FromEngine, Fused, Loglinear, OldLogpStrategy,
+                                                     Recomputed)
 from offpolicy_moe.trainer.optim import adamw, lr_schedule
 
-__all__ = ["routing_controller", "build_optimizer", "build_engine", "build_source", "frozen_reference"]
+__all__ = ["routing_controller", "build_optimizer", "build_engine", "build_source", "frozen_reference",
+           "fuses_old_logp", "old_logp_strategy"]
 
 
 def routing_controller(model: torch.nn.Module, cfg: Any, *, is_moe: bool,
@@ -89,3 +93,35 @@ def frozen_reference(model: torch.nn.Module, state: Optional[dict] = None) -> to
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def fuses_old_logp(cfg: Any, *, measure_routing: bool, needs_global_pass: bool) -> bool:
+    """True when the recompute pass after generation is redundant, so the update forward gives the old log-probs:
+    ``trainer.fuse_old_logp``, ``old_logp_source=trainer``, fixed staleness 0, one update per step, no correction
+    weights, no global selection pass (``needs_global_pass``, e.g. M2PO's: it needs them before the update
+    forward), routing none or R3, and routing measurements only without replay (they record the update forward's
+    routes; a batch of several micro-batches then still gets the pass).  Under R3 the "with R3" counterfactual
+    mismatch keeps its one replayed pass (with ``trainer.mismatch_metrics``)."""
+    replay = cfg.algo.routing.replay
+    return (bool(getattr(cfg.trainer, "fuse_old_logp", True))
+            and cfg.algo.old_logp_source == "trainer" and cfg.buffer.mode == "fixed" and cfg.buffer.staleness == 0
+            and cfg.trainer.updates_per_step == 1 and cfg.algo.correction.mode == "none"
+            and replay in ("none", "r3") and (not measure_routing or replay == "none")
+            and not needs_global_pass)
+
+
+def old_logp_strategy(cfg: Any, passes: OldLogpPass, *, needs_global_pass: bool,
+                      device: Any) -> OldLogpStrategy:
+    """The run's old-log-prob strategy (:mod:`~offpolicy_moe.trainer.old_logp_strategy`), from
+    ``algo.old_logp_source`` and ``algo.proximal_logp``: the engine's, the loglinear proximal estimate, a recompute
+    at consumption, fused with the update (:func:`fuses_old_logp`) or the pass after generation."""
+    src, corr = cfg.algo.old_logp_source, cfg.algo.correction
+    if src == "engine":
+        return FromEngine(passes, corr, device)
+    if src == "proximal" and cfg.algo.proximal_logp == "loglinear":
+        return Loglinear(passes, corr, device, cfg.trainer.updates_per_step)
+    if src == "proximal":
+        return AtConsumption(passes, corr, device)
+    if fuses_old_logp(cfg, measure_routing=passes.measure_routing, needs_global_pass=needs_global_pass):
+        return Fused(passes, corr, device)
+    return Recomputed(passes, corr, device)

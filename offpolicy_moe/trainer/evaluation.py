@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, watch_logits
 from offpolicy_moe.tasks import evaluate_greedy
 
@@ -25,7 +25,7 @@ def evaluate_policy(model: torch.nn.Module, tok: Any, task: Any, cfg: Any, step:
     infinite next-token logit (greedy decoding would pick a token from it silently) raises
     :class:`NonFiniteError` (stage ``evaluation``, at ``step``)."""
     kw = dict(max_new_tokens=cfg.rollout.max_new_tokens, batch_size=cfg.trainer.eval_batch_size)
-    with watch_logits(model) as watch, faults.poisoned("evaluation", step, model):
+    with watch_logits(model) as watch, probes.poisoned("evaluation", step, model):
         out = evaluate_greedy(model, tok, task.eval_dataset, task=task, **kw)
         train_ds = task.train_dataset
         n = min(len(train_ds), max(len(task.eval_dataset), 1))

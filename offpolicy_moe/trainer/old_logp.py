@@ -1,15 +1,14 @@
-"""The old-log-prob pass and every train/inference and routing measurement, in one place.
+"""The pass right after generation and every train/inference and routing measurement, in one place.
 
-``old_logp`` (the log-probs of the generating weights θ_v, the PPO ratio's denominator) comes from one of three
-sources (``algo.old_logp_source``): a recompute pass by the trainer right after generation (``trainer``), the
-engine's behaviour log-probs (``engine``, bypass) or a recompute at consumption under the current weights
-(``proximal``, decoupled PPO).  The pass also measures the train/inference mismatch (``mismatch/*``, k3 KL to the
-behaviour log-probs, with and without R3 replay on an MoE) and the routing mismatch (``routing/*``).
+The pass recomputes ``old_logp`` (the log-probs of the generating weights θ_v, the PPO ratio's denominator) when
+the run's old-log-prob strategy (:mod:`~offpolicy_moe.trainer.old_logp_strategy`) takes them then, and measures
+the train/inference mismatch (``mismatch/*``, k3 KL to the behaviour log-probs, with and without R3 replay on an
+MoE) and the routing mismatch (``routing/*``).
 
-"Fused" (``trainer.fuse_old_logp``): when the batch is consumed by the very next, single update, that update's
-forward runs under θ_v with the same routes, so ``old_logp = logp.detach()`` of that forward is bit for bit the
-recompute's value and the extra pass is skipped; :class:`FusedOldLogp` collects the values during the update and
-:meth:`OldLogpPass.finish_fused` makes the measurements the skipped pass would have made.
+"Fused": when the batch is consumed by the very next, single update, that update's forward runs under θ_v with the
+same routes, so ``old_logp = logp.detach()`` of that forward is bit for bit the recompute's value and the extra
+pass is skipped; :class:`FusedOldLogp` collects the values during the update and :meth:`OldLogpPass.finish_fused`
+makes the measurements the skipped pass would have made.
 """
 from __future__ import annotations
 
@@ -62,53 +61,37 @@ class FusedOldLogp:
 class OldLogpPass:
     """Computes ``batch.old_logp`` (and R2's ``batch.trainer_routes``) and the mismatch / routing measurements.
 
-    Built with the routed forward, the bare actor model, ``cfg`` (``algo``, ``buffer``, ``trainer`` sections), whether
-    the model is MoE, whether routing is measured, and whether the loss needs ``old_logp`` before the update forward
-    (a global selection pass, e.g. M2PO's), which rules fusion out."""
+    Built with the routed forward, the bare actor model, ``cfg`` (``algo``, ``trainer`` sections), whether the model
+    is MoE and whether routing is measured."""
 
     def __init__(self, forward: RoutedForward, model: torch.nn.Module, cfg: Any, *, is_moe: bool,
-                 measure_routing: bool, needs_global_pass: bool):
+                 measure_routing: bool):
         self.forward = forward
         self.model = model
         self.cfg = cfg
         self.is_moe = bool(is_moe)
         self.measure_routing = bool(measure_routing)
-        self.needs_global_pass = bool(needs_global_pass)
 
-    # ------------------------------------------------------------------ when to fuse
-    def can_fuse(self, batch: Optional[RolloutBatch] = None) -> bool:
-        """True when the recompute pass is redundant (see the module docstring): fixed staleness 0, one update per
-        step, ``old_logp_source=trainer``, no correction weights, no global selection pass, routing none or R3, and
-        routing measurements only without replay and with one micro-batch (they record the update forward's
-        routes).  Under R3 the "with R3" counterfactual mismatch keeps its one replayed pass (with
-        ``trainer.mismatch_metrics``).  ``trainer.fuse_old_logp=false`` turns fusion off."""
-        cfg = self.cfg
-        replay = cfg.algo.routing.replay
-        return (bool(getattr(cfg.trainer, "fuse_old_logp", True))
-                and cfg.algo.old_logp_source == "trainer" and cfg.buffer.mode == "fixed" and cfg.buffer.staleness == 0
-                and cfg.trainer.updates_per_step == 1 and cfg.algo.correction.mode == "none"
-                and replay in ("none", "r3")
-                and (not self.measure_routing or (replay == "none" and self._one_micro_batch(batch)))
-                and not self.needs_global_pass)
-
-    def _one_micro_batch(self, batch: Optional[RolloutBatch]) -> bool:
+    def one_micro_batch(self, batch: Optional[RolloutBatch]) -> bool:
         """The whole batch is one micro-batch (``trainer.grad_accum`` and ``trainer.micro_batch_tokens``); without a
         batch, only ``grad_accum`` is known."""
         if batch is None:
             return self.cfg.trainer.grad_accum == 1
         return len(self.forward.micro_batching.pieces(batch.size, int(batch.input_ids.shape[1]))) == 1
 
+    @property
+    def records_fused_routes(self) -> bool:
+        """A fused batch's update forward records its routes (for ``routing/*``)."""
+        return self.measure_routing and self.forward.controller is not None
+
     # ------------------------------------------------------------------ right after generation
     @torch.no_grad()
-    def prepare(self, batch: RolloutBatch) -> None:
-        """``old_logp`` (per ``algo.old_logp_source``), R2 routes, mismatch and routing measurements →
-        ``batch.extras``."""
-        if self.can_fuse(batch):
-            batch.old_logp, batch.old_logp_fused = None, True
-            batch.extras = self._fused_r3_counterfactual(batch)
-            return
+    def prepare(self, batch: RolloutBatch, src: str) -> None:
+        """The old log-probs where ``src`` says they are taken now (``trainer``: this pass; ``engine``: a copy of
+        the behaviour log-probs; ``consumption``: left to the update), R2 routes, mismatch and routing
+        measurements → ``batch.extras``."""
         cfg = self.cfg
-        src, replay = cfg.algo.old_logp_source, cfg.algo.routing.replay
+        replay = cfg.algo.routing.replay
         engine_replay = self.is_moe and replay in REPLAY_ENGINE
         need_own = (src == "trainer" and not engine_replay) or self.measure_routing \
             or (src == "engine" and cfg.trainer.mismatch_metrics)
@@ -132,7 +115,7 @@ class OldLogpPass:
             ref = lp_r3 if (replay in REPLAY_ENGINE and lp_r3 is not None) else lp_own
             if cfg.trainer.mismatch_metrics and ref is not None:
                 extras.update(self.mismatch(ref, batch))
-        # src == proximal: old_logp computed at consumption (:meth:`at_consumption`)
+        # src == consumption: old_logp computed when the batch is consumed
         for name, lp in (("r3", lp_r3), ("no_r3", lp_own)):
             if lp is not None:
                 extras.update(self.mismatch_extras(lp, batch, name))
@@ -155,9 +138,14 @@ class OldLogpPass:
                                                 unreplayed_layers=len(self.forward.controller.unreplayed)))
         return lp_own.cpu()
 
+    @torch.no_grad()
+    def prepare_fused(self, batch: RolloutBatch) -> None:
+        """A batch whose old log-probs the update forward will give: marked fused; under routing measurements the
+        replayed pass for ``mismatch/*_r3`` (only with ``trainer.mismatch_metrics``)."""
+        batch.old_logp, batch.old_logp_fused = None, True
+        batch.extras = self._fused_r3_counterfactual(batch)
+
     def _fused_r3_counterfactual(self, batch: RolloutBatch) -> dict[str, float]:
-        """Fused batch under routing measurements: the replayed pass for ``mismatch/*_r3`` (only with
-        ``trainer.mismatch_metrics``)."""
         if not (self.measure_routing and self.cfg.trainer.mismatch_metrics and batch.routes is not None):
             return {}
         with eval_mode(self.model) as model:
@@ -180,26 +168,12 @@ class OldLogpPass:
                 f"mismatch/extreme_frac_{name}": mm["mismatch/extreme_frac"]}
 
     # ------------------------------------------------------------------ at consumption
-    def at_consumption(self, batch: RolloutBatch, routes: Any) -> dict[str, float]:
-        """``old_logp_source=proximal``: ``old_logp`` under the current weights (replaying ``routes``) and its
-        mismatch to the behaviour log-probs; nothing for the other sources."""
-        if self.cfg.algo.old_logp_source != "proximal":
-            return {}
+    def recompute(self, batch: RolloutBatch, routes: Any) -> dict[str, float]:
+        """``batch.old_logp`` under the current weights (replaying ``routes``) and its mismatch to the behaviour
+        log-probs."""
         with eval_mode(self.model) as model, torch.no_grad():
             batch.old_logp = self.forward.logp_pieces(model, batch, routes).cpu()
         return self.mismatch(batch.old_logp, batch)
-
-    def begin_fused(self, batch: RolloutBatch, step: int, device: torch.device) -> Optional[FusedOldLogp]:
-        """The collector of a fused batch's ``old_logp`` (None when the batch is not fused); refuses a fused batch
-        that is not consumed by the single on-policy update it was planned for."""
-        if not (batch.old_logp is None and batch.old_logp_fused):
-            return None
-        if batch.version != step or self.cfg.trainer.updates_per_step != 1:
-            raise RuntimeError(f"batch of version {batch.version} fused its old log-probs into the update, but the "
-                               f"trainer is at version {step} with {self.cfg.trainer.updates_per_step} updates per "
-                               "step: they can only come from a single on-policy update")
-        record = self.measure_routing and self.forward.controller is not None
-        return FusedOldLogp(tuple(batch.response_mask.shape), device, record)
 
     def finish_fused(self, batch: RolloutBatch, fused: FusedOldLogp) -> dict[str, float]:
         """Set ``batch.old_logp`` from the update forward and make the measurements the skipped pass would have

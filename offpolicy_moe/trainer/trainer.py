@@ -5,7 +5,7 @@ One iteration ``i`` of :meth:`Trainer.run`:
 1. ``generate``: the engine (weights of policy version ``v``, its own precision) samples ``G`` responses for this
    process's share of ``rollout.prompts_per_step`` prompts (prompts and sampling seeded by ``(seed, i)``: a resumed
    run regenerates the same batch);
-2. ``prepare`` (:class:`~offpolicy_moe.trainer.old_logp.OldLogpPass`): ``old_logp`` under the same weights θ_v
+2. ``prepare`` (the run's :mod:`~offpolicy_moe.trainer.old_logp_strategy`): ``old_logp`` under the same weights θ_v
    (R3/PR2: replaying the engine's routes; R2: recording its own routes), and the train/inference and routing
    mismatch measurements;
 3. the batch enters the staleness buffer, which releases the batch to train on (exact delay ``k`` or bounded);
@@ -47,25 +47,24 @@ from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes
 from offpolicy_moe.trainer.checks import CheckedConfig, check_config
 from offpolicy_moe.trainer.callbacks import Callback, CallbackList
 from offpolicy_moe.run.checkpoint import set_rng_state
-from offpolicy_moe.run.checkpoint_state import CheckpointState
 from offpolicy_moe.run.export import export_final
 from offpolicy_moe.run.full_state import full_model_state
 from offpolicy_moe.trainer.forward import RoutedForward
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.run.loggers import ConsoleLogger, MultiLogger
 from offpolicy_moe.trainer.old_logp import OldLogpPass
 from offpolicy_moe.sources.base import SourceStopped
 from offpolicy_moe.run.run_dir import RunDir
 from offpolicy_moe.trainer.build import (build_engine, build_optimizer, build_source, frozen_reference,
-                                        routing_controller)
+                                        old_logp_strategy, routing_controller)
 from offpolicy_moe.trainer.evaluation import eval_due, evaluate_policy
 from offpolicy_moe.trainer.finite_agreement import agree_on_stage
 from offpolicy_moe.trainer.run_checkpoints import RunCheckpoints
 from offpolicy_moe.trainer.sft import sft_warm_start
 from offpolicy_moe.trainer.step_metrics import mean_over_processes, offpolicy_metrics
 from offpolicy_moe.run.signals import RunInterrupted, StopRequest, graceful_stop
-from offpolicy_moe.trainer.update import PolicyUpdate, loss_setup
+from offpolicy_moe.trainer.update import PolicyUpdate, TrainedPolicy, loss_setup
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.routing import PR2Predictors, RoutingController
 from offpolicy_moe.tasks import RewardError, apply_chat_template, make_task
@@ -157,21 +156,20 @@ class Trainer:
                                          tc, max_over_processes(self.accelerator.device) if self.world > 1 else None))
         self.nan = NanCounter(tc.on_nan, tc.max_nan_skips)     # the run's one non-finite policy and its counts
         loss = loss_setup(cfg.algo.loss, self.world)
-        self.old_logp = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
-                                    measure_routing=self.measure_routing,
-                                    needs_global_pass=loss.spec.needs_global_pass)
-        self.policy_update = PolicyUpdate(cfg, loss=loss, forward=self.forward, old_pass=self.old_logp,
-                                          model=self.model, bare_model=self.unwrapped, optimizer=self.optimizer,
-                                          scheduler=self.scheduler, accelerator=self.accelerator, task=self.task,
-                                          predictors=self.predictors, nan=self.nan)
+        passes = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
+                             measure_routing=self.measure_routing)
+        # the run's one old-log-prob strategy (trainer/build.py decides it, once)
+        self.old_logp = old_logp_strategy(cfg, passes, needs_global_pass=loss.spec.needs_global_pass,
+                                          device=self.accelerator.device)
+        policy = TrainedPolicy(self.model, self.unwrapped, self.optimizer, self.scheduler, self.predictors)
+        self.policy_update = PolicyUpdate(cfg, loss=loss, forward=self.forward, old_logps=self.old_logp,
+                                          policy=policy, accelerator=self.accelerator, task=self.task, nan=self.nan)
         self.source = build_source(cfg, engine=self.engine, task=self.task, model=self.unwrapped, prepare=self.prepare,
                                    on_nonfinite=self.drop_nonfinite, rank=self.rank, world=self.world)
-        self.checkpoints = CheckpointState(self.run_dir.ckpt_root, model=self.unwrapped, world=self.world,
-                                           keep=tc.keep_checkpoints, accelerator=self.accelerator)
-        self.run_checkpoints = RunCheckpoints(self.checkpoints, accelerator=self.accelerator, run_dir=self.run_dir,
-                                              source=self.source, model=self.unwrapped, optimizer=self.optimizer,
-                                              scheduler=self.scheduler, nan=self.nan, predictors=self.predictors,
-                                              rank=self.rank, publish_every=cfg.rollout.publish_every)
+        self.run_checkpoints = RunCheckpoints(accelerator=self.accelerator, run_dir=self.run_dir, source=self.source,
+                                              model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler,
+                                              nan=self.nan, predictors=self.predictors, keep=tc.keep_checkpoints,
+                                              publish_every=cfg.rollout.publish_every)
         # counters (all checkpointed; updates / nan_skipped live in the policy update, iterations in the source)
         self.step = 0               # trained steps done = policy version
         self.sft_done = False
@@ -214,13 +212,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the steps of an iteration
     def prepare(self, batch: RolloutBatch) -> None:
-        """Step 2: ``old_logp`` and the mismatch / routing measurements (:class:`OldLogpPass`).  Non-finite values
-        raise :class:`NonFiniteError`: stage ``old_logp`` when this pass takes the old log-probs, ``metrics`` when it
+        """Step 2: the old-log-prob strategy's pass after generation (:meth:`OldLogpStrategy.prepare`: the
+        mismatch / routing measurements, and ``old_logp`` where it is taken then).  Non-finite values raise
+        :class:`NonFiniteError`: stage ``old_logp`` when this pass takes the old log-probs, ``metrics`` when it
         only measures (a fused batch, bypass)."""
-        takes_old = self.cfg.algo.old_logp_source == "trainer" and not self.old_logp.can_fuse(batch)
+        takes_old = self.old_logp.takes_at_prepare(batch)
         stage = "old_logp" if takes_old else "metrics"
         try:
-            with faults.poisoned(stage, batch.generated_at + 1, self.unwrapped):
+            with probes.poisoned(stage, batch.generated_at + 1, self.unwrapped):
                 self.old_logp.prepare(batch)
         except (ValueError, RuntimeError) as exc:
             err = as_nonfinite(exc, stage, "trainer log-probs" if takes_old else "log-probs of the measurements")
@@ -278,7 +277,7 @@ class Trainer:
         if "ref_model" in ck.modules:
             self.make_ref_model(ck.modules["ref_model"])
         self.step = st["step"]
-        self.policy_update.updates = st["updates"]
+        self.policy_update.load_state_dict({"updates": st["updates"]})
         self.sft_done = st["sft_done"]
         self.last_metrics = dict(st.get("last_metrics", {}))
         self.publish(self.step, force=True)

@@ -23,19 +23,20 @@ from typing import Any, Callable, Optional
 import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
-from offpolicy_moe.run import fault_injection as faults
+from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.trainer.finite_agreement import FiniteAgreement
 from offpolicy_moe.trainer.forward import RoutedForward
 from offpolicy_moe.trainer.grads import average_predictor_grads, grad_norm, zero_missing_grads
-from offpolicy_moe.trainer.old_logp import FusedOldLogp, OldLogpPass
+from offpolicy_moe.trainer.micro_loss import MicroBatchTensors, MicroLoss, micro_batch_loss, options_from
+from offpolicy_moe.trainer.old_logp_strategy import BatchOldLogp, OldLogpStrategy
 from offpolicy_moe.trainer.step_guard import StepGuard
-from offpolicy_moe.losses import (LossSpec, aggregate, correction_weights, get_loss_spec, global_counts,
-                                  group_advantages, kl_penalty, metrics_to_floats, resolve_loss_options)
+from offpolicy_moe.losses import (LossSpec, get_loss_spec, global_counts, group_advantages, metrics_to_floats,
+                                  resolve_loss_options)
 from offpolicy_moe.routing import compare_traces, pr2_predictor_loss
 
-__all__ = ["PolicyUpdate", "LossSetup", "loss_setup", "mean_metrics", "drop_constant_groups", "zero_missing_grads",
-           "loglinear_proximal", "decoupled_weights"]
+__all__ = ["PolicyUpdate", "TrainedPolicy", "LossSetup", "loss_setup", "mean_metrics", "drop_constant_groups",
+           "zero_missing_grads"]
 
 
 @dataclass
@@ -119,69 +120,44 @@ def drop_constant_groups(batch: RolloutBatch, adv: torch.Tensor
     return batch.index_select(keep), adv.index_select(0, keep), metrics
 
 
-def loglinear_proximal(logp: torch.Tensor, part: RolloutBatch, update: int, step: int,
-                       updates_per_step: int) -> torch.Tensor:
-    """AReaL's proximal log-prob approximation (Fu et al. 2025, arXiv 2505.24298, "prox_approx"): the proximal
-    policy's log-prob interpolated in log space between the behaviour and the current policy by version,
+@dataclass
+class TrainedPolicy:
+    """What the update trains: the DDP-wrapped and bare policy, its optimizer and learning-rate schedule, and the
+    PR2 router predictors (None without)."""
 
-        log pi_prox ~= log mu + alpha (log pi_theta - log mu),   alpha = (v_prox - v_mu) / (v_theta - v_mu),
-
-    counting versions in optimizer updates: ``v_mu`` = the token's version x U, ``v_prox`` = ``step`` x U (the
-    weights at consumption), ``v_theta`` = ``v_prox + update`` (the ``update``-th of the step's U updates).  On the
-    step's first update ``v_theta = v_prox``, so ``alpha = 1`` and the value is the current log-prob: exact."""
-    U = int(updates_per_step)
-    behav = part.behav_logp.to(logp.device)
-    tv = part.token_versions if part.token_versions is not None else torch.full_like(behav, part.version,
-                                                                                     dtype=torch.long)
-    v_mu = tv.to(logp.device).double() * U
-    v_prox, v_theta = float(step * U), float(step * U + update)
-    span = v_theta - v_mu
-    alpha = torch.where(span > 0, (v_prox - v_mu) / span.clamp(min=1.0), torch.ones_like(span)).to(logp.dtype)
-    return torch.where(part.response_mask.to(logp.device).bool(), behav + alpha * (logp - behav), logp)
-
-
-def decoupled_weights(corr: Any, old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
-                      adv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """Behaviour weights from ``old_logp`` (or the proximal log-probs) and ``behav_logp``: the configured correction
-    ``corr`` (``algo.correction``, :func:`correction_weights`; its metrics as tensors), or with ``corr.mode=none``
-    the plain decoupled-PPO weight ``pi_prox / mu = exp(clamp(old_logp - behav_logp, +-20))`` (AReaL, Fu et al.
-    2025, arXiv 2505.24298), 0 at masked positions, without metrics."""
-    if corr.mode != "none":
-        return correction_weights(old_logp, behav_logp, mask, level=corr.level, mode=corr.mode, high=corr.high,
-                                  low=corr.low, advantages=adv, opsm_delta=corr.opsm_delta)
-    lw = (old_logp - behav_logp).clamp(-20, 20)
-    return torch.where(mask.bool(), lw.exp(), torch.zeros_like(lw)), {}
+    model: torch.nn.Module
+    bare_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    predictors: Any = None
 
 
 class PolicyUpdate:
     """Applies the update of the module docstring; counts ``updates`` and ``nan_skipped`` (checkpointed by the
-    trainer).  Built with the config, the loss, the routed forward and old-logp pass, the DDP-wrapped and bare
-    models, the optimizer and scheduler, the accelerator, the task (rewards) and the PR2 predictors (or None)."""
+    trainer).  Built with the config, the loss, the routed forward, the run's old-log-prob strategy, the policy it
+    trains (:class:`TrainedPolicy`), the accelerator, the task (rewards) and the run's non-finite policy."""
 
-    def __init__(self, cfg: Any, *, loss: LossSetup, forward: RoutedForward, old_pass: OldLogpPass,
-                 model: torch.nn.Module, bare_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, accelerator: Any, task: Any, predictors: Any = None,
-                 nan: Optional[NanCounter] = None):
+    def __init__(self, cfg: Any, *, loss: LossSetup, forward: RoutedForward, old_logps: OldLogpStrategy,
+                 policy: TrainedPolicy, accelerator: Any, task: Any, nan: Optional[NanCounter] = None):
         """``nan``: the run's non-finite policy and counts (one is made from ``cfg.trainer`` when omitted)."""
         self.cfg = cfg
-        self.spec, self.loss_fn = loss, loss.fn
-        self.forward, self.old_pass = forward, old_pass
-        self.model, self.bare_model = model, bare_model
-        self.optimizer, self.scheduler, self.acc = optimizer, scheduler, accelerator
-        self.task, self.predictors = task, predictors
+        self.spec = loss
+        self.forward, self.old_logps = forward, old_logps
+        self.model, self.bare_model = policy.model, policy.bare_model
+        self.optimizer, self.scheduler, self.acc = policy.optimizer, policy.scheduler, accelerator
+        self.task, self.predictors = task, policy.predictors
         self.world = accelerator.num_processes
         self.device = accelerator.device
         self.norm_length = cfg.algo.loss.norm_length or cfg.rollout.max_new_tokens
+        self.loss_options = options_from(loss.fn, loss.options, cfg, self.norm_length)
         self.updates = 0
         self.nan = nan if nan is not None else NanCounter(cfg.trainer.on_nan, cfg.trainer.max_nan_skips)
         self._step, self._iteration = 0, 0
-        self.guard = StepGuard(optimizer, scheduler)          # before each optimizer step (on_nan=skip)
-        self.start_guard = StepGuard(optimizer, scheduler)    # the start of the policy update (the step boundary)
+        self.guard = StepGuard(self.optimizer, self.scheduler)        # before each optimizer step (on_nan=skip)
+        self.start_guard = StepGuard(self.optimizer, self.scheduler)  # the start of the policy update (step boundary)
         self._start: Optional[StepGuard] = None
         self.applied = 0                # optimizer updates applied by the current call
         self.finite = FiniteAgreement(self.nan, accelerator)     # checks agreed over processes, by stage
-        self._prox: Optional[FusedOldLogp] = None
-        self._prox_step = 0
 
     @property
     def nan_skipped(self) -> int:
@@ -191,6 +167,14 @@ class PolicyUpdate:
     @nan_skipped.setter
     def nan_skipped(self, value: int) -> None:
         self.nan.skipped = int(value)
+
+    def state_dict(self) -> dict:
+        """The update's own checkpointed counter (the non-finite counts are :attr:`nan`'s)."""
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back :meth:`state_dict`."""
+        self.updates = int(state["updates"])
 
     @property
     def process_group(self):
@@ -215,37 +199,12 @@ class PolicyUpdate:
         metrics["reward/adv_abs_mean"] = float(adv.abs().mean())
         return adv, metrics
 
-    def behaviour_weights(self, batch: RolloutBatch,
-                          adv: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], dict[str, float]]:
-        """Per-token off-policy correction weights (``algo.correction``, from ``old_logp`` vs ``behav_logp``), or
-        under ``old_logp_source=proximal`` without correction the plain decoupled-PPO weight ``pi_prox / mu``
-        (AReaL, arXiv 2505.24298); None when neither applies."""
-        src, corr = self.cfg.algo.old_logp_source, self.cfg.algo.correction
-        if src == "proximal" or (src == "trainer" and corr.mode != "none"):
-            weights, wm = decoupled_weights(corr, batch.old_logp, batch.behav_logp, batch.response_mask, adv)
-            return weights, metrics_to_floats(wm, drop_nonfinite=True)
-        return None, {}
-
-    def begin_proximal(self, batch: RolloutBatch, step: int) -> Optional[FusedOldLogp]:
-        """``old_logp_source=proximal`` with ``algo.proximal_logp=loglinear``: the collector of the proximal
-        log-probs the micro-batches take from their update forwards (None otherwise)."""
-        self._prox_step = step
-        if self.cfg.algo.old_logp_source != "proximal" or self.cfg.algo.proximal_logp != "loglinear":
-            return None
-        return FusedOldLogp(tuple(batch.response_mask.shape), self.device, False)
-
-    def proximal_weights(self, prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor,
-                         adv: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], dict]:
-        """The behaviour weights of one micro-batch from its proximal log-probs: the configured correction, or the
-        plain decoupled-PPO weight ``pi_prox / mu`` (as :meth:`behaviour_weights` for the whole batch)."""
-        return decoupled_weights(self.cfg.algo.correction, prox, behav, mask, adv)
-
     def ref_logp(self, batch: RolloutBatch, routes: Any) -> Optional[torch.Tensor]:
         """Log-probs of the frozen reference model (KL penalty), replaying ``routes``; None without one.  Raises
         :class:`NonFiniteError` (stage ``reference``) when one of the response tokens' is not finite."""
         if self.forward.ref_model is None:
             return None
-        with torch.no_grad(), faults.poisoned("reference", self._step, self.forward.ref_model):
+        with torch.no_grad(), probes.poisoned("reference", self._step, self.forward.ref_model):
             lp = self.forward.logp_pieces(self.forward.ref_model, batch, routes).cpu()
         if not all_finite(lp, batch.response_mask):
             raise NonFiniteError("reference", "reference log-probs", step=self._step, iteration=self._iteration)
@@ -302,21 +261,11 @@ class PolicyUpdate:
             if batch is None:                # every group's rewards were equal: nothing to learn from this batch
                 return self._no_update(metrics)
         routes = self.forward.routes_for_update(batch)
-        fused = self.old_pass.begin_fused(batch, step, self.device)
-        prox = self.begin_proximal(batch, step)
-        weights, err = None, None
-        if prox is None:      # (loglinear: taken in each micro-batch from its update forward, no pass)
-            try:
-                metrics.update(self.old_pass.at_consumption(batch, routes))
-                if batch.old_logp is not None and not all_finite(batch.old_logp, batch.response_mask):
-                    raise NonFiniteError("old_logp", "old log-probs")
-                weights, wm = self.behaviour_weights(batch, adv)
-                metrics.update(wm)
-            except (ValueError, RuntimeError) as exc:
-                err = self.finite.refusal(exc, "old_logp", "old log-probs at consumption")
-        if self.finite.agreed(err, "old_logp", "old log-probs at consumption") is not None:
+        old = self.old_logps.take(batch, step=step, routes=routes, adv=adv)   # the one old-log-prob call
+        metrics.update(old.metrics)
+        if self.finite.agreed(old.error, "old_logp", "old log-probs at consumption") is not None:
             return self._skip_batch(self.finite.agreed_err, metrics)
-        self._prox = prox
+        err = None
         ref_lp = None
         try:
             ref_lp = self.ref_logp(batch, routes)
@@ -328,7 +277,7 @@ class PolicyUpdate:
         mini_metrics: list[dict] = []
         grad_norms: list[torch.Tensor] = []
         on_policy = batch.version == step
-        skip = self.skips_zero_advantage(fused) and prox is None   # loglinear: every row's forward gives old_logp
+        skip = self.skips_zero_advantage(old)
         skipped = 0
         for mb_num, micro in enumerate(self.forward.micro_batching.cut(batch.size, int(batch.input_ids.shape[1]))):
             # PR2: skip the predictor loss on the first mini-step of on-policy data (target = "no change")
@@ -338,18 +287,13 @@ class PolicyUpdate:
             skipped += mb.skipped_rows
             mb.off_policy = off_policy
             mb.global_sel = self.global_selection(mb, adv)
-            gn = self.minibatch_step(mb, adv, weights, ref_lp, fused, mini_metrics)
+            gn = self.minibatch_step(mb, adv, old, ref_lp, mini_metrics)
             if gn is not None:
                 grad_norms.append(gn)
         if grad_norms:
             mini_metrics.append({"actor/grad_norm": torch.stack([g.float() for g in grad_norms]).mean()})
         metrics.update(mean_metrics(mini_metrics))
-        clean = self.nan.skipped == skipped_before     # a dropped update leaves its rows' old log-probs unknown
-        if fused is not None and clean:
-            metrics.update(self.old_pass.finish_fused(batch, fused))
-        if prox is not None and clean:
-            batch.old_logp = prox.values.cpu()
-            metrics.update(self.old_pass.mismatch(batch.old_logp, batch))
+        metrics.update(old.finish(clean=self.nan.skipped == skipped_before))
         metrics["actor/zero_adv_share"] = float((adv == 0).float().mean()) if adv.numel() else 0.0
         metrics["actor/rows_skipped_share"] = skipped / max(batch.size, 1)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -375,12 +319,12 @@ class PolicyUpdate:
         part_routes = [routes.index_select(m) if routes is not None else None for m in micro]
         return _MiniBatch(micro, parts, part_routes, n_tok, n_seq, pr2_on, skipped_rows=skipped)
 
-    def skips_zero_advantage(self, fused: Optional[FusedOldLogp]) -> bool:
+    def skips_zero_advantage(self, old: BatchOldLogp) -> bool:
         """``trainer.skip_zero_advantage``, where a zero-advantage row contributes no gradient at all: not with a
         KL penalty or PR2 predictors (their terms do not vanish with the advantage), nor when the old log-probs
-        come from the update forward itself (``fused``: every row's forward is needed), nor with several
+        come from the update forward itself (``old.every_row``: every row's forward is needed), nor with several
         processes (their backward passes must stay in step)."""
-        return (self.cfg.trainer.skip_zero_advantage and fused is None and self.predictors is None
+        return (self.cfg.trainer.skip_zero_advantage and not old.every_row and self.predictors is None
                 and self.world == 1
                 and not (self.forward.ref_model is not None and self.cfg.algo.kl.coef > 0))
 
@@ -406,8 +350,7 @@ class PolicyUpdate:
         return self.spec.spec.run_global_pass(lrs, advs, masks, opts, self.process_group)
 
     # ------------------------------------------------------------------ one optimizer update
-    def minibatch_step(self, mb: _MiniBatch, adv: torch.Tensor, weights: Optional[torch.Tensor],
-                       ref_lp: Optional[torch.Tensor], fused: Optional[FusedOldLogp],
+    def minibatch_step(self, mb: _MiniBatch, adv: torch.Tensor, old: BatchOldLogp, ref_lp: Optional[torch.Tensor],
                        mini_metrics: list[dict]) -> Optional[torch.Tensor]:
         """Backward over the micro-batches (DDP syncs on the last), clip, step; returns the gradient norm, or None
         when the update was skipped as non-finite."""
@@ -417,7 +360,7 @@ class PolicyUpdate:
             last = j == len(mb.parts) - 1
             sync_ctx = self.acc.no_sync(self.model) if (not last and self.world > 1) else contextlib.nullcontext()
             with sync_ctx:
-                loss, lm = self.micro_loss(mb, j, adv, weights, ref_lp, fused)
+                loss, lm = self.micro_loss(mb, j, adv, old, ref_lp)
                 if loss is None:
                     ok = False
                     break
@@ -429,7 +372,7 @@ class PolicyUpdate:
             zero_missing_grads(self.model)
         if ok:
             self.sync_predictor_grads()
-            faults.poison_("gradients", self._step, next((p.grad for p in self.model.parameters()
+            probes.poison_("gradients", self._step, next((p.grad for p in self.model.parameters()
                                                           if p.grad is not None), None))
             gn = grad_norm(self.acc, self.model, self.cfg.optim.grad_clip)
             ok = self.check_finite(torch.as_tensor(gn), "gradient norm", "gradients")
@@ -451,77 +394,61 @@ class PolicyUpdate:
         if skip:
             self.guard.snapshot()
         self.optimizer.step()
-        faults.poison_("optimizer", self._step, self.guard.params[0] if self.guard.params else None)
+        probes.poison_("optimizer", self._step, self.guard.params[0] if self.guard.params else None)
         if self.check_finite(self.guard.params_max_abs(), "parameters after the optimizer step", "optimizer"):
             return True
         self.guard.restore()
         return False
 
-    def micro_loss(self, mb: _MiniBatch, j: int, adv: torch.Tensor, weights: Optional[torch.Tensor],
-                   ref_lp: Optional[torch.Tensor], fused: Optional[FusedOldLogp]):
-        """Micro-batch ``j``'s loss: policy objective (+ KL to the reference, + PR2 predictor loss) and its metrics;
-        ``(None, {})`` when the loss is non-finite and ``trainer.on_nan=skip``."""
-        cfg, dev = self.cfg, self.device
+    def micro_loss(self, mb: _MiniBatch, j: int, adv: torch.Tensor, old: BatchOldLogp,
+                   ref_lp: Optional[torch.Tensor]):
+        """Micro-batch ``j``: its update forward (replaying its routes; recording what PR2, the drift metrics or
+        the old-log-prob strategy need), its old log-probs and weights (:meth:`BatchOldLogp.micro`), and its loss
+        (:func:`~offpolicy_moe.trainer.micro_loss.micro_batch_loss`) with its metrics; ``(None, {})`` when the loss
+        is non-finite and ``trainer.on_nan=skip``."""
+        dev = self.device
         p, rows, routes = mb.parts[j], mb.rows[j], mb.routes[j]
-        mask = p.response_mask.to(dev)
         feats = p.pr2_features if (self.predictors is not None and mb.pr2_on) else None
         pr2 = feats is not None and feats.num_tokens > 0
         # drift/*: the engine's recorded route vs the current router's own top-k, off-policy mini-steps only
-        drift = cfg.algo.routing.drift_metrics and mb.off_policy and p.routes is not None
-        cap, own = None, None
+        drift = self.cfg.algo.routing.drift_metrics and mb.off_policy and p.routes is not None
+        cap, own, recorded = None, None, None
         if pr2:
             with self.forward.controller.capture_router_logits(feats) as cap:
                 out = self.forward.logp(self.model, p, routes, record="own" if drift else False)
             logp, own = out if drift else (out, None)
         elif drift:
             logp, own = self.forward.logp(self.model, p, routes, record="own")
-        elif fused is not None and fused.record_routes:      # the trainer's own routes, for routing/*
-            logp, own_routes = self.forward.logp(self.model, p, routes, record=True)
-            fused.routes = own_routes
+        elif old.record_routes:      # the trainer's own routes, for routing/*
+            logp, recorded = self.forward.logp(self.model, p, routes, record=True)
         else:
             logp = self.forward.logp(self.model, p, routes)
-        logp = faults.value("loss", self._step, logp)
-        if self._prox is not None:
-            old_lp = self._prox.add(rows, loglinear_proximal(logp.detach(), p, mb.index, self._prox_step,
-                                                             cfg.trainer.updates_per_step))
-            w_rows, wm = self.proximal_weights(old_lp, p.behav_logp.to(dev), mask, adv.index_select(0, rows).to(dev))
-            lm_extra = wm
-        else:
-            old_lp = fused.add(rows, logp) if fused is not None else p.old_logp.to(dev)
-            w_rows = weights.index_select(0, rows).to(dev) if weights is not None else None
-            lm_extra = {}
-        kw = dict(agg=cfg.algo.loss.agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs,
-                  norm_length=self.norm_length, weights=w_rows, **self.spec.options)
-        if mb.global_sel:
-            kw.update(mb.global_sel[j])
+        logp = probes.value("loss", self._step, logp)
+        adv_rows = adv.index_select(0, rows).to(dev)
+        mo = old.micro(rows, p, logp, mb.index, adv_rows, recorded)
+        tensors = MicroBatchTensors(logp, mo.old_logp, adv_rows, p.response_mask.to(dev), mb.num_tokens,
+                                    mb.num_seqs, weights=mo.weights, weight_metrics=mo.metrics,
+                                    ref_logp=ref_lp.index_select(0, rows).to(dev) if ref_lp is not None else None,
+                                    selection=mb.global_sel[j] if mb.global_sel else {})
+        pr2_term = (pr2_predictor_loss(self.predictors, feats, cap.logits(), current_ids=cap.own_ids(),
+                                       replayed_ids=feats.gather_trace(routes)) if pr2 else None)
         what = "loss"
         try:
-            loss, lm = self.loss_fn(logp, old_lp, adv.index_select(0, rows).to(dev), mask, **kw)
-            if ref_lp is not None and cfg.algo.kl.coef > 0:
-                kl_tok = kl_penalty(logp, ref_lp.index_select(0, rows).to(dev), cfg.algo.kl.kind, mask=mask)
-                kl = aggregate(kl_tok, mask, cfg.algo.loss.agg or "token-mean", num_tokens=mb.num_tokens,
-                               num_seqs=mb.num_seqs, norm_length=self.norm_length)
-                loss = loss + cfg.algo.kl.coef * kl
-                lm = dict(lm, **{"actor/kl_ref": kl.detach()})
+            res = micro_batch_loss(tensors, self.loss_options, pr2_term, len(mb.parts))
         except (ValueError, RuntimeError) as exc:
             err = as_nonfinite(exc, "loss", "loss input")
             if err is None:
                 raise
             # the loss library refused a NaN/Inf input (e.g. the update forward's log-probs): a non-finite loss,
             # decided below with the other processes (they must agree before any backward)
-            loss, lm, what = torch.full((), float("nan"), device=dev), {}, err.what
-        if not self.check_finite(loss.detach(), what, "loss"):
+            nan = torch.full((), float("nan"), device=dev)
+            res, what = MicroLoss(nan, nan, {}), err.what
+        if not self.check_finite(res.policy.detach(), what, "loss"):
             return None, {}
-        if lm_extra:
-            lm = dict(lm, **lm_extra)
+        lm = res.metrics
         if own is not None:
             lm = dict(lm, **compare_traces(p.routes, own, p.attention_mask).zero_deviation_metrics("drift/"))
-        if pr2:
-            ploss, pm = pr2_predictor_loss(self.predictors, feats, cap.logits(), current_ids=cap.own_ids(),
-                                           replayed_ids=feats.gather_trace(routes))
-            loss = loss + ploss / len(mb.parts)    # only W_p gets this gradient (features detached)
-            lm = dict(lm, **pm)
-        return loss, lm
+        return res.total, lm
 
     # ------------------------------------------------------------------ multi-process details
     def check_finite(self, value: torch.Tensor, what: str, stage: str) -> bool:

@@ -20,7 +20,8 @@ from torch.distributed.fsdp import fully_shard
 
 from offpolicy_moe.config.load import to_yaml
 from offpolicy_moe.trainer.callbacks import FunctionCallback
-from offpolicy_moe.run.faults import NonFiniteLossError, RunDirError
+from offpolicy_moe.run.faults import RunDirError
+from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.trainer.launch import train
 from offpolicy_moe.trainer.optim import adamw
 from offpolicy_moe.run.run_lock import RunLock
@@ -145,7 +146,7 @@ def test_divergence_stops_with_a_checkpoint_of_the_last_good_state(make_cfg):
     cfg = make_cfg("optim.lr=1e39", "trainer.on_nan=stop", "trainer.steps=2", "trainer.threads=1")
     tr = Trainer(cfg)
     w0 = weights_of(tr.unwrapped)
-    with pytest.raises(NonFiniteLossError, match="parameters after the optimizer step at step 1.*checkpointed"):
+    with pytest.raises(NonFiniteError, match="parameters after the optimizer step at step 1.*checkpointed"):
         tr.run()
     summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
     assert summary["status"] == "diverged" and "parameters" in summary["error"]

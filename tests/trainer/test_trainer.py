@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from offpolicy_moe.run.checkpoint import CheckpointError
-from offpolicy_moe.run.faults import NonFiniteLossError, RunDirError
+from offpolicy_moe.run.faults import RunDirError
+from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.run.metrics import DOCUMENTED_KEYS, is_documented
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.launch import train
@@ -337,7 +338,7 @@ def test_nan_loss_is_skipped_and_counted(make_cfg, nan_loss):
 
 def test_nan_loss_stops_naming_the_step(make_cfg, nan_loss):
     cfg = make_cfg(f"algo.loss.name={nan_loss}", "trainer.on_nan=stop", "trainer.steps=3")
-    with pytest.raises(NonFiniteLossError, match="step 2"):
+    with pytest.raises(NonFiniteError, match="step 2"):
         train(cfg)
     summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
     assert summary["status"] == "diverged" and "step 2" in summary["error"]
