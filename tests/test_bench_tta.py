@@ -338,6 +338,7 @@ def test_target_sensitivity_reports_the_headline_at_minus_and_plus_005():
 def test_seeds_start_at_first_seed_and_arms_rotate(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(bench_tta, "warm_start", lambda args, seed, work: (f"w{seed}", 1.0))
+    monkeypatch.setattr(bench_tta, "save_partial", lambda *a: None)
 
     def fake_run(args, arm, seed, warm, work):
         calls.append((seed, arm.name, warm))

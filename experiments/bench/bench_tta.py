@@ -1,81 +1,81 @@
-"""Time to accuracy: wall-clock seconds until held-out greedy accuracy first reaches a target (issue 25, item 1).
+"""Time to accuracy: wall-clock seconds from launching the command until held-out greedy accuracy first reaches a
+target (issues 25 and 35).
 
-    python experiments/bench/bench_tta.py --arms trl,sync,async --seeds 5            # the full benchmark
-    python experiments/bench/bench_tta.py --quick                                    # <= 10 min on 2 cores
+    python experiments/bench/bench_tta.py --arms trl,sync,async-k1-grpo --headline async-k1-grpo --seeds 5
+    python experiments/bench/bench_tta.py --job long --arms trl,sync,async-k1-grpo --headline async-k1-grpo --seeds 5
+    python experiments/bench/bench_tta.py --quick --headline sync                      # checks the machinery
 
-**Arms** (``--arms``, comma list): ``trl`` = TRL's GRPOTrainer, synchronous (experiments/bench/tta/trl_arm.py, the
-settings of bench_vs_trl.py); ``sync`` = ours, ``buffer.mode=fixed buffer.staleness=0``, GRPO; ``async`` = ours with
-``buffer.mode=async rollout.workers=1`` at staleness k in {1, 2, 4} x loss in {grpo, m2po, m2po_tis, vespo,
-gmpo} (presets ``[grpo]``, ``[m2po]``, ``[m2po,tis]``, ``[vespo]``, ``[gmpo]``: VESPO and GMPO are the two best
-objectives of the stale race, experiments/stale_race.yaml and docs/results.md); a single one is named
-``async-k2-m2po_tis``.  ``async`` is 15 arms (with ``trl`` and ``sync``, 17 runs per seed).  ``ray-k<K>-<loss>``
-is an asynchronous arm whose one rollout worker is a Ray actor (``rollout.backend=ray``; the run starts a local Ray
-cluster unless ``RAY_ADDRESS`` names one, and that start is part of its start-up; needs ``pip install -e
-".[ray]"``); it is never part of ``async``.  Ours run through the CLI
-(``python -m offpolicy_moe train ... --run-dir``) in a subprocess each; TRL in a subprocess of this script.
+**Headline arm** (``--headline``, required): one arm of ours, named on the command line before the run and marked
+in the table; the last line reports it whatever the other arms do, so a best-of-N arm (a winner's curse) is never
+the headline.  The last line printed: ``time to accuracy (from process start): <arm> <x>x TRL, <y>x ours sync``
+(x, y: the geometric-mean paired ratios on the clock from process start; ``n/a`` where no seed has a ratio).
 
-**The job** (every arm): the embedded tiny Qwen3-MoE (2 layers, hidden 64, 8 experts, top-2) on the default task
-(1-digit, 3-term sums), 16 prompts x 8 samples per step, ``max_new_tokens=3`` (answers are <= 2 characters + eos),
-temperature 1, top-p 1, lr 3e-4 (constant), grad clip 1, 1 update per batch, fp32 generation (TRL generates with
-its fp32 training model; ``--set rollout.dtype=bfloat16`` gives ours the demo's bf16 engine), 1 torch thread per
-process, no routing replay, routing and mismatch metrics off (TRL has neither), 500 steps, evaluation every 25 steps
-on 256 held-out problems (``task.eval_size=256``; plus as many training prompts, as our trainer does).  Why: the
-demo's settings (offpolicy_moe/commands/demo.py) and bench_vs_trl's anchor job; measured on this 2-core machine under
-load 7-8 (2026-11-25, seed 0, sync arm): lr 3e-4 takes held-out accuracy from 0.33 (after SFT) to 0.59-0.67 over
-steps 400-500 in about 45 s of loop time (0.09 s/step); lr 1e-3 first falls to 0.11 and only reaches 0.42 in 63 s;
-150 steps at 3e-4 only reach 0.39.  256 eval problems put one evaluation's standard error near 0.03.
+**Arms** (``--arms``, comma list): ``trl`` = TRL's GRPOTrainer, synchronous (experiments/bench/tta/trl_arm.py);
+``sync`` = ours, ``buffer.mode=fixed buffer.staleness=0``, GRPO; ``async`` = ours with ``buffer.mode=async
+rollout.workers=1`` at staleness k in {1, 2, 4} x loss in {grpo, m2po, m2po_tis, vespo, gmpo} (presets ``[grpo]``,
+``[m2po]``, ``[m2po,tis]``, ``[vespo]``, ``[gmpo]``); a single one is named ``async-k2-m2po_tis``.  ``async`` is 15
+arms.  ``ray-k<K>-<loss>``: the asynchronous arm with its worker a Ray actor (``rollout.backend=ray``; needs
+``pip install -e ".[ray]"``).  ``fixed-k<K>-<loss>``: ours in one process, each batch trained exactly K versions
+after the weights that generated it (``buffer.mode=fixed buffer.staleness=K``): an asynchronous arm's staleness
+without its worker process.  The loss ``unclipped`` (no trust region) is accepted by name, never part of ``async``.
+Ours run through the CLI (``python -m offpolicy_moe train ... --run-dir``) in a subprocess each; TRL in a subprocess
+of this script.
 
-**Warm start**: once per seed, ``train`` with the default SFT warm start (``trainer.sft_warmup_steps=60``) and one
-RL step, checkpointing step 0 (the SFT weights), then ``export --step 0`` into a Hugging Face folder; every arm of
-that seed starts from it (``model.path=...``, ``trainer.sft_warmup_steps=0``; TRL loads it with ``load_policy``).
-Its wall time is reported apart (``warm_start_s``), as is each run's start-up (process wall time minus the
-training loop's: imports, model load, the step-0 evaluation, the final checkpoint).
+**Threads** (``--threads N``, default 1): torch threads (and ``OMP_NUM_THREADS``) of trl and sync, the two
+one-process arms; an asynchronous arm's trainer and worker get one each (2 cores in all).  TRL's best count is
+measured before the run (1 vs 2 threads on the same job, experiments/results/tta/threads/) and our sync arm gets
+the same.  TRL runs without gradient checkpointing (``--trl-gradient-checkpointing 0``, the default here: TRL
+1.16's own default recomputes the forward in the backward, which no user of a model this size wants).
 
-**Clock**: ``perf/elapsed_s`` (wall seconds since the training loop started, evaluation included) when the rows have
-it, else the cumulative sum of ``perf/time_step_s``; the output names which.  TRL's rows carry the same clock from
-``on_train_begin``.  Time runs from the end of the first trained step, for every arm: that step is start-up (our
-asynchronous source starts its worker process on the first batch request, about 11 s of imports and model load
-under load 6, measured 2026-11-25; TRL and ours warm up), reported in the ``first step s`` column and included in
-``start-up s`` (process wall time minus the timed loop: imports, model load, step-0 evaluation, first step, final
-checkpoint).  **TTA** at the first eval step s with ``eval/accuracy >= target``: ``tta_s`` charges every
-earlier evaluation (the clock at s minus the evaluation at s), ``tta_no_eval_s`` excludes all evaluation time
-(experiments/bench/tta/analysis.py ``curve``); s/step is the timed loop without evaluation over steps 2..N.  A run
-that never reaches the target is **censored** at its end (the loop's end time,
-with or without evaluation) and counted in the ``reached`` column; a censored time is a lower bound, so a ratio
-with a censored arm overstates that arm's speed-up and one with a censored reference understates it.
+**The jobs** (``--job``): ``default`` = the embedded tiny Qwen3-MoE (2 layers, hidden 64, 8 experts, top-2) on the
+default task (1-digit, 3-term sums), answers <= 2 characters + eos (``max_new_tokens=3``), SFT warm start 60 steps,
+lr 3e-4, 500 steps, accuracy ``eval/accuracy`` (exact match).  ``long`` = the same model on the chain task
+(``task.name=chain``, 7 one-digit terms with worked steps, ``3+8+5=`` -> ``11+5=16``; answers of 41-47 characters +
+eos, ``max_new_tokens=48``), a longer SFT warm start, accuracy ``eval/reward`` (greedy final-answer accuracy, what
+the RL reward checks; ``eval/accuracy`` there is the exact match of every worked step).  Both: 16 prompts x 8
+samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
+routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
+problems (plus as many training prompts, as our trainer does).
 
-**Target**: ``--target A``, else the sync arm's median final accuracy (last evaluation, step ``--steps``) over the
-seeds of this invocation minus 0.03.
+**Warm start**: once per seed, ``train`` with the SFT warm start and one RL step, checkpointing step 0 (the SFT
+weights), then ``export --step 0``; every arm of that seed starts from it (``model.path=...``,
+``trainer.sft_warmup_steps=0``; TRL loads it with ``load_policy``).  Its wall time is reported apart.
+
+**Clocks** (experiments/bench/tta/clock.py): each run's command is launched and watched; every metric row is
+stamped with the seconds since launch when it appears in ``metrics.jsonl`` (20 ms polling).  **From process
+start** (the headline): the stamp of the first eval row at or above the target minus that evaluation (every earlier
+evaluation, the step-0 one included, is charged; so are imports, model load, the asynchronous worker's start and
+the first step).  **Loop** (beside it, the old clock): ``perf/elapsed_s`` from the end of the first trained step
+(experiments/bench/tta/analysis.py ``curve``).  Both also without any evaluation time (in runs.json).  **CPU**: the
+CPU seconds (user + system) of the run's process and its descendants (the worker) when that row appears.  A run
+that never reaches the target is **censored** at its end (process wall time, total CPU) and counted in
+``reached``; a censored time is a lower bound.
+
+**Target**: ``--target A``, else the sync arm's median final accuracy over the seeds of this invocation minus 0.03;
+the headline's ratios are also given at the target -/+ 0.05 (target sensitivity).
 
 **Ratios**: per seed, ``TTA(reference) / TTA(arm)`` (> 1: the arm is sooner) for reference ``trl`` and ``sync``;
 the table gives their geometric mean with the paired 95% Student-t interval on the log scale
-(offpolicy_moe/report/stats.py ``compare(scale="log")``); per-seed ratios are in the JSON.  Final accuracy: median
-over seeds, and the paired mean difference to sync with its 95% interval.
+(offpolicy_moe/report/stats.py ``compare(scale="log")``).  Final accuracy: median over seeds, and the paired mean
+difference to sync with its 95% interval.  A seed whose TTA is 0 in either arm of a pair (target met at step 0) has
+no ratio (counted as ``met_at_start``).
 
-**Order**: seed-major; within seed i the arms are rotated left by i, so load drift hits every arm alike.  The load
-average is recorded at the start, the end, and around every run.
+**Seeds and order**: seeds ``--first-seed`` .. ``--first-seed + --seeds - 1``; seed-major, within the i-th seed
+the arms are rotated left by i, so load drift hits every arm alike.  The load average is recorded at the start,
+the end, and around every run; per-run means of a few training diagnostics (clip fraction, staleness, reward) are
+kept in runs.json.
 
-**Output** (``--out``, default experiments/results/tta/<full|quick>/): ``runs.json`` (every run: arm, seed, eval
-curve, TTA, phases, start-up, loads), ``table.md`` (printed too), ``tta.png`` (accuracy against the clock, one
-colour per arm, the median curve bold).  The last line printed:
-``time to accuracy: best arm <name> <x>x TRL, <y>x ours sync`` with the best arm the one of ours (any but trl) with
-the smallest median TTA, x and y its geometric-mean paired ratios.  A seed whose TTA is 0 in either arm of a pair (target met at step 0)
-has no ratio and is left out (counted as ``met_at_start``).  ``--reanalyse RUNS_JSON`` summarises an earlier
-record again (another ``--target``) without running anything.
-
-**--quick**: arms ``trl,sync,async-k2-m2po_tis``, 2 seeds, 200 steps, eval every 25 (about 6-9 min on 2 cores
-under load 7); ``--arms/--seeds/--steps`` given explicitly still win.  Measured 2026-11-25 on the shared 2-core machine
-with ``nice -n 5``: 7 min 11 s at 04:50 UTC, load average 8.91 -> 7.42 (experiments/results/tta/quick/), and
-9 min 47 s at 04:29 UTC, load 7.70 -> 11.99.  At 200 steps accuracy has barely begun to rise (the full job's rise comes over
-steps 150-500), so the quick target (sync's final - 0.03) can fall below a run's start: such runs are counted
-(``met_at_start``, a warning line) and left out of the ratios.  The quick run checks the machinery; the figure is
-the full run.
+**Output** (``--out``, default experiments/results/tta/<full|long|quick>/): ``runs.json`` (every run: arm, seed,
+eval curve on every clock, TTA, phases, start-up, loads, diagnostics), ``table.md`` (printed too), ``tta.png``
+(accuracy against the clock from process start).  ``--reanalyse RUNS_JSON`` summarises an earlier record again
+(another ``--target``) without running anything; a record from before the process clock has no process ratios.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,8 +98,8 @@ FULL = {"arms": "trl,sync,async", "seeds": 5}
 JOBS = {
     "default": {"task": [], "max_new_tokens": 3, "lr": 3e-4, "sft_steps": 60, "steps": 500, "eval_every": 25,
                 "metric": "eval/accuracy"},
-    "long": {"task": ["task.name=chain", "task.num_terms=7"], "max_new_tokens": 48, "lr": 3e-4, "sft_steps": 300,
-             "steps": 150, "eval_every": 25, "metric": "eval/reward"},
+    "long": {"task": ["task.name=chain", "task.num_terms=7"], "max_new_tokens": 48, "lr": 1e-4, "sft_steps": 400,
+             "steps": 60, "eval_every": 10, "metric": "eval/reward"},
 }
 #: target sensitivity: the headline's ratios are also reported at target -/+ this
 SENSITIVITY = 0.05
@@ -388,6 +388,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "docstring); an asynchronous arm's trainer and worker have one each")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for our arms")
     p.add_argument("--out", default=None, help="output folder (default experiments/results/tta/<full|quick|long>)")
+    p.add_argument("--warm-cache", default=None, metavar="DIR",
+                   help="keep each seed's SFT warm start here and reuse it (invocations on the same seeds share it)")
     p.add_argument("--reanalyse", default=None, metavar="RUNS_JSON",
                    help="no runs: summarise the runs of an earlier runs.json again (e.g. with another --target), "
                         "into --out or its folder")
@@ -430,6 +432,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def cached_warm_start(args, seed: int, work: Path) -> tuple[str, float]:
+    """:func:`warm_start`, kept under ``--warm-cache`` (keyed by the job, the seed and the SFT steps) when given, so
+    several invocations on the same seeds (the arms of item 4, a threads probe) share one warm start; a cached one
+    reports the wall seconds it took when it was made."""
+    if not args.warm_cache:
+        return warm_start(args, seed, work)
+    key = Path(args.warm_cache) / f"{args.job}-seed{seed}-sft{args.sft_steps}-eval{args.eval_size}"
+    if (key / "warm" / "config.json").is_file() and (key / "wall_s").is_file():
+        return str(key / "warm"), float((key / "wall_s").read_text())
+    path, wall = warm_start(args, seed, work)
+    tmp = key.with_name(f"{key.name}.tmp{os.getpid()}")
+    shutil.copytree(path, tmp / "warm")
+    (tmp / "wall_s").write_text(f"{wall}")
+    try:
+        os.rename(tmp, key)          # atomic: another invocation that made the same (deterministic) one first wins
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(key / "warm"), wall
+
+
+def save_partial(args, arms: list[Arm], runs: list[dict], warm: dict, t_start: float, load_start) -> None:
+    """The record so far as ``--out``/partial.json after every run (``--reanalyse`` reads it), so a benchmark cut
+    short by time keeps its finished runs."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    rec = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
+           "command": "python experiments/bench/bench_tta.py " + " ".join(args.argv) + " (partial)",
+           "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
+           "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
+           "load_end": os.getloadavg(), "warm_start_s": warm, "runs": runs}
+    (args.out / "partial.json").write_text(json.dumps(rec, indent=1, default=str))
+
+
 def collect(args) -> dict:
     """Every (seed, arm) run, seed-major with the arms rotated; the raw record ``report`` summarises."""
     arms = args.arm_list
@@ -443,13 +477,14 @@ def collect(args) -> dict:
         work = Path(tmp)
         for i in range(args.seeds):
             seed = args.first_seed + i
-            path, wall = warm_start(args, seed, work)
+            path, wall = cached_warm_start(args, seed, work)
             warm[seed] = wall
             print(f"seed {seed}: warm start {wall:.1f} s", flush=True)
             for arm in rotated(arms, i):
                 r = run_arm(args, arm, seed, path, work)
                 runs.append(r)
                 c = r["curve"]
+                save_partial(args, arms, runs, warm, t_start, load_start)
                 print(f"  {arm.name:>18} seed {seed}: final acc {c['final_accuracy']:.3f}, loop {c['end_s']:.1f} s "
                       f"(eval {c['eval_s']:.1f} s), process {r['process_wall_s']:.1f} s, load "
                       f"{r['load_after'][0]:.2f}", flush=True)
