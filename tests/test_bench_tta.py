@@ -424,3 +424,17 @@ def test_the_phase_breakdown_refuses_bad_arms_in_one_line(arms, says):
     r = subprocess.run([sys.executable, str(BENCH / "bench_tta_phases.py"), "--arms", arms], capture_output=True,
                        text=True, cwd=BENCH)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_phase_breakdown_gives_seconds_per_step_and_the_generation_share():
+    def run(arm, gen_key, gen, upd):
+        return {"arm": arm, "s_per_step": 1.0,
+                "curve": {"phases": {gen_key: gen * 9, "perf/time_update_s": upd * 9}}}
+
+    runs = [run("sync", "perf/time_generate_s", 0.7, 0.3), run("async-k1-grpo", "async/worker_generate_s", 0.6, 0.4)]
+    text = bench_tta.phase_table(runs, parse_arms("trl,sync,async-k1-grpo"), 10)
+    sync = next(line for line in text.splitlines() if line.startswith("| sync |"))
+    asy = next(line for line in text.splitlines() if line.startswith("| async-k1-grpo |"))
+    assert sync.split(" | ")[1] == "0.7000" and sync.endswith("| 1.0000 | 70% |")
+    assert asy.split(" | ")[1] == "—" and asy.split(" | ")[5] == "0.6000" and asy.endswith("| 60% |")
+    assert "| trl |" not in text                                     # no run of that arm

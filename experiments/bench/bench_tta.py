@@ -342,6 +342,37 @@ def plot(runs: list[dict], arms: list[Arm], target: float, path: Path) -> None:
     plt.close(fig)
 
 
+PHASES = (("generate", "perf/time_generate_s"), ("old-logp pass", "perf/time_old_logp_s"),
+          ("update", "perf/time_update_s"), ("trainer wait", "async/trainer_wait_s"),
+          ("worker generate (beside)", "async/worker_generate_s"), ("weight publish", "async/weight_sync_s"))
+
+
+def phase_table(runs: list[dict], arms: list[Arm], steps: int) -> str:
+    """Where a step goes: per arm, the median over runs of each phase's seconds per timed step (steps 2..N, the
+    run's sums / (N - 1)) and of the whole step without evaluation; ``generate share`` = generation / step (sync: in
+    the trainer's process; async: the worker's generation beside the trainer, over the trainer's step)."""
+    lines = ["phase breakdown (median over runs of seconds per step, steps 2..N, evaluation excluded):", "",
+             "| arm | " + " | ".join(name for name, _ in PHASES) + " | whole step | generate share |",
+             "|" + " --- |" * (len(PHASES) + 3)]
+    n = max(steps - 1, 1)
+    for a in arms:
+        mine = [r for r in runs if r["arm"] == a.name]
+        if not mine:
+            continue
+        cells = []
+        for _, key in PHASES:
+            vals = [r["curve"].get("phases", {}).get(key) for r in mine]
+            vals = [v / n for v in vals if v is not None]
+            cells.append(f"{statistics.median(vals):.4f}" if vals else "—")
+        step = statistics.median(r["s_per_step"] for r in mine)
+        gen_key = "async/worker_generate_s" if a.mode == "async" else "perf/time_generate_s"
+        gens = [r["curve"].get("phases", {}).get(gen_key) for r in mine]
+        gens = [g / n for g in gens if g is not None]
+        share = f"{statistics.median(gens) / step:.0%}" if gens and step > 0 else "—"
+        lines.append(f"| {a.name} | " + " | ".join(cells) + f" | {step:.4f} | {share} |")
+    return "\n".join(lines)
+
+
 def headline_line(summary: dict, headline: str) -> str:
     """``time to accuracy (from process start): <arm> <x>x TRL, <y>x ours sync``: the pre-registered arm's geometric
     mean paired ratios on the clock from process start (``n/a`` where a ratio has no seed)."""
@@ -511,6 +542,8 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "", he
     text = table(summary, target, " + ".join(clocks), headline)
     if any(r["curve"].get("time_process_s") for r in runs):
         text += "\n\n" + sensitivity(runs, arms, target, headline)
+    steps = (record.get("args") or {}).get("steps") or max(max(r["curve"]["steps"]) for r in runs)
+    text += "\n\n" + phase_table(runs, arms, int(steps))
     load_start, load_end = record["load_start"], record["load_end"]
     header = (f"# bench_tta {record['date']}\n\ncommand: `{record['command']}`{note}"
               f"\n\npre-registered headline arm: **{headline}** (named on the command line before the run); job "
