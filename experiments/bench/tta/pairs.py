@@ -22,16 +22,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 
-def load_finals(paths: list[Path]) -> tuple[dict[str, dict[int, float]], dict[str, dict[str, list[float]]]]:
+def load_finals(paths: list[str]) -> tuple[dict[str, dict[int, float]], dict[str, dict[str, list[float]]]]:
     """``{arm: {seed: final accuracy}}`` and ``{arm: {diagnostic: [run means]}}`` over the records (a later record's
-    run of the same arm and seed replaces an earlier one)."""
+    run of the same arm and seed replaces an earlier one).  ``path@label`` names that record's arms
+    ``<arm>@<label>`` (a record made with another ``--set``, e.g. the proximal old log-probs)."""
     finals: dict[str, dict[int, float]] = {}
     diags: dict[str, dict[str, list[float]]] = {}
-    for p in paths:
-        for r in json.loads(Path(p).read_text())["runs"]:
-            finals.setdefault(r["arm"], {})[int(r["seed"])] = float(r["curve"]["final_accuracy"])
+    for spec in paths:
+        path, _, label = str(spec).partition("@")
+        for r in json.loads(Path(path).read_text())["runs"]:
+            arm = f"{r['arm']}@{label}" if label else r["arm"]
+            finals.setdefault(arm, {})[int(r["seed"])] = float(r["curve"]["final_accuracy"])
             for k, v in (r.get("diagnostics") or {}).items():
-                diags.setdefault(r["arm"], {}).setdefault(k, []).append(float(v))
+                diags.setdefault(arm, {}).setdefault(k, []).append(float(v))
     return finals, diags
 
 
@@ -48,7 +51,7 @@ def paired(a: dict[int, float], b: dict[int, float]) -> str:
     return f"{d.estimate:+.3f}{ci} (n={len(common)}, above {above}/{len(common)})"
 
 
-def report(paths: list[Path], reference: str, against: list[str]) -> str:
+def report(paths: list[str], reference: str, against: list[str]) -> str:
     """The markdown table (module docstring)."""
     finals, diags = load_finals(paths)
     if reference not in finals:
@@ -68,7 +71,8 @@ def report(paths: list[Path], reference: str, against: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("records", nargs="+", type=Path, help="runs.json files of bench_tta")
+    p.add_argument("records", nargs="+", help="runs.json (or partial.json) files of bench_tta; PATH@LABEL suffixes "
+                                              "that record's arm names with @LABEL")
     p.add_argument("--reference", default="sync")
     p.add_argument("--against", action="append", default=[], help="another arm to pair against (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
