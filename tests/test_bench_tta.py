@@ -257,6 +257,9 @@ def test_the_clock_from_process_start_charges_start_up_and_earlier_evaluations()
     assert (t.step, t.seconds_process, t.seconds_process_no_eval, t.cpu_s, t.seconds) == (4, 21.5, 20.0, 21.0, 3.5)
     never = time_to_accuracy(c, 0.9)
     assert not never.reached and (never.seconds_process, never.cpu_s) == (25.0, 24.0)
+    # an undercounted total (the worker not reaped) is raised to the last live reading
+    low = _watched(ROWS, {0: 12.0, 1: 19.0, 2: 20.0, 3: 21.0, 4: 22.0}, {0: 10.0, 2: 18.0, 4: 21.0}, 25.0, 5.0)
+    assert time_to_accuracy(low, 0.9).cpu_s == 21.0
     with pytest.raises(ValueError, match="no stamp"):
         _watched(ROWS, {0: 1.0}, {}, 5.0, 5.0)
 

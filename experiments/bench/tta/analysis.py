@@ -209,7 +209,11 @@ def time_to_accuracy(c: Curve, target: float) -> TTA:
                            c.time_process_no_eval_s[i], c.cpu_s[i])
             return TTA(c.time_s[i], c.time_no_eval_s[i], True, s)
     if watched:
-        return TTA(c.end_s, c.end_no_eval_s, False, None, c.end_process_s, c.end_process_no_eval_s, c.cpu_end_s)
+        # the end's CPU: at least the last reading of the live tree (a worker that its parent never reaps is
+        # missing from the rusage total)
+        seen = [x for x in c.cpu_s if x == x]
+        cpu_end = max([c.cpu_end_s] + seen) if c.cpu_end_s is not None else None
+        return TTA(c.end_s, c.end_no_eval_s, False, None, c.end_process_s, c.end_process_no_eval_s, cpu_end)
     return TTA(c.end_s, c.end_no_eval_s, False, None)
 
 

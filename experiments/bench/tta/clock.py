@@ -9,8 +9,10 @@ the clock) and stamps each new row with the seconds since launch.  A row is writ
 step's evaluation), so the stamp of an eval row is the time from launch to the end of that evaluation.
 
 CPU seconds: user + system time of the process and every descendant alive at the stamp (Linux ``/proc``: our
-asynchronous worker is a child of the trainer), read when an eval row appears; the total at the end adds the
-children the run has reaped (``resource.getrusage(RUSAGE_CHILDREN)`` before and after).
+asynchronous worker is a grandchild of the trainer, under multiprocessing's fork server), read when an eval row
+appears and every second; the total at the end is the larger of the last live reading and the reaped children's
+rusage (``resource.getrusage(RUSAGE_CHILDREN)`` before and after: a worker its parent never waits for is missing
+there).
 """
 from __future__ import annotations
 
@@ -106,14 +108,19 @@ def watch(cmd: list[str], metrics: Path, *, env: dict, log: Path, poll_s: float 
                     last_cpu = max(last_cpu, tree_cpu_s(proc.pid))
                     out.cpu_s[step] = last_cpu
 
+        last_read = 0.0
         while proc.poll() is None:
             drain()
+            if time.perf_counter() - last_read > 1.0:          # the live tree, so a worker's CPU is not lost
+                last_cpu = max(last_cpu, tree_cpu_s(proc.pid))
+                last_read = time.perf_counter()
             time.sleep(poll_s)
         drain()
     out.wall_s = time.perf_counter() - t0
     out.returncode = proc.returncode
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out.cpu_total_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    reaped = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    out.cpu_total_s = max(reaped, last_cpu)     # an unreaped grandchild (the worker) is only in the live readings
     return out
 
 
