@@ -13,8 +13,8 @@ from tta.pairs import load_finals, paired, report  # noqa: E402
 
 
 def _rec(path: Path, arm: str, finals: dict[int, float], clip: float = 0.0) -> str:
-    runs = [{"arm": arm, "seed": s, "curve": {"final_accuracy": f}, "diagnostics": {"actor/clipfrac": clip}}
-            for s, f in finals.items()]
+    runs = [{"arm": arm, "seed": s, "curve": {"final_accuracy": f, "accuracy": [0.0, f - 0.1, f]},
+             "diagnostics": {"actor/clipfrac": clip}} for s, f in finals.items()]
     path.write_text(json.dumps({"runs": runs}))
     return str(path)
 
@@ -31,5 +31,8 @@ def test_arms_of_two_records_pair_by_seed_and_labels_keep_them_apart(tmp_path):
     assert diags["async-k1-grpo"]["actor/clipfrac"] == [0.02, 0.02, 0.02]
     text = report([a, b], "sync", ["async-k1-grpo"])
     assert "| async-k1-grpo | 5,6,8 | 0.580 |" in text and "0.0200" in text
+    two, _ = load_finals([b], last=2)
+    assert two["async-k1-grpo"][5] == pytest.approx(0.53)                     # mean of 0.48 and 0.58
+    assert "mean of the last 2 evals" in report([a, b], "sync", [], last=2)
     with pytest.raises(SystemExit):
         report([b], "sync", [])

@@ -22,17 +22,21 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 
-def load_finals(paths: list[str]) -> tuple[dict[str, dict[int, float]], dict[str, dict[str, list[float]]]]:
+def load_finals(paths: list[str], last: int = 1
+                ) -> tuple[dict[str, dict[int, float]], dict[str, dict[str, list[float]]]]:
     """``{arm: {seed: final accuracy}}`` and ``{arm: {diagnostic: [run means]}}`` over the records (a later record's
     run of the same arm and seed replaces an earlier one).  ``path@label`` names that record's arms
-    ``<arm>@<label>`` (a record made with another ``--set``, e.g. the proximal old log-probs)."""
+    ``<arm>@<label>`` (a record made with another ``--set``, e.g. another learning rate).  ``last`` > 1: the mean
+    of the last ``last`` evaluations instead of the final one (less noise from a single evaluation)."""
     finals: dict[str, dict[int, float]] = {}
     diags: dict[str, dict[str, list[float]]] = {}
     for spec in paths:
         path, _, label = str(spec).partition("@")
         for r in json.loads(Path(path).read_text())["runs"]:
             arm = f"{r['arm']}@{label}" if label else r["arm"]
-            finals.setdefault(arm, {})[int(r["seed"])] = float(r["curve"]["final_accuracy"])
+            acc = r["curve"].get("accuracy") or [r["curve"]["final_accuracy"]]
+            finals.setdefault(arm, {})[int(r["seed"])] = (float(r["curve"]["final_accuracy"]) if last <= 1
+                                                         else statistics.fmean(acc[-last:]))
             for k, v in (r.get("diagnostics") or {}).items():
                 diags.setdefault(arm, {}).setdefault(k, []).append(float(v))
     return finals, diags
@@ -51,14 +55,15 @@ def paired(a: dict[int, float], b: dict[int, float]) -> str:
     return f"{d.estimate:+.3f}{ci} (n={len(common)}, above {above}/{len(common)})"
 
 
-def report(paths: list[str], reference: str, against: list[str]) -> str:
+def report(paths: list[str], reference: str, against: list[str], last: int = 1) -> str:
     """The markdown table (module docstring)."""
-    finals, diags = load_finals(paths)
+    finals, diags = load_finals(paths, last)
     if reference not in finals:
         raise SystemExit(f"pairs.py: no arm {reference!r} in the records (arms: {', '.join(finals)})")
     refs = [reference] + [x for x in against if x in finals and x != reference]
     keys = ["actor/clipfrac", "offpolicy/staleness_steps", "reward/mean"]
-    head = ("| arm | seeds | final acc (median) | " + " | ".join(f"− {r} [95%]" for r in refs) + " | "
+    what = "final acc" if last <= 1 else f"mean of the last {last} evals"
+    head = (f"| arm | seeds | {what} (median) | " + " | ".join(f"− {r} [95%]" for r in refs) + " | "
             + " | ".join(keys) + " |")
     lines = [head, "|" + " --- |" * (3 + len(refs) + len(keys))]
     for arm, f in finals.items():
@@ -75,9 +80,10 @@ def main(argv: list[str] | None = None) -> None:
                                               "that record's arm names with @LABEL")
     p.add_argument("--reference", default="sync")
     p.add_argument("--against", action="append", default=[], help="another arm to pair against (repeatable)")
+    p.add_argument("--last", type=int, default=1, help="mean of the last K evaluations (default 1: the final one)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
     a = p.parse_args(argv)
-    text = report(a.records, a.reference, a.against)
+    text = report(a.records, a.reference, a.against, a.last)
     print(text)
     if a.out:
         a.out.write_text(f"command: `python experiments/bench/tta/pairs.py {' '.join(sys.argv[1:] if argv is None else argv)}`"
