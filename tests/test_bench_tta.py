@@ -265,8 +265,9 @@ def test_the_clock_from_process_start_charges_start_up_and_earlier_evaluations()
 
 
 def test_watch_stamps_rows_as_they_appear_and_counts_cpu(tmp_path):
-    """A child that writes a row, burns CPU, then writes an eval row: the stamps are ordered and apart by the
-    sleep, and the CPU seconds at the eval row include the burn."""
+    """A child that writes a row, burns CPU, sleeps, then writes an eval row: the stamps are ordered and apart (by
+    at least the sleep, less the poller's lateness on a loaded machine), and the CPU seconds at the eval row include
+    the burn."""
     from tta.clock import watch
 
     metrics = tmp_path / "metrics.jsonl"
@@ -275,8 +276,9 @@ def test_watch_stamps_rows_as_they_appear_and_counts_cpu(tmp_path):
             "f.write(json.dumps({'step': 0}) + '\\n'); f.flush()\n"
             "t = time.process_time()\n"
             "while time.process_time() - t < 0.3: pass\n"
-            "time.sleep(0.3)\n"
-            "f.write(json.dumps({'step': 1, 'eval/accuracy': 0.5}) + '\\n'); f.flush()\n")
+            "time.sleep(1.0)\n"
+            "f.write(json.dumps({'step': 1, 'eval/accuracy': 0.5}) + '\\n'); f.flush()\n"
+            "time.sleep(0.5)\n")
     w = watch([sys.executable, "-c", code, str(metrics)], metrics, env={}, log=tmp_path / "log")
     assert w.returncode == 0 and set(w.seen_s) == {0, 1}
     assert w.seen_s[1] - w.seen_s[0] >= 0.5 and w.wall_s >= w.seen_s[1]
@@ -441,3 +443,14 @@ def test_the_phase_breakdown_gives_seconds_per_step_and_the_generation_share():
     assert sync.split(" | ")[1] == "0.7000" and sync.endswith("| 1.0000 | 70% |")
     assert asy.split(" | ")[1] == "—" and asy.split(" | ")[5] == "0.6000" and asy.endswith("| 60% |")
     assert "| trl |" not in text                                     # no run of that arm
+
+
+def test_a_target_met_before_training_gives_no_ratio_on_any_clock():
+    """Met at step 0 (accuracy 0.30 >= 0.3): the loop TTA is 0 and the process TTA is the start-up; neither is a
+    time to accuracy, so no ratio (a start-up ratio would pass for one)."""
+    rec = _process_record({"trl": [2.0, 2.0], "sync": [1.0, 1.0], "async-k1-grpo": [0.5, 0.5]},
+                          {"trl": 5.0, "sync": 9.0, "async-k1-grpo": 3.0})
+    s = bench_tta.summarise(rec["runs"], parse_arms("trl,sync,async-k1-grpo"), 0.3)
+    a = s["async-k1-grpo"]
+    assert a["met_at_start"] == 2 and a["vs_sync_process"] is None and a["vs_trl_cpu"] is None
+    assert bench_tta.headline_line(s, "async-k1-grpo").endswith("async-k1-grpo n/a TRL, n/a ours sync")

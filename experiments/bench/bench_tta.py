@@ -239,8 +239,11 @@ def summarise(runs: list[dict], arms: list[Arm], target: float) -> dict:
         for ref in ("trl", "sync"):
             if ref in tta and ref != a.name:
                 for key, attr in CLOCKS:
-                    rv = {s: getattr(t, attr) for s, t in tta[ref].items() if getattr(t, attr) is not None}
-                    av = {s: getattr(t, attr) for s, t in ts.items() if getattr(t, attr) is not None}
+                    # a seed whose target was met before training (step 0) in either arm has no ratio on any
+                    # clock: from process start it would only compare start-ups
+                    rv = {s: getattr(t, attr) for s, t in tta[ref].items()
+                          if getattr(t, attr) is not None and t.step != 0}
+                    av = {s: getattr(t, attr) for s, t in ts.items() if getattr(t, attr) is not None and t.step != 0}
                     rv = {s: v for s, v in rv.items() if v == v}
                     av = {s: v for s, v in av.items() if v == v}
                     row[f"vs_{ref}_{key}"] = _cmp_dict(speedup(rv, av))

@@ -104,9 +104,10 @@ def watch(cmd: list[str], metrics: Path, *, env: dict, log: Path, poll_s: float 
                 row = json.loads(line)
                 step = int(row["step"])
                 out.seen_s.setdefault(step, now)
-                if row.get(eval_key) is not None and proc.poll() is None:
-                    last_cpu = max(last_cpu, tree_cpu_s(proc.pid))
-                    out.cpu_s[step] = last_cpu
+                if row.get(eval_key) is not None:
+                    if proc.poll() is None:
+                        last_cpu = max(last_cpu, tree_cpu_s(proc.pid))
+                    out.cpu_s[step] = last_cpu     # a process already gone: its last live reading
 
         last_read = 0.0
         while proc.poll() is None:
