@@ -377,7 +377,12 @@ def test_end_to_end_two_arms_one_seed(tmp_path):
     assert runs["trl"]["fairness"]["prompt_ids_match_ours"] is True
     assert all(not x["tta"]["reached"] for x in data["runs"])
     assert data["summary"]["sync"]["reached"] == 0 and data["summary"]["sync"]["vs_trl"]["n"] == 1
-    assert (out / "tta.png").stat().st_size > 0 and "| sync | 0/1 |" in (out / "table.md").read_text()
+    assert (out / "tta.png").stat().st_size > 0 and "| **sync** (pre-registered) | 1 | 0/1 |" in (out / "table.md").read_text()
+    for arm in ("trl", "sync"):                      # the clock from process start: after the loop's, in order
+        c = runs[arm]["curve"]
+        assert len(c["time_process_s"]) == 3 and c["time_process_s"] == sorted(c["time_process_s"])
+        assert c["time_process_s"][-1] > c["time_s"][-1] and c["end_process_s"] == runs[arm]["process_wall_s"]
+        assert c["cpu_s"][-1] > 0
 
 
 def _record(times: dict[str, list[float]]) -> dict:
