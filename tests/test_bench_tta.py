@@ -44,14 +44,19 @@ def test_curve_times_from_the_end_of_step_one_with_and_without_evaluation():
     assert c.final_accuracy == 0.60 and c.clock == "perf/elapsed_s"
 
 
+NO_PROCESS = {"seconds_process": None, "seconds_process_no_eval": None, "cpu_s": None}    # not watched
+
+
 def test_first_crossing_and_censoring():
     c = curve(ROWS)
-    assert time_to_accuracy(c, 0.35).__dict__ == {"seconds": 1.0, "seconds_no_eval": 1.0, "reached": True, "step": 2}
-    assert time_to_accuracy(c, 0.60).__dict__ == {"seconds": 3.5, "seconds_no_eval": 3.0, "reached": True, "step": 4}
+    assert time_to_accuracy(c, 0.35).__dict__ == {"seconds": 1.0, "seconds_no_eval": 1.0, "reached": True, "step": 2,
+                                                 **NO_PROCESS}
+    assert time_to_accuracy(c, 0.60).__dict__ == {"seconds": 3.5, "seconds_no_eval": 3.0, "reached": True, "step": 4,
+                                                 **NO_PROCESS}
     assert time_to_accuracy(c, 0.30).step == 0 and time_to_accuracy(c, 0.30).seconds == 0.0
     # never reached: censored at the run's end (4 s with evaluation, 3 s without)
     assert time_to_accuracy(c, 0.61).__dict__ == {"seconds": 4.0, "seconds_no_eval": 3.0, "reached": False,
-                                                  "step": None}
+                                                  "step": None, **NO_PROCESS}
     # the first crossing counts even when accuracy falls again later
     dip = [dict(r) for r in ROWS]
     dip[4]["eval/accuracy"] = 0.1
@@ -173,6 +178,11 @@ def test_every_arm_resolves_to_the_config_it_names():
     (["--steps", "30", "--eval-every", "25"], "multiple of --eval-every"),
     (["--seeds", "0"], "--seeds must be >= 1"),
     (["--set", "nokey"], "KEY=VALUE"),
+    (["--arms", "trl,sync"], "--headline ARM is required"),
+    (["--arms", "trl,sync", "--headline", "trl"], "must be one of our arms"),
+    (["--arms", "trl,sync", "--headline", "async-k1-grpo"], "must be one of our arms"),
+    (["--arms", "sync", "--headline", "sync", "--first-seed", "-1"], "--first-seed must be >= 0"),
+    (["--arms", "sync", "--headline", "sync", "--threads", "0"], "--threads must be >= 1"),
 ])
 def test_command_line_errors_name_the_problem(argv, word, capsys):
     with pytest.raises(SystemExit) as e:
@@ -183,22 +193,169 @@ def test_command_line_errors_name_the_problem(argv, word, capsys):
 
 
 def test_quick_defaults_and_explicit_values_win():
-    a = bench_tta.parse_args(["--quick"])
+    a = bench_tta.parse_args(["--quick", "--headline", "sync"])
     assert ([x.name for x in a.arm_list], a.seeds, a.steps) == (["trl", "sync", "async-k2-m2po_tis"], 2, 200)
-    b = bench_tta.parse_args(["--quick", "--seeds", "3"])
+    b = bench_tta.parse_args(["--quick", "--seeds", "3", "--headline", "sync"])
     assert b.seeds == 3 and b.out.name == "quick"
-    c = bench_tta.parse_args([])
+    c = bench_tta.parse_args(["--headline", "async-k1-grpo"])
     assert (len(c.arm_list), c.seeds, c.steps, c.out.name) == (17, 5, 500, "full")     # trl, sync, 3 k x 5 losses
+    assert (c.first_seed, c.threads, c.metric, c.max_new_tokens) == (0, 1, "eval/accuracy", 3)
 
 
-def test_best_line_picks_ours_with_the_smallest_median_tta():
-    summary = {"trl": {"median_tta_s": 1.0},
-               "sync": {"median_tta_s": 30.0, "vs_trl": {"estimate": 1.5}},
-               "async-k2-m2po_tis": {"median_tta_s": 20.0, "vs_trl": {"estimate": 2.25},
-                                     "vs_sync": {"estimate": 1.5}}}
-    assert bench_tta.best_line(summary) == "time to accuracy: best arm async-k2-m2po_tis 2.25x TRL, 1.50x ours sync"
-    del summary["async-k2-m2po_tis"]
-    assert bench_tta.best_line(summary) == "time to accuracy: best arm sync 1.50x TRL, 1.00x ours sync"
+def test_trl_runs_without_gradient_checkpointing_unless_asked():
+    """TRL at its best for a model this size: its 1.16 default recomputes the forward in the backward."""
+    assert bench_tta.parse_args(["--arms", "trl,sync", "--headline", "sync"]).trl_gradient_checkpointing == 0
+    assert bench_tta.parse_args(["--arms", "trl,sync", "--headline", "sync",
+                                 "--trl-gradient-checkpointing", "1"]).trl_gradient_checkpointing == 1
+
+
+def test_the_long_job_is_the_chain_task_scored_on_the_final_answer():
+    a = bench_tta.parse_args(["--job", "long", "--arms", "trl,sync,async-k1-grpo", "--headline", "async-k1-grpo"])
+    assert (a.metric, a.out.name, a.max_new_tokens) == ("eval/reward", "long", bench_tta.JOBS["long"]["max_new_tokens"])
+    cfg = load_config(None, bench_tta.job_overrides(a, 7, None))
+    assert cfg.task.name == "chain" and not [w for w in validate(cfg) if "error" in str(w).lower()]
+    from offpolicy_moe.tasks import make_task
+    task = make_task(cfg.task)
+    assert task.max_answer_chars + 1 <= cfg.rollout.max_new_tokens       # every reference fits, with its eos
+    assert min(len(x) for x in task.train_answers) + 1 >= 32                # generation-heavy: >= 32 tokens
+
+
+def test_threads_go_to_trl_and_sync_and_one_each_to_an_async_arm():
+    a = bench_tta.parse_args(["--arms", "trl,sync,async-k1-grpo,fixed-k1-grpo", "--headline", "sync",
+                              "--threads", "2"])
+    assert [bench_tta.arm_threads(a, x) for x in a.arm_list] == [2, 2, 1, 2]
+    cfg = load_config(None, bench_tta.job_overrides(a, 0, None, 2))
+    assert cfg.trainer.threads == 2
+
+
+def test_fixed_and_unclipped_arms_isolate_staleness_and_clipping():
+    fixed, unclipped = parse_arms("fixed-k1-grpo,async-k1-unclipped")
+    assert fixed.overrides() == ["preset=[grpo]", "buffer.mode=fixed", "buffer.staleness=1"]
+    assert "rollout.workers=1" in unclipped.overrides()
+    args = Namespace(prompts=16, group=8, max_new_tokens=3, lr=3e-4, steps=500, eval_every=25, eval_size=256)
+    cfg = load_config(None, bench_tta.job_overrides(args, 3, None) + unclipped.overrides())
+    assert cfg.algo.loss.name == "unclipped" and cfg.buffer.mode == "async"
+    assert "unclipped" not in LOSSES                                         # never part of `async`
+
+
+def _watched(rows, seen, cpu, wall, cpu_end):
+    """A Curve with the process clock of rows stamped at ``seen`` (step -> seconds since launch)."""
+    from tta.analysis import Curve
+    from tta.clock import eval_seconds, process_curve
+
+    c = curve(rows)
+    return Curve(**{**c.__dict__, **process_curve(c.steps, eval_seconds(rows), seen, cpu, wall, cpu_end)})
+
+
+def test_the_clock_from_process_start_charges_start_up_and_earlier_evaluations():
+    # ROWS: step-0 eval 1 s (before the loop), evals of 0.5 s at steps 2 and 4; rows seen 12 s, 20 s, 22 s after launch
+    c = _watched(ROWS, {0: 12.0, 1: 19.0, 2: 20.0, 3: 21.0, 4: 22.0}, {0: 10.0, 2: 18.0, 4: 21.0}, 25.0, 24.0)
+    assert c.time_process_s == [11.0, 19.5, 21.5]          # stamp minus its own evaluation
+    assert c.time_process_no_eval_s == [11.0, 18.5, 20.0]  # stamp minus every evaluation up to it
+    assert c.time_s == [0.0, 1.0, 3.5]                      # the loop clock ignores the 19 s before it
+    t = time_to_accuracy(c, 0.5)
+    assert (t.step, t.seconds_process, t.seconds_process_no_eval, t.cpu_s, t.seconds) == (4, 21.5, 20.0, 21.0, 3.5)
+    never = time_to_accuracy(c, 0.9)
+    assert not never.reached and (never.seconds_process, never.cpu_s) == (25.0, 24.0)
+    # an undercounted total (the worker not reaped) is raised to the last live reading
+    low = _watched(ROWS, {0: 12.0, 1: 19.0, 2: 20.0, 3: 21.0, 4: 22.0}, {0: 10.0, 2: 18.0, 4: 21.0}, 25.0, 5.0)
+    assert time_to_accuracy(low, 0.9).cpu_s == 21.0
+    with pytest.raises(ValueError, match="no stamp"):
+        _watched(ROWS, {0: 1.0}, {}, 5.0, 5.0)
+
+
+def test_watch_stamps_rows_as_they_appear_and_counts_cpu(tmp_path):
+    """A child that writes a row, burns CPU, sleeps, then writes an eval row: the stamps are ordered and apart (by
+    at least the sleep, less the poller's lateness on a loaded machine), and the CPU seconds at the eval row include
+    the burn."""
+    from tta.clock import watch
+
+    metrics = tmp_path / "metrics.jsonl"
+    code = ("import json, time, sys\n"
+            "f = open(sys.argv[1], 'w')\n"
+            "f.write(json.dumps({'step': 0}) + '\\n'); f.flush()\n"
+            "t = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\n"
+            "time.sleep(1.0)\n"
+            "f.write(json.dumps({'step': 1, 'eval/accuracy': 0.5}) + '\\n'); f.flush()\n"
+            "time.sleep(0.5)\n")
+    w = watch([sys.executable, "-c", code, str(metrics)], metrics, env={}, log=tmp_path / "log")
+    assert w.returncode == 0 and set(w.seen_s) == {0, 1}
+    assert w.seen_s[1] - w.seen_s[0] >= 0.5 and w.wall_s >= w.seen_s[1]
+    assert w.cpu_s[1] >= 0.25 and w.cpu_total_s >= w.cpu_s[1] - 0.05
+
+
+def _process_record(factors: dict[str, list[float]], startup: dict[str, float]) -> dict:
+    """A runs.json record whose runs are ROWS scaled by ``factors`` (loop clock) and launched ``startup`` seconds
+    before the loop (process clock: stamp = startup + loop time + step-0 evaluation)."""
+    from tta.clock import eval_seconds, process_curve
+
+    runs = []
+    for arm, fs in factors.items():
+        for seed, f in enumerate(fs):
+            rows = [{k: (v * f if k in ("perf/elapsed_s", "perf/time_eval_s", "perf/time_step_s") else v)
+                     for k, v in r.items()} for r in ROWS]
+            c = curve(rows)
+            seen = {r["step"]: startup[arm] + r.get("perf/elapsed_s", 0.0) for r in rows}
+            cpu = {s: 2 * t for s, t in seen.items()}
+            pc = process_curve(c.steps, eval_seconds(rows), seen, cpu, seen[4] + 1, 2 * seen[4])
+            runs.append({"arm": arm, "seed": seed, "curve": {**c.__dict__, **pc}, "startup_s": startup[arm],
+                         "s_per_step": 0.1, "load_after": [1.0, 1.0, 1.0], "threads": 1})
+    return {"date": "d", "command": "c", "arms": list(factors), "wall_s": 1.0, "load_start": [1, 1, 1],
+            "load_end": [1, 1, 1], "warm_start_s": {"0": 1.0}, "runs": runs}
+
+
+def test_the_headline_is_the_pre_registered_arm_on_the_process_clock_not_the_best():
+    """async-k2 is faster in the loop and from process start, but the pre-registered arm is async-k1: the last line
+    reports async-k1 (a best-of-N pick would name async-k2); start-up counts: a 2x faster loop with 10 s more
+    start-up is slower from process start."""
+    rec = _process_record({"trl": [2.0, 2.0], "sync": [1.0, 1.0], "async-k1-grpo": [0.5, 0.5],
+                           "async-k2-m2po": [0.25, 0.25]},
+                          {"trl": 5.0, "sync": 5.0, "async-k1-grpo": 15.0, "async-k2-m2po": 5.0})
+    s = bench_tta.summarise(rec["runs"], parse_arms(",".join(rec["arms"])), 0.5)
+    a = s["async-k1-grpo"]
+    assert a["vs_sync_loop"]["estimate"] == pytest.approx(2.0)
+    # process clock at step 4: startup + (stamp = elapsed 9 f) - eval 0.5 f
+    assert a["median_tta_process_s"] == pytest.approx(15 + 8.5 * 0.5)
+    assert a["vs_sync_process"]["estimate"] == pytest.approx((5 + 8.5) / (15 + 8.5 * 0.5))
+    assert a["vs_sync_process"]["estimate"] < 1 < a["vs_sync_loop"]["estimate"]
+    assert a["vs_sync_cpu"]["estimate"] == pytest.approx((5 + 9) / (15 + 4.5))
+    line = bench_tta.headline_line(s, "async-k1-grpo")
+    assert line == (f"time to accuracy (from process start): async-k1-grpo "
+                    f"{a['vs_trl_process']['estimate']:.2f}x TRL, {a['vs_sync_process']['estimate']:.2f}x ours sync")
+    assert "async-k2" not in line
+    assert bench_tta.headline_line(s, "sync").endswith("x TRL, 1.00x ours sync")
+    table = bench_tta.table(s, 0.5, "perf/elapsed_s", "async-k1-grpo")
+    assert "| **async-k1-grpo** (pre-registered) |" in table and "| async-k2-m2po |" in table
+
+
+def test_target_sensitivity_reports_the_headline_at_minus_and_plus_005():
+    rec = _process_record({"trl": [2.0, 2.0], "sync": [1.0, 1.0], "async-k1-grpo": [0.5, 0.5]},
+                          {"trl": 5.0, "sync": 5.0, "async-k1-grpo": 5.0})
+    text = bench_tta.sensitivity(rec["runs"], parse_arms("trl,sync,async-k1-grpo"), 0.45, "async-k1-grpo")
+    rows = [line for line in text.splitlines() if line.startswith("| 0.")]
+    assert [r.split(" | ")[0] for r in rows] == ["| 0.400", "| 0.450", "| 0.500"]
+    # 0.40 is first met at step 2, 0.45 and 0.50 at step 4: the ratios differ by target
+    assert all("2/2" in r for r in rows)
+    assert rows[0].split(" | ")[4] != rows[1].split(" | ")[4] == rows[2].split(" | ")[4]
+
+
+def test_seeds_start_at_first_seed_and_arms_rotate(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(bench_tta, "warm_start", lambda args, seed, work: (f"w{seed}", 1.0))
+    monkeypatch.setattr(bench_tta, "save_partial", lambda *a: None)
+
+    def fake_run(args, arm, seed, warm, work):
+        calls.append((seed, arm.name, warm))
+        return {"arm": arm.name, "seed": seed, "curve": {"final_accuracy": 0.5, "end_s": 1.0, "eval_s": 0.0},
+                "process_wall_s": 1.0, "load_after": [1.0, 1.0, 1.0]}
+
+    monkeypatch.setattr(bench_tta, "run_arm", fake_run)
+    args = bench_tta.parse_args(["--arms", "sync,async-k1-grpo", "--headline", "async-k1-grpo", "--seeds", "2",
+                                 "--first-seed", "5", "--out", str(tmp_path)])
+    rec = bench_tta.collect(args)
+    assert calls == [(5, "sync", "w5"), (5, "async-k1-grpo", "w5"), (6, "async-k1-grpo", "w6"), (6, "sync", "w6")]
+    assert rec["headline"] == "async-k1-grpo" and set(rec["warm_start_s"]) == {5, 6}
 
 
 @pytest.mark.slow
@@ -207,10 +364,10 @@ def test_end_to_end_two_arms_one_seed(tmp_path):
     runs.json / table.md / tta.png written, every run censored at an unreachable target, the last line."""
     out = tmp_path / "tta"
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench" / "bench_tta.py"), "--arms", "trl,sync",
-                        "--seeds", "1", "--steps", "4", "--eval-every", "2", "--eval-size", "32", "--sft-steps", "5",
+                        "--headline", "sync", "--seeds", "1", "--steps", "4", "--eval-every", "2", "--eval-size", "32", "--sft-steps", "5",
                         "--target", "1.01", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1].startswith("time to accuracy: best arm sync ")
+    assert r.stdout.strip().splitlines()[-1].startswith("time to accuracy (from process start): sync ")
     data = json.loads((out / "runs.json").read_text())
     runs = {x["arm"]: x for x in data["runs"]}
     assert set(runs) == {"trl", "sync"}
@@ -220,7 +377,12 @@ def test_end_to_end_two_arms_one_seed(tmp_path):
     assert runs["trl"]["fairness"]["prompt_ids_match_ours"] is True
     assert all(not x["tta"]["reached"] for x in data["runs"])
     assert data["summary"]["sync"]["reached"] == 0 and data["summary"]["sync"]["vs_trl"]["n"] == 1
-    assert (out / "tta.png").stat().st_size > 0 and "| sync | 0/1 |" in (out / "table.md").read_text()
+    assert (out / "tta.png").stat().st_size > 0 and "| **sync** (pre-registered) | 1 | 0/1 |" in (out / "table.md").read_text()
+    for arm in ("trl", "sync"):                      # the clock from process start: after the loop's, in order
+        c = runs[arm]["curve"]
+        assert len(c["time_process_s"]) == 3 and c["time_process_s"] == sorted(c["time_process_s"])
+        assert c["time_process_s"][-1] > c["time_s"][-1] and c["end_process_s"] == runs[arm]["process_wall_s"]
+        assert c["cpu_s"][-1] > 0
 
 
 def _record(times: dict[str, list[float]]) -> dict:
@@ -239,15 +401,17 @@ def _record(times: dict[str, list[float]]) -> dict:
 def test_reanalyse_summarises_a_record_again(tmp_path, capsys):
     src = tmp_path / "runs.json"
     src.write_text(json.dumps(_record({"trl": [4.0, 4.0], "sync": [2.0, 2.0], "async-k2-m2po_tis": [1.0, 1.0]})))
-    bench_tta.main(["--reanalyse", str(src), "--target", "0.5", "--out", str(tmp_path / "o")])
+    bench_tta.main(["--reanalyse", str(src), "--target", "0.5", "--out", str(tmp_path / "o"), "--headline",
+                    "async-k2-m2po_tis"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    # TTA at step 4: 3.5 s x factor; async 3.5, sync 7, trl 14 -> 4x TRL, 2x sync, every seed alike
-    assert last == "time to accuracy: best arm async-k2-m2po_tis 4.00x TRL, 2.00x ours sync"
+    # no process clock in this record: the headline's process ratios are n/a; the loop ratios are kept
+    assert last == "time to accuracy (from process start): async-k2-m2po_tis n/a TRL, n/a ours sync"
     out = json.loads((tmp_path / "o" / "runs.json").read_text())
     s = out["summary"]["async-k2-m2po_tis"]
     assert out["target"] == 0.5 and s["reached"] == 2 and s["median_tta_s"] == 3.5 and s["median_tta_no_eval_s"] == 3.0
-    assert s["vs_trl"]["estimate"] == pytest.approx(4.0) and s["vs_sync_per_seed"] == {"0": 2.0, "1": 2.0}
+    assert s["vs_trl"]["estimate"] == pytest.approx(4.0) and s["vs_sync_loop_per_seed"] == {"0": 2.0, "1": 2.0}
     assert (tmp_path / "o" / "tta.png").is_file()
+    assert s["median_tta_process_s"] is None                          # a record from before the process clock
     with pytest.raises(SystemExit):
         bench_tta.parse_args(["--reanalyse", str(tmp_path / "missing.json")])
 
@@ -270,3 +434,28 @@ def test_the_phase_breakdown_refuses_bad_arms_in_one_line(arms, says):
     r = subprocess.run([sys.executable, str(BENCH / "bench_tta_phases.py"), "--arms", arms], capture_output=True,
                        text=True, cwd=BENCH)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_phase_breakdown_gives_seconds_per_step_and_the_generation_share():
+    def run(arm, gen_key, gen, upd):
+        return {"arm": arm, "s_per_step": 1.0,
+                "curve": {"phases": {gen_key: gen * 9, "perf/time_update_s": upd * 9}}}
+
+    runs = [run("sync", "perf/time_generate_s", 0.7, 0.3), run("async-k1-grpo", "async/worker_generate_s", 0.6, 0.4)]
+    text = bench_tta.phase_table(runs, parse_arms("trl,sync,async-k1-grpo"), 10)
+    sync = next(line for line in text.splitlines() if line.startswith("| sync |"))
+    asy = next(line for line in text.splitlines() if line.startswith("| async-k1-grpo |"))
+    assert sync.split(" | ")[1] == "0.7000" and sync.endswith("| 1.0000 | 70% |")
+    assert asy.split(" | ")[1] == "—" and asy.split(" | ")[5] == "0.6000" and asy.endswith("| 60% |")
+    assert "| trl |" not in text                                     # no run of that arm
+
+
+def test_a_target_met_before_training_gives_no_ratio_on_any_clock():
+    """Met at step 0 (accuracy 0.30 >= 0.3): the loop TTA is 0 and the process TTA is the start-up; neither is a
+    time to accuracy, so no ratio (a start-up ratio would pass for one)."""
+    rec = _process_record({"trl": [2.0, 2.0], "sync": [1.0, 1.0], "async-k1-grpo": [0.5, 0.5]},
+                          {"trl": 5.0, "sync": 9.0, "async-k1-grpo": 3.0})
+    s = bench_tta.summarise(rec["runs"], parse_arms("trl,sync,async-k1-grpo"), 0.3)
+    a = s["async-k1-grpo"]
+    assert a["met_at_start"] == 2 and a["vs_sync_process"] is None and a["vs_trl_cpu"] is None
+    assert bench_tta.headline_line(s, "async-k1-grpo").endswith("async-k1-grpo n/a TRL, n/a ours sync")

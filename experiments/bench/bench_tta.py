@@ -1,81 +1,81 @@
-"""Time to accuracy: wall-clock seconds until held-out greedy accuracy first reaches a target (issue 25, item 1).
+"""Time to accuracy: wall-clock seconds from launching the command until held-out greedy accuracy first reaches a
+target (issues 25 and 35).
 
-    python experiments/bench/bench_tta.py --arms trl,sync,async --seeds 5            # the full benchmark
-    python experiments/bench/bench_tta.py --quick                                    # <= 10 min on 2 cores
+    python experiments/bench/bench_tta.py --arms trl,sync,async-k1-grpo --headline async-k1-grpo --seeds 5
+    python experiments/bench/bench_tta.py --job long --arms trl,sync,async-k1-grpo --headline async-k1-grpo --seeds 5
+    python experiments/bench/bench_tta.py --quick --headline sync                      # checks the machinery
 
-**Arms** (``--arms``, comma list): ``trl`` = TRL's GRPOTrainer, synchronous (experiments/bench/tta/trl_arm.py, the
-settings of bench_vs_trl.py); ``sync`` = ours, ``buffer.mode=fixed buffer.staleness=0``, GRPO; ``async`` = ours with
-``buffer.mode=async rollout.workers=1`` at staleness k in {1, 2, 4} x loss in {grpo, m2po, m2po_tis, vespo,
-gmpo} (presets ``[grpo]``, ``[m2po]``, ``[m2po,tis]``, ``[vespo]``, ``[gmpo]``: VESPO and GMPO are the two best
-objectives of the stale race, experiments/stale_race.yaml and docs/results.md); a single one is named
-``async-k2-m2po_tis``.  ``async`` is 15 arms (with ``trl`` and ``sync``, 17 runs per seed).  ``ray-k<K>-<loss>``
-is an asynchronous arm whose one rollout worker is a Ray actor (``rollout.backend=ray``; the run starts a local Ray
-cluster unless ``RAY_ADDRESS`` names one, and that start is part of its start-up; needs ``pip install -e
-".[ray]"``); it is never part of ``async``.  Ours run through the CLI
-(``python -m offpolicy_moe train ... --run-dir``) in a subprocess each; TRL in a subprocess of this script.
+**Headline arm** (``--headline``, required): one arm of ours, named on the command line before the run and marked
+in the table; the last line reports it whatever the other arms do, so a best-of-N arm (a winner's curse) is never
+the headline.  The last line printed: ``time to accuracy (from process start): <arm> <x>x TRL, <y>x ours sync``
+(x, y: the geometric-mean paired ratios on the clock from process start; ``n/a`` where no seed has a ratio).
 
-**The job** (every arm): the embedded tiny Qwen3-MoE (2 layers, hidden 64, 8 experts, top-2) on the default task
-(1-digit, 3-term sums), 16 prompts x 8 samples per step, ``max_new_tokens=3`` (answers are <= 2 characters + eos),
-temperature 1, top-p 1, lr 3e-4 (constant), grad clip 1, 1 update per batch, fp32 generation (TRL generates with
-its fp32 training model; ``--set rollout.dtype=bfloat16`` gives ours the demo's bf16 engine), 1 torch thread per
-process, no routing replay, routing and mismatch metrics off (TRL has neither), 500 steps, evaluation every 25 steps
-on 256 held-out problems (``task.eval_size=256``; plus as many training prompts, as our trainer does).  Why: the
-demo's settings (offpolicy_moe/commands/demo.py) and bench_vs_trl's anchor job; measured on this 2-core machine under
-load 7-8 (2026-11-25, seed 0, sync arm): lr 3e-4 takes held-out accuracy from 0.33 (after SFT) to 0.59-0.67 over
-steps 400-500 in about 45 s of loop time (0.09 s/step); lr 1e-3 first falls to 0.11 and only reaches 0.42 in 63 s;
-150 steps at 3e-4 only reach 0.39.  256 eval problems put one evaluation's standard error near 0.03.
+**Arms** (``--arms``, comma list): ``trl`` = TRL's GRPOTrainer, synchronous (experiments/bench/tta/trl_arm.py);
+``sync`` = ours, ``buffer.mode=fixed buffer.staleness=0``, GRPO; ``async`` = ours with ``buffer.mode=async
+rollout.workers=1`` at staleness k in {1, 2, 4} x loss in {grpo, m2po, m2po_tis, vespo, gmpo} (presets ``[grpo]``,
+``[m2po]``, ``[m2po,tis]``, ``[vespo]``, ``[gmpo]``); a single one is named ``async-k2-m2po_tis``.  ``async`` is 15
+arms.  ``ray-k<K>-<loss>``: the asynchronous arm with its worker a Ray actor (``rollout.backend=ray``; needs
+``pip install -e ".[ray]"``).  ``fixed-k<K>-<loss>``: ours in one process, each batch trained exactly K versions
+after the weights that generated it (``buffer.mode=fixed buffer.staleness=K``): an asynchronous arm's staleness
+without its worker process.  The loss ``unclipped`` (no trust region) is accepted by name, never part of ``async``.
+Ours run through the CLI (``python -m offpolicy_moe train ... --run-dir``) in a subprocess each; TRL in a subprocess
+of this script.
 
-**Warm start**: once per seed, ``train`` with the default SFT warm start (``trainer.sft_warmup_steps=60``) and one
-RL step, checkpointing step 0 (the SFT weights), then ``export --step 0`` into a Hugging Face folder; every arm of
-that seed starts from it (``model.path=...``, ``trainer.sft_warmup_steps=0``; TRL loads it with ``load_policy``).
-Its wall time is reported apart (``warm_start_s``), as is each run's start-up (process wall time minus the
-training loop's: imports, model load, the step-0 evaluation, the final checkpoint).
+**Threads** (``--threads N``, default 1): torch threads (and ``OMP_NUM_THREADS``) of trl and sync, the two
+one-process arms; an asynchronous arm's trainer and worker get one each (2 cores in all).  TRL's best count is
+measured before the run (1 vs 2 threads on the same job, experiments/results/tta/threads/) and our sync arm gets
+the same.  TRL runs without gradient checkpointing (``--trl-gradient-checkpointing 0``, the default here: TRL
+1.16's own default recomputes the forward in the backward, which no user of a model this size wants).
 
-**Clock**: ``perf/elapsed_s`` (wall seconds since the training loop started, evaluation included) when the rows have
-it, else the cumulative sum of ``perf/time_step_s``; the output names which.  TRL's rows carry the same clock from
-``on_train_begin``.  Time runs from the end of the first trained step, for every arm: that step is start-up (our
-asynchronous source starts its worker process on the first batch request, about 11 s of imports and model load
-under load 6, measured 2026-11-25; TRL and ours warm up), reported in the ``first step s`` column and included in
-``start-up s`` (process wall time minus the timed loop: imports, model load, step-0 evaluation, first step, final
-checkpoint).  **TTA** at the first eval step s with ``eval/accuracy >= target``: ``tta_s`` charges every
-earlier evaluation (the clock at s minus the evaluation at s), ``tta_no_eval_s`` excludes all evaluation time
-(experiments/bench/tta/analysis.py ``curve``); s/step is the timed loop without evaluation over steps 2..N.  A run
-that never reaches the target is **censored** at its end (the loop's end time,
-with or without evaluation) and counted in the ``reached`` column; a censored time is a lower bound, so a ratio
-with a censored arm overstates that arm's speed-up and one with a censored reference understates it.
+**The jobs** (``--job``): ``default`` = the embedded tiny Qwen3-MoE (2 layers, hidden 64, 8 experts, top-2) on the
+default task (1-digit, 3-term sums), answers <= 2 characters + eos (``max_new_tokens=3``), SFT warm start 60 steps,
+lr 3e-4, 500 steps, accuracy ``eval/accuracy`` (exact match).  ``long`` = the same model on the chain task
+(``task.name=chain``, 7 one-digit terms with worked steps, ``3+8+5=`` -> ``11+5=16``; answers of 41-47 characters +
+eos, ``max_new_tokens=48``), a longer SFT warm start, accuracy ``eval/reward`` (greedy final-answer accuracy, what
+the RL reward checks; ``eval/accuracy`` there is the exact match of every worked step).  Both: 16 prompts x 8
+samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
+routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
+problems (plus as many training prompts, as our trainer does).
 
-**Target**: ``--target A``, else the sync arm's median final accuracy (last evaluation, step ``--steps``) over the
-seeds of this invocation minus 0.03.
+**Warm start**: once per seed, ``train`` with the SFT warm start and one RL step, checkpointing step 0 (the SFT
+weights), then ``export --step 0``; every arm of that seed starts from it (``model.path=...``,
+``trainer.sft_warmup_steps=0``; TRL loads it with ``load_policy``).  Its wall time is reported apart.
+
+**Clocks** (experiments/bench/tta/clock.py): each run's command is launched and watched; every metric row is
+stamped with the seconds since launch when it appears in ``metrics.jsonl`` (20 ms polling).  **From process
+start** (the headline): the stamp of the first eval row at or above the target minus that evaluation (every earlier
+evaluation, the step-0 one included, is charged; so are imports, model load, the asynchronous worker's start and
+the first step).  **Loop** (beside it, the old clock): ``perf/elapsed_s`` from the end of the first trained step
+(experiments/bench/tta/analysis.py ``curve``).  Both also without any evaluation time (in runs.json).  **CPU**: the
+CPU seconds (user + system) of the run's process and its descendants (the worker) when that row appears.  A run
+that never reaches the target is **censored** at its end (process wall time, total CPU) and counted in
+``reached``; a censored time is a lower bound.
+
+**Target**: ``--target A``, else the sync arm's median final accuracy over the seeds of this invocation minus 0.03;
+the headline's ratios are also given at the target -/+ 0.05 (target sensitivity).
 
 **Ratios**: per seed, ``TTA(reference) / TTA(arm)`` (> 1: the arm is sooner) for reference ``trl`` and ``sync``;
 the table gives their geometric mean with the paired 95% Student-t interval on the log scale
-(offpolicy_moe/report/stats.py ``compare(scale="log")``); per-seed ratios are in the JSON.  Final accuracy: median
-over seeds, and the paired mean difference to sync with its 95% interval.
+(offpolicy_moe/report/stats.py ``compare(scale="log")``).  Final accuracy: median over seeds, and the paired mean
+difference to sync with its 95% interval.  A seed whose TTA is 0 in either arm of a pair (target met at step 0) has
+no ratio (counted as ``met_at_start``).
 
-**Order**: seed-major; within seed i the arms are rotated left by i, so load drift hits every arm alike.  The load
-average is recorded at the start, the end, and around every run.
+**Seeds and order**: seeds ``--first-seed`` .. ``--first-seed + --seeds - 1``; seed-major, within the i-th seed
+the arms are rotated left by i, so load drift hits every arm alike.  The load average is recorded at the start,
+the end, and around every run; per-run means of a few training diagnostics (clip fraction, staleness, reward) are
+kept in runs.json.
 
-**Output** (``--out``, default experiments/results/tta/<full|quick>/): ``runs.json`` (every run: arm, seed, eval
-curve, TTA, phases, start-up, loads), ``table.md`` (printed too), ``tta.png`` (accuracy against the clock, one
-colour per arm, the median curve bold).  The last line printed:
-``time to accuracy: best arm <name> <x>x TRL, <y>x ours sync`` with the best arm the one of ours (any but trl) with
-the smallest median TTA, x and y its geometric-mean paired ratios.  A seed whose TTA is 0 in either arm of a pair (target met at step 0)
-has no ratio and is left out (counted as ``met_at_start``).  ``--reanalyse RUNS_JSON`` summarises an earlier
-record again (another ``--target``) without running anything.
-
-**--quick**: arms ``trl,sync,async-k2-m2po_tis``, 2 seeds, 200 steps, eval every 25 (about 6-9 min on 2 cores
-under load 7); ``--arms/--seeds/--steps`` given explicitly still win.  Measured 2026-11-25 on the shared 2-core machine
-with ``nice -n 5``: 7 min 11 s at 04:50 UTC, load average 8.91 -> 7.42 (experiments/results/tta/quick/), and
-9 min 47 s at 04:29 UTC, load 7.70 -> 11.99.  At 200 steps accuracy has barely begun to rise (the full job's rise comes over
-steps 150-500), so the quick target (sync's final - 0.03) can fall below a run's start: such runs are counted
-(``met_at_start``, a warning line) and left out of the ratios.  The quick run checks the machinery; the figure is
-the full run.
+**Output** (``--out``, default experiments/results/tta/<full|long|quick>/): ``runs.json`` (every run: arm, seed,
+eval curve on every clock, TTA, phases, start-up, loads, diagnostics), ``table.md`` (printed too), ``tta.png``
+(accuracy against the clock from process start).  ``--reanalyse RUNS_JSON`` summarises an earlier record again
+(another ``--target``) without running anything; a record from before the process clock has no process ratios.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -83,21 +83,36 @@ import tempfile
 import time
 from pathlib import Path
 
-from tta.analysis import (TARGET_MARGIN, Arm, curve, default_target, parse_arms, per_seed_ratios, rotated, speedup,
-                          time_to_accuracy)
+from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, parse_arms, per_seed_ratios, rotated,
+                          speedup, time_to_accuracy)
+from tta.clock import eval_seconds, process_curve, tail, watch
 
 HERE = Path(__file__).resolve().parent
+#: per-step training metrics whose run means each run records (what clipping and staleness did: issue 35, item 4)
+DIAGNOSTICS = ("actor/clipfrac", "actor/clipfrac_low", "actor/clipfrac_high", "offpolicy/staleness_steps",
+               "reward/mean", "reward/frac_zero_std", "actor/grad_norm", "mismatch/k3_kl")
 QUICK = {"arms": "trl,sync,async-k2-m2po_tis", "seeds": 2, "steps": 200}
-FULL = {"arms": "trl,sync,async", "seeds": 5, "steps": 500}
+FULL = {"arms": "trl,sync,async", "seeds": 5}
+#: the two jobs (module docstring): task overrides and the defaults of --max-new-tokens, --lr, --sft-steps, --steps,
+#: --eval-every, --metric
+JOBS = {
+    "default": {"task": [], "max_new_tokens": 3, "lr": 3e-4, "sft_steps": 60, "steps": 500, "eval_every": 25,
+                "metric": "eval/accuracy"},
+    "long": {"task": ["task.name=chain", "task.num_terms=7"], "max_new_tokens": 48, "lr": 1e-4, "sft_steps": 400,
+             "steps": 60, "eval_every": 10, "metric": "eval/reward"},
+}
+#: target sensitivity: the headline's ratios are also reported at target -/+ this
+SENSITIVITY = 0.05
 
 
-def job_overrides(args, seed: int, warm: str | None) -> list[str]:
-    """The job every arm trains (module docstring), as trainer overrides; ``warm``: the warm-start folder."""
-    out = [f"seed={seed}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+def job_overrides(args, seed: int, warm: str | None, threads: int = 1) -> list[str]:
+    """The job every arm trains (module docstring), as trainer overrides; ``warm``: the warm-start folder;
+    ``threads``: the trainer's torch threads (``--threads`` for trl and sync, 1 for the asynchronous arms)."""
+    out = [*JOBS[getattr(args, "job", "default")]["task"], f"seed={seed}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
            f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
            "rollout.dtype=float32", f"optim.lr={args.lr}", "optim.grad_clip=1.0", "optim.scheduler=constant",
            "trainer.updates_per_step=1", f"trainer.steps={args.steps}", f"trainer.eval_every={args.eval_every}",
-           f"task.eval_size={args.eval_size}", "trainer.threads=1", "trainer.checkpoint_every=0",
+           f"task.eval_size={args.eval_size}", f"trainer.threads={threads}", "trainer.checkpoint_every=0",
            "trainer.export_final=false", "logging.loggers=[jsonl]", "logging.progress=false",
            "algo.routing.replay=none", "algo.routing.metrics=false", "trainer.mismatch_metrics=false"]
     if warm is not None:
@@ -105,9 +120,15 @@ def job_overrides(args, seed: int, warm: str | None) -> list[str]:
     return out
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+def _env(threads: int = 1) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                 TOKENIZERS_PARALLELISM="false")
+
+
+def arm_threads(args, arm: Arm) -> int:
+    """Torch threads of the arm's trainer: ``--threads`` for trl and our synchronous arms (one process), 1 for an
+    asynchronous arm (its trainer and its worker get one each)."""
+    return 1 if arm.mode == "async" else args.threads
 
 
 def _call(cmd: list[str], what: str) -> float:
@@ -133,9 +154,11 @@ def warm_start(args, seed: int, work: Path) -> tuple[str, float]:
 
 
 def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
-    """One run of ``arm`` from the warm start; its eval curve, TTA inputs and timings."""
+    """One run of ``arm`` from the warm start, watched from its launch (tta/clock.py); its eval curve (loop clock
+    and process clock), TTA inputs and timings."""
     run_dir = work / f"{arm.name}-{seed}"
-    common = job_overrides(args, seed, warm)
+    threads = arm_threads(args, arm)
+    common = job_overrides(args, seed, warm, threads)
     load0 = os.getloadavg()
     if arm.system == "trl":
         cmd = [sys.executable, str(HERE / "bench_tta.py"), "--trl-child", str(run_dir),
@@ -144,15 +167,25 @@ def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
     else:
         cmd = [sys.executable, "-m", "offpolicy_moe", "train", "--quiet", "--run-dir", str(run_dir), *common,
                *arm.overrides(), *args.set]
-    wall = _call(cmd, f"arm {arm.name} seed {seed}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    w = watch(cmd, run_dir / "metrics.jsonl", env=_env(threads), log=work / f"{arm.name}-{seed}.log",
+              eval_key=args.metric)
+    if w.returncode != 0:
+        raise RuntimeError(f"arm {arm.name} seed {seed} failed (rc={w.returncode}): {' '.join(cmd)}\n"
+                           f"{tail(work / f'{arm.name}-{seed}.log')}")
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    c = curve(rows)
+    c = curve(rows, args.metric)
+    c = Curve(**{**c.__dict__, **process_curve(c.steps, eval_seconds(rows), w.seen_s, w.cpu_s, w.wall_s,
+                                              w.cpu_total_s)})
+    diag = {k: statistics.fmean(float(r[k]) for r in rows if r.get(k) is not None)
+            for k in DIAGNOSTICS if any(r.get(k) is not None for r in rows)}
     fair = {}
     if arm.system == "trl" and (run_dir / "fairness.json").exists():
         fair = json.loads((run_dir / "fairness.json").read_text())
-    return {"arm": arm.name, "seed": seed, "curve": c.__dict__, "process_wall_s": wall,
-            "startup_s": wall - c.end_s, "s_per_step": c.end_no_eval_s / max(args.steps - 1, 1),
-            "load_before": load0, "load_after": os.getloadavg(), "fairness": fair, "command": cmd}
+    return {"arm": arm.name, "seed": seed, "threads": threads, "curve": c.__dict__, "process_wall_s": w.wall_s,
+            "cpu_total_s": w.cpu_total_s, "startup_s": w.wall_s - c.end_s,
+            "s_per_step": c.end_no_eval_s / max(args.steps - 1, 1), "load_before": load0,
+            "load_after": os.getloadavg(), "fairness": fair, "diagnostics": diag, "command": cmd}
 
 
 def _fmt_cmp(cmp) -> str:
@@ -163,11 +196,21 @@ def _fmt_cmp(cmp) -> str:
     return f"{cmp.estimate:.2f}x [{cmp.lo:.2f}, {cmp.hi:.2f}]"
 
 
-def summarise(runs: list[dict], arms: list[Arm], target: float) -> dict:
-    """Per arm: TTA, reached count, ratios against trl and sync, final accuracy (module docstring)."""
-    from offpolicy_moe.report.stats import compare
+#: the clocks a TTA is measured on: (summary key suffix, TTA attribute); the headline is ``process``
+CLOCKS = (("process", "seconds_process"), ("process_no_eval", "seconds_process_no_eval"), ("loop", "seconds"),
+          ("loop_no_eval", "seconds_no_eval"), ("cpu", "cpu_s"))
 
-    from tta.analysis import Curve
+
+def _cmp_dict(cmp) -> dict | None:
+    return None if cmp is None else {"estimate": cmp.estimate, "lo": cmp.lo, "hi": cmp.hi, "n": cmp.n,
+                                     "text": _fmt_cmp(cmp)}
+
+
+def summarise(runs: list[dict], arms: list[Arm], target: float) -> dict:
+    """Per arm: TTA on every clock of :data:`CLOCKS` (median), reached count, paired ratios against trl and sync on
+    each clock, final accuracy (module docstring).  A clock a run lacks (a record from before the process clock)
+    is left out."""
+    from offpolicy_moe.report.stats import compare
 
     tta: dict[str, dict[int, object]] = {a.name: {} for a in arms}
     final: dict[str, dict[int, float]] = {a.name: {} for a in arms}
@@ -180,24 +223,32 @@ def summarise(runs: list[dict], arms: list[Arm], target: float) -> dict:
     out = {}
     for a in arms:
         ts = tta[a.name]
+        mine = [r for r in runs if r["arm"] == a.name]
         row = {"runs": len(ts), "reached": sum(t.reached for t in ts.values()),
                "met_at_start": sum(t.reached and t.step == 0 for t in ts.values()),
-               "median_tta_s": statistics.median(t.seconds for t in ts.values()),
-               "median_tta_no_eval_s": statistics.median(t.seconds_no_eval for t in ts.values()),
+               "threads": mine[0].get("threads", 1) if mine else None,
                "median_final_accuracy": statistics.median(final[a.name].values()),
-               "median_startup_s": statistics.median(r["startup_s"] for r in runs if r["arm"] == a.name),
-               "median_s_per_step": statistics.median(r["s_per_step"] for r in runs if r["arm"] == a.name),
-               "median_first_step_s": statistics.median(r["curve"]["first_step_s"] for r in runs
-                                                        if r["arm"] == a.name)}
+               "median_startup_s": statistics.median(r["startup_s"] for r in mine),
+               "median_s_per_step": statistics.median(r["s_per_step"] for r in mine),
+               "median_first_step_s": statistics.median(r["curve"]["first_step_s"] for r in mine)}
+        for key, attr in CLOCKS:
+            vals = [getattr(t, attr) for t in ts.values() if getattr(t, attr) is not None]
+            vals = [v for v in vals if v == v]
+            row[f"median_tta_{key}_s"] = statistics.median(vals) if vals else None
+        row["median_tta_s"], row["median_tta_no_eval_s"] = row["median_tta_loop_s"], row["median_tta_loop_no_eval_s"]
         for ref in ("trl", "sync"):
             if ref in tta and ref != a.name:
-                for key, attr in (("", "seconds"), ("_no_eval", "seconds_no_eval")):
-                    rv = {s: getattr(t, attr) for s, t in tta[ref].items()}
-                    av = {s: getattr(t, attr) for s, t in ts.items()}
-                    cmp = speedup(rv, av)
-                    row[f"vs_{ref}{key}"] = None if cmp is None else {"estimate": cmp.estimate, "lo": cmp.lo,
-                                                                       "hi": cmp.hi, "n": cmp.n, "text": _fmt_cmp(cmp)}
-                    row[f"vs_{ref}{key}_per_seed"] = per_seed_ratios(rv, av)
+                for key, attr in CLOCKS:
+                    # a seed whose target was met before training (step 0) in either arm has no ratio on any
+                    # clock: from process start it would only compare start-ups
+                    rv = {s: getattr(t, attr) for s, t in tta[ref].items()
+                          if getattr(t, attr) is not None and t.step != 0}
+                    av = {s: getattr(t, attr) for s, t in ts.items() if getattr(t, attr) is not None and t.step != 0}
+                    rv = {s: v for s, v in rv.items() if v == v}
+                    av = {s: v for s, v in av.items() if v == v}
+                    row[f"vs_{ref}_{key}"] = _cmp_dict(speedup(rv, av))
+                    row[f"vs_{ref}_{key}_per_seed"] = per_seed_ratios(rv, av)
+                row[f"vs_{ref}"], row[f"vs_{ref}_no_eval"] = row[f"vs_{ref}_loop"], row[f"vs_{ref}_loop_no_eval"]
         if "sync" in final and a.name != "sync" and final["sync"]:
             d = compare(final[a.name], final["sync"])
             row["final_minus_sync"] = {"estimate": d.estimate, "lo": d.lo, "hi": d.hi, "n": d.n}
@@ -205,10 +256,15 @@ def summarise(runs: list[dict], arms: list[Arm], target: float) -> dict:
     return out
 
 
-def table(summary: dict, target: float, clock: str) -> str:
+def table(summary: dict, target: float, clock: str, headline: str | None = None) -> str:
+    """The markdown table: per arm, TTA from process start (the headline clock) and loop-only, CPU seconds,
+    ratios (> 1: sooner than the reference), final accuracy; the pre-registered ``headline`` arm marked."""
     def cmp(row, key):
         v = row.get(key)
         return v["text"] if v else "—"
+
+    def sec(v):
+        return "—" if v is None else f"{v:.1f}"
 
     def diff(row):
         d = row.get("final_minus_sync")
@@ -216,23 +272,52 @@ def table(summary: dict, target: float, clock: str) -> str:
             return "—"
         return f"{d['estimate']:+.3f}" + (f" [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d["lo"] is not None else "")
 
-    lines = [f"target accuracy {target:.3f}; clock {clock}; TTA = time of the first evaluation at or above the "
-             "target (earlier evaluations charged | all evaluation excluded); censored runs count at their end",
+    lines = [f"target accuracy {target:.3f}; loop clock {clock}; TTA = time of the first evaluation at or above the "
+             "target, earlier evaluations charged; **from process start** = from the launch of the command (imports, "
+             "model load, worker start, step-0 evaluation, first step: all charged); loop = from the end of step 1; "
+             "CPU = CPU seconds of the run's processes by then; censored runs count at their end; ratios > 1: sooner "
+             "than the reference, geometric mean of paired per-seed ratios [95%]",
              "",
-             "| arm | reached | median TTA s | median TTA s, no eval | speed-up vs TRL [95%] | vs TRL, no eval | "
-             "speed-up vs sync [95%] | vs sync, no eval | final acc (median) | final − sync [95%] | s/step | "
-             "first step s | start-up s |", "|" + " --- |" * 13]
+             "| arm | threads | reached | TTA from process start s | vs TRL [95%] | vs sync [95%] | TTA loop s | "
+             "loop vs TRL | loop vs sync | CPU s to target | CPU vs sync | final acc (median) | final − sync [95%] | "
+             "s/step | start-up s |", "|" + " --- |" * 15]
     for name, r in summary.items():
-        lines.append(f"| {name} | {r['reached']}/{r['runs']} | {r['median_tta_s']:.1f} | "
-                     f"{r['median_tta_no_eval_s']:.1f} | {cmp(r, 'vs_trl')} | {cmp(r, 'vs_trl_no_eval')} | "
-                     f"{cmp(r, 'vs_sync')} | {cmp(r, 'vs_sync_no_eval')} | {r['median_final_accuracy']:.3f} | "
-                     f"{diff(r)} | {r['median_s_per_step']:.3f} | {r['median_first_step_s']:.1f} | "
+        label = f"**{name}** (pre-registered)" if name == headline else name
+        lines.append(f"| {label} | {r.get('threads', '—')} | {r['reached']}/{r['runs']} | "
+                     f"{sec(r.get('median_tta_process_s'))} | {cmp(r, 'vs_trl_process')} | "
+                     f"{cmp(r, 'vs_sync_process')} | {sec(r.get('median_tta_loop_s'))} | {cmp(r, 'vs_trl_loop')} | "
+                     f"{cmp(r, 'vs_sync_loop')} | {sec(r.get('median_tta_cpu_s'))} | {cmp(r, 'vs_sync_cpu')} | "
+                     f"{r['median_final_accuracy']:.3f} | {diff(r)} | {r['median_s_per_step']:.3f} | "
                      f"{r['median_startup_s']:.1f} |")
     return "\n".join(lines)
 
 
+def sensitivity(runs: list[dict], arms: list[Arm], target: float, headline: str,
+                margin: float = SENSITIVITY) -> str:
+    """The headline arm's ratios from process start at ``target - margin``, ``target``, ``target + margin``."""
+    lines = [f"target sensitivity ({headline}, from process start):", "",
+             "| target | reached (arm) | reached (trl) | reached (sync) | vs TRL [95%] | vs sync [95%] |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for t in (target - margin, target, target + margin):
+        summ = summarise([dict(r) for r in runs], arms, t)
+        h = summ.get(headline, {})
+
+        def reached(name):
+            x = summ.get(name)
+            return f"{x['reached']}/{x['runs']}" if x else "—"
+
+        def cmp(key):
+            v = h.get(key)
+            return v["text"] if v else "—"
+
+        lines.append(f"| {t:.3f} | {reached(headline)} | {reached('trl')} | {reached('sync')} | "
+                     f"{cmp('vs_trl_process')} | {cmp('vs_sync_process')} |")
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict], arms: list[Arm], target: float, path: Path) -> None:
-    """Accuracy against the clock (earlier evaluations charged), thin per run, bold median per arm."""
+    """Accuracy against the clock from process start (the loop clock for a record without it; earlier evaluations
+    charged), thin per run, bold median per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,14 +328,15 @@ def plot(runs: list[dict], arms: list[Arm], target: float, path: Path) -> None:
     for i, a in enumerate(arms):
         mine = [r["curve"] for r in runs if r["arm"] == a.name]
         color = cmap(i % 10)
+        key = "time_process_s" if all(c.get("time_process_s") for c in mine) else "time_s"
         for c in mine:
-            ax.plot(c["time_s"], c["accuracy"], color=color, alpha=0.25, lw=0.8)
-        n = min(len(c["time_s"]) for c in mine)
-        xs = [statistics.median(c["time_s"][j] for c in mine) for j in range(n)]
+            ax.plot(c[key], c["accuracy"], color=color, alpha=0.25, lw=0.8)
+        n = min(len(c[key]) for c in mine)
+        xs = [statistics.median(c[key][j] for c in mine) for j in range(n)]
         ys = [statistics.median(c["accuracy"][j] for c in mine) for j in range(n)]
         ax.plot(xs, ys, color=color, lw=2, label=a.name)
     ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.3f}")
-    ax.set_xlabel("wall-clock seconds of training (earlier evaluations charged)")
+    ax.set_xlabel("wall-clock seconds from process start (earlier evaluations charged)")
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_title("time to accuracy (median over seeds bold)")
     ax.legend(fontsize=7, ncol=2)
@@ -259,69 +345,157 @@ def plot(runs: list[dict], arms: list[Arm], target: float, path: Path) -> None:
     plt.close(fig)
 
 
-def best_line(summary: dict) -> str:
-    """``time to accuracy: best arm <name> <x>x TRL, <y>x ours sync`` (the best arm: ours, smallest median TTA)."""
-    ours = {k: v for k, v in summary.items() if k != "trl"}
-    if not ours:
-        return "time to accuracy: best arm none (no arm of ours ran)"
-    name = min(ours, key=lambda k: ours[k]["median_tta_s"])
-    r = ours[name]
+PHASES = (("generate", "perf/time_generate_s"), ("old-logp pass", "perf/time_old_logp_s"),
+          ("update", "perf/time_update_s"), ("trainer wait", "async/trainer_wait_s"),
+          ("worker generate (beside)", "async/worker_generate_s"), ("weight publish", "async/weight_sync_s"))
+
+
+def phase_table(runs: list[dict], arms: list[Arm], steps: int) -> str:
+    """Where a step goes: per arm, the median over runs of each phase's seconds per timed step (steps 2..N, the
+    run's sums / (N - 1)) and of the whole step without evaluation; ``generate share`` = generation / step (sync: in
+    the trainer's process; async: the worker's generation beside the trainer, over the trainer's step)."""
+    lines = ["phase breakdown (median over runs of seconds per step, steps 2..N, evaluation excluded):", "",
+             "| arm | " + " | ".join(name for name, _ in PHASES) + " | whole step | generate share |",
+             "|" + " --- |" * (len(PHASES) + 3)]
+    n = max(steps - 1, 1)
+    for a in arms:
+        mine = [r for r in runs if r["arm"] == a.name]
+        if not mine:
+            continue
+        cells = []
+        for _, key in PHASES:
+            vals = [r["curve"].get("phases", {}).get(key) for r in mine]
+            vals = [v / n for v in vals if v is not None]
+            cells.append(f"{statistics.median(vals):.4f}" if vals else "—")
+        step = statistics.median(r["s_per_step"] for r in mine)
+        gen_key = "async/worker_generate_s" if a.mode == "async" else "perf/time_generate_s"
+        gens = [r["curve"].get("phases", {}).get(gen_key) for r in mine]
+        gens = [g / n for g in gens if g is not None]
+        share = f"{statistics.median(gens) / step:.0%}" if gens and step > 0 else "—"
+        lines.append(f"| {a.name} | " + " | ".join(cells) + f" | {step:.4f} | {share} |")
+    return "\n".join(lines)
+
+
+def headline_line(summary: dict, headline: str) -> str:
+    """``time to accuracy (from process start): <arm> <x>x TRL, <y>x ours sync``: the pre-registered arm's geometric
+    mean paired ratios on the clock from process start (``n/a`` where a ratio has no seed)."""
+    r = summary.get(headline)
+    if r is None:
+        return f"time to accuracy (from process start): {headline} did not run"
 
     def x(key):
         v = r.get(key)
-        return f"{v['estimate']:.2f}" if v else ("1.00" if key == "vs_sync" and name == "sync" else "n/a")
+        return f"{v['estimate']:.2f}x" if v else ("1.00x" if key == "vs_sync_process" and headline == "sync" else "n/a")
 
-    return f"time to accuracy: best arm {name} {x('vs_trl')}x TRL, {x('vs_sync')}x ours sync"
+    return f"time to accuracy (from process start): {headline} {x('vs_trl_process')} TRL, {x('vs_sync_process')} ours sync"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from bench_vs_trl import add_trl_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", default="default", choices=tuple(JOBS),
+                   help="default: 3-term sums, answers <= 3 tokens; long: sums with worked steps (task.name=chain), "
+                        "answers of 30-50 tokens, generation most of a step")
     p.add_argument("--arms", default=None, help=f"comma list (default {FULL['arms']}; --quick {QUICK['arms']})")
+    p.add_argument("--headline", default=None, metavar="ARM",
+                   help="the pre-registered headline arm (one of ours among --arms), named before the run: the "
+                        "last line and the table's marked row report it, whatever the other arms do")
     p.add_argument("--seeds", type=int, default=None, help=f"seeds per arm (default {FULL['seeds']})")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds are first-seed .. first-seed + seeds - 1 (held-out seeds: a fresh range)")
     p.add_argument("--target", type=float, default=None,
                    help=f"target accuracy (default: sync's median final accuracy - {TARGET_MARGIN})")
     p.add_argument("--quick", action="store_true", help=f"{QUICK}")
-    p.add_argument("--steps", type=int, default=None, help=f"trained steps per run (default {FULL['steps']})")
-    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--steps", type=int, default=None, help="trained steps per run (default: the job's)")
+    p.add_argument("--eval-every", type=int, default=None, help="default: the job's")
     p.add_argument("--eval-size", type=int, default=256, help="task.eval_size (held-out problems)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=3)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--sft-steps", type=int, default=60, help="SFT warm-start steps (trainer.sft_warmup_steps)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the job's")
+    p.add_argument("--lr", type=float, default=None, help="default: the job's")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start steps (default: the job's)")
+    p.add_argument("--metric", default=None, help="the accuracy (default: the job's; eval/accuracy = exact match, "
+                                                  "eval/reward = the task's reward, the final answer's on long)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of trl and sync (one process each; measure TRL's best first, see the "
+                        "docstring); an asynchronous arm's trainer and worker have one each")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for our arms")
-    p.add_argument("--out", default=None, help="output folder (default experiments/results/tta/<full|quick>)")
+    p.add_argument("--out", default=None, help="output folder (default experiments/results/tta/<full|quick|long>)")
+    p.add_argument("--warm-cache", default=None, metavar="DIR",
+                   help="keep each seed's SFT warm start here and reuse it (invocations on the same seeds share it)")
     p.add_argument("--reanalyse", default=None, metavar="RUNS_JSON",
                    help="no runs: summarise the runs of an earlier runs.json again (e.g. with another --target), "
                         "into --out or its folder")
     add_trl_args(p)
+    p.set_defaults(trl_gradient_checkpointing=0)    # TRL at its best for a model this size (issue 35)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.out_given = args.out
     if args.reanalyse is not None and not Path(args.reanalyse).is_file():
         p.error(f"--reanalyse {args.reanalyse!r}: no such file")
     preset = QUICK if args.quick else FULL
-    for k, v in preset.items():
+    for k, v in {**{k: v for k, v in JOBS[args.job].items() if k != "task"}, **preset}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     try:
         args.arm_list = parse_arms(args.arms)
     except ValueError as exc:
         p.error(str(exc))
-    for key in ("seeds", "steps", "eval_every", "eval_size", "prompts", "group", "max_new_tokens", "sft_steps"):
+    names = [a.name for a in args.arm_list]
+    for key in ("seeds", "steps", "eval_every", "eval_size", "prompts", "group", "max_new_tokens", "sft_steps",
+                "threads"):
         if getattr(args, key) < (0 if key == "sft_steps" else 1):
             p.error(f"--{key.replace('_', '-')} must be >= {0 if key == 'sft_steps' else 1}, got {getattr(args, key)}")
+    if args.first_seed < 0:
+        p.error(f"--first-seed must be >= 0, got {args.first_seed}")
     if args.steps % args.eval_every:
         p.error(f"--steps {args.steps} must be a multiple of --eval-every {args.eval_every} (same eval points)")
-    if args.target is None and args.reanalyse is None and "sync" not in [a.name for a in args.arm_list]:
+    if args.target is None and args.reanalyse is None and "sync" not in names:
         p.error("--target is required when the sync arm is not among --arms (the default target is sync's)")
     for s in args.set:
         if "=" not in s:
             p.error(f"--set {s!r}: expected KEY=VALUE")
-    args.out = Path(args.out or HERE.parent / "results" / "tta" / ("quick" if args.quick else "full"))
+    if args.reanalyse is None:
+        if args.headline is None:
+            p.error("--headline ARM is required: name the pre-registered arm before the run (one of ours in --arms)")
+        if args.headline not in names or args.headline == "trl":
+            p.error(f"--headline {args.headline!r} must be one of our arms among --arms ({', '.join(names)})")
+    default_out = "quick" if args.quick else ("long" if args.job == "long" else "full")
+    args.out = Path(args.out or HERE.parent / "results" / "tta" / default_out)
     return args
+
+
+def cached_warm_start(args, seed: int, work: Path) -> tuple[str, float]:
+    """:func:`warm_start`, kept under ``--warm-cache`` (keyed by the job, the seed and the SFT steps) when given, so
+    several invocations on the same seeds (the arms of item 4, a threads probe) share one warm start; a cached one
+    reports the wall seconds it took when it was made."""
+    if not args.warm_cache:
+        return warm_start(args, seed, work)
+    key = Path(args.warm_cache) / f"{args.job}-seed{seed}-sft{args.sft_steps}-eval{args.eval_size}"
+    if (key / "warm" / "config.json").is_file() and (key / "wall_s").is_file():
+        return str(key / "warm"), float((key / "wall_s").read_text())
+    path, wall = warm_start(args, seed, work)
+    tmp = key.with_name(f"{key.name}.tmp{os.getpid()}")
+    shutil.copytree(path, tmp / "warm")
+    (tmp / "wall_s").write_text(f"{wall}")
+    try:
+        os.rename(tmp, key)          # atomic: another invocation that made the same (deterministic) one first wins
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(key / "warm"), wall
+
+
+def save_partial(args, arms: list[Arm], runs: list[dict], warm: dict, t_start: float, load_start) -> None:
+    """The record so far as ``--out``/partial.json after every run (``--reanalyse`` reads it), so a benchmark cut
+    short by time keeps its finished runs."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    rec = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
+           "command": "python experiments/bench/bench_tta.py " + " ".join(args.argv) + " (partial)",
+           "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
+           "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
+           "load_end": os.getloadavg(), "warm_start_s": warm, "runs": runs}
+    (args.out / "partial.json").write_text(json.dumps(rec, indent=1, default=str))
 
 
 def collect(args) -> dict:
@@ -329,30 +503,34 @@ def collect(args) -> dict:
     arms = args.arm_list
     t_start = time.time()
     load_start = os.getloadavg()
-    print(f"bench_tta: arms {', '.join(a.name for a in arms)}; {args.seeds} seeds; {args.steps} steps, eval every "
+    print(f"bench_tta: job {args.job}; headline (pre-registered) {args.headline}; arms "
+          f"{', '.join(a.name for a in arms)}; {args.seeds} seeds from {args.first_seed}; {args.steps} steps, eval every "
           f"{args.eval_every}; load average at start {' / '.join(f'{x:.2f}' for x in load_start)}", flush=True)
     runs, warm = [], {}
     with tempfile.TemporaryDirectory(prefix="bench_tta_") as tmp:
         work = Path(tmp)
         for i in range(args.seeds):
-            path, wall = warm_start(args, i, work)
-            warm[i] = wall
-            print(f"seed {i}: warm start {wall:.1f} s", flush=True)
+            seed = args.first_seed + i
+            path, wall = cached_warm_start(args, seed, work)
+            warm[seed] = wall
+            print(f"seed {seed}: warm start {wall:.1f} s", flush=True)
             for arm in rotated(arms, i):
-                r = run_arm(args, arm, i, path, work)
+                r = run_arm(args, arm, seed, path, work)
                 runs.append(r)
                 c = r["curve"]
-                print(f"  {arm.name:>18} seed {i}: final acc {c['final_accuracy']:.3f}, loop {c['end_s']:.1f} s "
+                save_partial(args, arms, runs, warm, t_start, load_start)
+                print(f"  {arm.name:>18} seed {seed}: final acc {c['final_accuracy']:.3f}, loop {c['end_s']:.1f} s "
                       f"(eval {c['eval_s']:.1f} s), process {r['process_wall_s']:.1f} s, load "
                       f"{r['load_after'][0]:.2f}", flush=True)
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
             "command": "python experiments/bench/bench_tta.py " + " ".join(args.argv),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "arm_list"},
-            "arms": [a.name for a in arms], "wall_s": time.time() - t_start, "load_start": load_start,
+            "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
+            "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
             "load_end": os.getloadavg(), "warm_start_s": warm, "runs": runs}
 
 
-def report(record: dict, target_arg: float | None, out: Path, note: str = "") -> None:
+def report(record: dict, target_arg: float | None, out: Path, note: str = "", headline: str | None = None) -> None:
     """Target, summary, table (printed, table.md), plot (tta.png) and the raw record with them (runs.json)."""
     runs = record["runs"]
     arms = parse_arms(",".join(record["arms"]))
@@ -363,9 +541,17 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "") ->
         rule = f"sync median final accuracy - {TARGET_MARGIN}"
     summary = summarise(runs, arms, target)
     clocks = sorted({r["curve"]["clock"] for r in runs})
-    text = table(summary, target, " + ".join(clocks))
+    headline = headline or record.get("headline") or "sync"
+    text = table(summary, target, " + ".join(clocks), headline)
+    if any(r["curve"].get("time_process_s") for r in runs):
+        text += "\n\n" + sensitivity(runs, arms, target, headline)
+    steps = (record.get("args") or {}).get("steps") or max(max(r["curve"]["steps"]) for r in runs)
+    text += "\n\n" + phase_table(runs, arms, int(steps))
     load_start, load_end = record["load_start"], record["load_end"]
     header = (f"# bench_tta {record['date']}\n\ncommand: `{record['command']}`{note}"
+              f"\n\npre-registered headline arm: **{headline}** (named on the command line before the run); job "
+              f"{record.get('job', 'default')}, accuracy `{record.get('metric', 'eval/accuracy')}`; median load "
+              f"average (1 min) after the runs {statistics.median(r.get('load_after', [float('nan')])[0] for r in runs):.2f}"
               f"\n\ntarget rule: {rule}; warm start (SFT, s per seed): "
               f"{', '.join(f'{v:.1f}' for v in record['warm_start_s'].values())}; total wall {record['wall_s']:.0f} s; "
               f"load average start {' / '.join(f'{x:.2f}' for x in load_start)}, end "
@@ -374,7 +560,7 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "") ->
     if at_start:
         header += (f"\nwarning: {at_start} run(s) met the target {target:.3f} at step 0 (before training: TTA 0 s, "
                    "left out of the ratios); the target is too low for this job (more --steps, or --target)\n")
-    last = best_line(summary)
+    last = headline_line(summary, headline)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(header + "\n" + text + "\n\n" + last + "\n")
     plot(runs, arms, target, out / "tta.png")
@@ -394,7 +580,7 @@ def main(argv=None) -> None:
         record = json.loads(Path(args.reanalyse).read_text())
         out = Path(args.out_given) if args.out_given else Path(args.reanalyse).parent
         report(record, args.target, out, note=f" (re-analysed {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-                                              f" with --reanalyse)")
+                                              f" with --reanalyse)", headline=args.headline)
         return
     report(collect(args), args.target, args.out)
 

@@ -16,6 +16,7 @@ then each arm's median step against the first arm's, as a ratio.  Evaluation is 
 so that steps are comparable.
 
     python experiments/bench/bench_tta_phases.py --arms sync,async-k1-grpo,async-k2-m2po --steps 120 --rounds 3
+    python experiments/bench/bench_tta_phases.py --job long --arms sync,async-k1-grpo --steps 40 --rounds 3
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_tta import _call, job_overrides, warm_start
+from bench_tta import JOBS, _call, job_overrides, warm_start
 from tta.analysis import parse_arms
 
 KEYS = ["perf/time_generate_s", "perf/time_old_logp_s", "perf/time_update_s", "perf/time_step_s",
@@ -46,6 +47,7 @@ def phases(rows: list[dict]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--job", default="default", choices=tuple(JOBS), help="bench_tta's job (default | long)")
     p.add_argument("--arms", default="sync,async-k1-grpo,async-k2-m2po")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--rounds", type=int, default=3)
@@ -59,8 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(exc))
     if not arms:
         p.error("--arms: no arm of ours (sync, async-k<K>-<loss>)")
-    job = argparse.Namespace(prompts=16, group=8, max_new_tokens=3, lr=3e-4, steps=args.steps, eval_every=0,
-                             eval_size=256, sft_steps=60)
+    spec = JOBS[args.job]
+    job = argparse.Namespace(job=args.job, prompts=16, group=8, max_new_tokens=spec["max_new_tokens"], lr=spec["lr"],
+                             steps=args.steps, eval_every=0, eval_size=256, sft_steps=spec["sft_steps"])
     work = Path(tempfile.mkdtemp(prefix="tta_phases_"))
     load0 = os.getloadavg()
     warm, warm_s = warm_start(job, args.seed, work)

@@ -42,7 +42,8 @@ LOGGERS = ("console", "jsonl", "wandb")
 class TaskConfig:
     """The procedural arithmetic task (or a local dataset on disk)."""
 
-    # arithmetic | reverse (digit strings, long answers) | dataset:<folder or file> | jsonl:<path> (docs/tasks.md)
+    # arithmetic | reverse (digit strings, long answers) | chain (sums with worked steps, long answers) |
+    # dataset:<folder or file> | jsonl:<path> (docs/tasks.md)
     name: str = "arithmetic"
     min_digits: int = ranged(1, ge=1)
     max_digits: int = ranged(1, ge=1)

@@ -372,12 +372,12 @@ def check_task(cfg: Any, found: Findings) -> None:
         if t.min_digits > t.max_digits:
             found.error(f"task.min_digits/task.max_digits: need min_digits <= max_digits, got {t.min_digits}, "
                         f"{t.max_digits}")
-    elif t.name == "reverse":
+    elif t.name in ("reverse", "chain"):
         if t.min_digits > t.max_digits:
             found.error(f"task.min_digits/task.max_digits: need min_digits <= max_digits, got {t.min_digits}, "
                         f"{t.max_digits}")
     elif t.name in ("jsonl:", "dataset:") or not t.name.startswith(("jsonl:", "dataset:")):
-        found.error(f"task.name: unknown task {t.name!r}; expected arithmetic, reverse, dataset:<folder or file> "
+        found.error(f"task.name: unknown task {t.name!r}; expected arithmetic, reverse, chain, dataset:<folder or file> "
                     "or jsonl:<path>")
     check_task_rewards(cfg, found)
 

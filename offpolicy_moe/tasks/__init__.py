@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .arithmetic import ArithmeticSpec, ArithmeticTask, evaluate_expression, format_problem
 from .base import PromptAnswerTask
+from .chain_sum import ChainSumTask
 from .chat import CHAT_TEMPLATE_MODES, ChatTemplateRecord, apply_chat_template, render_prompt
 from .custom_rewards import (BUILTIN_REWARDS, ON_REWARD_ERROR, RewardError, RewardImportError, RewardScores, RewardSet,
                              RewardSpec, parse_reward_specs, resolve_reward)
@@ -19,7 +20,7 @@ from .tokenizer import (VOCAB, build_char_tokenizer, char_table, decode_completi
                         encode_texts,
                         left_pad)
 
-TASK_NAMES = ("arithmetic", "reverse", "dataset:<folder or file>", "jsonl:<file>")
+TASK_NAMES = ("arithmetic", "reverse", "chain", "dataset:<folder or file>", "jsonl:<file>")
 
 
 def make_task(cfg, **overrides) -> PromptAnswerTask:
@@ -31,6 +32,8 @@ def make_task(cfg, **overrides) -> PromptAnswerTask:
         task: PromptAnswerTask = ArithmeticTask(cfg, **overrides)
     elif name == "reverse":
         task = ReverseTask(cfg, **overrides)
+    elif name == "chain":
+        task = ChainSumTask(cfg, **overrides)
     elif isinstance(name, str) and name.startswith("jsonl:"):
         path = name[len("jsonl:"):]
         if not path:
@@ -42,7 +45,7 @@ def make_task(cfg, **overrides) -> PromptAnswerTask:
             raise ValueError("task.name='dataset:' needs a folder or a file, e.g. task.name=dataset:data/train.jsonl")
         task = DatasetTask(source, cfg, **overrides)
     else:
-        raise ValueError(f"unknown task.name={name!r}; expected 'arithmetic', 'reverse', 'dataset:<folder or file>' "
+        raise ValueError(f"unknown task.name={name!r}; expected 'arithmetic', 'reverse', 'chain', 'dataset:<folder or file>' "
                          "or 'jsonl:<path>'")
     task.configure_rewards(getattr(cfg, "rewards", None), on_error=getattr(cfg, "on_reward_error", "stop"),
                            math_timeout_s=getattr(cfg, "math_timeout_s", 5.0))
@@ -50,7 +53,7 @@ def make_task(cfg, **overrides) -> PromptAnswerTask:
 
 
 __all__ = [
-    "ANSWER_FORMATS", "ArithmeticSpec", "ArithmeticTask", "BUILTIN_REWARDS", "CHAT_TEMPLATE_MODES",
+    "ANSWER_FORMATS", "ArithmeticSpec", "ArithmeticTask", "BUILTIN_REWARDS", "CHAT_TEMPLATE_MODES", "ChainSumTask",
     "ChatTemplateRecord", "DatasetTask", "JsonlTask", "MathVerifier", "ON_REWARD_ERROR", "PromptAnswerTask",
     "REWARD_KINDS", "ReverseTask", "RewardError", "RewardImportError", "RewardScores", "RewardSet", "RewardSpec",
     "TASK_NAMES", "VOCAB", "apply_chat_template", "build_char_tokenizer", "char_table", "clean_completion",

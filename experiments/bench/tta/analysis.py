@@ -16,18 +16,22 @@ from offpolicy_moe.report.stats import Comparison, compare
 #: issue 29, docs/results.md)
 ASYNC_STALENESS = (1, 2, 4)
 LOSSES = ("grpo", "m2po", "m2po_tis", "vespo", "gmpo")
-#: the algorithm presets each loss name stands for (offpolicy_moe/mechanisms/*.yaml)
-LOSS_PRESETS = {"grpo": "grpo", "m2po": "m2po", "m2po_tis": "m2po,tis", "vespo": "vespo", "gmpo": "gmpo"}
-ASYNC_ARM = re.compile(r"(async|ray)-k(\d+)-([a-z0-9_+]+)")
+#: the algorithm presets each loss name stands for (offpolicy_moe/mechanisms/*.yaml); ``unclipped`` (no trust
+#: region, importance-weighted policy gradient) is never part of ``async``: it isolates what clipping does (item 4)
+LOSS_PRESETS = {"grpo": "grpo", "m2po": "m2po", "m2po_tis": "m2po,tis", "vespo": "vespo", "gmpo": "gmpo",
+                "unclipped": "unclipped"}
+ASYNC_ARM = re.compile(r"(async|ray|fixed)-k(\d+)-([a-z0-9_+]+)")
 #: the default target: the on-policy (sync) arm's median final accuracy minus this
 TARGET_MARGIN = 0.03
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: ``trl`` (TRL's GRPOTrainer), ``sync`` (ours, on-policy) or ours asynchronous at staleness ``k``,
+    """One arm: ``trl`` (TRL's GRPOTrainer), ``sync`` (ours, on-policy), ours asynchronous at staleness ``k``,
     with a local worker process (``backend="local"``) or a rollout actor of a Ray cluster (``backend="ray"``: a local
-    cluster started by the run unless ``RAY_ADDRESS`` names one; needs the ``[ray]`` extra)."""
+    cluster started by the run unless ``RAY_ADDRESS`` names one; needs the ``[ray]`` extra), or ours in one process
+    trained on batches exactly ``k`` versions old (``mode="fixed"``, ``k >= 1``: the staleness of an asynchronous
+    arm without its worker process, its process's random streams or its timing)."""
 
     name: str
     system: str                 # trl | ours
@@ -46,6 +50,12 @@ class Arm:
         if self.backend != "local":
             out.append(f"rollout.backend={self.backend}")
         return out
+
+
+def fixed_arm(k: int, loss: str) -> Arm:
+    """Ours in one process, each batch trained exactly ``k`` versions after the weights that generated it
+    (``buffer.mode=fixed buffer.staleness=k``): ``fixed-k<k>-<loss>``."""
+    return Arm(f"fixed-k{k}-{loss}", "ours", "fixed", k, loss)
 
 
 def async_arm(k: int, loss: str, backend: str = "local") -> Arm:
@@ -74,10 +84,13 @@ def parse_arms(text: str) -> list[Arm]:
         else:
             m = ASYNC_ARM.fullmatch(name)
             loss = m.group(3).replace("+", "_") if m else None
-            if m is None or loss not in LOSSES or int(m.group(2)) < 1:
-                raise ValueError(f"unknown arm {name!r} in --arms: expected trl, sync, async, async-k<K>-<loss> or "
-                                 f"ray-k<K>-<loss> with K >= 1 and loss in {', '.join(LOSSES)}")
-            new = [async_arm(int(m.group(2)), loss, "local" if m.group(1) == "async" else "ray")]
+            if m is None or loss not in LOSS_PRESETS or int(m.group(2)) < 1:
+                raise ValueError(f"unknown arm {name!r} in --arms: expected trl, sync, async, async-k<K>-<loss>, "
+                                 f"ray-k<K>-<loss> or fixed-k<K>-<loss> with K >= 1 and loss in "
+                                 f"{', '.join(LOSS_PRESETS)}")
+            k = int(m.group(2))
+            new = [fixed_arm(k, loss) if m.group(1) == "fixed"
+                   else async_arm(k, loss, "local" if m.group(1) == "async" else "ray")]
         arms += [a for a in new if a.name not in {b.name for b in arms}]
     return arms
 
@@ -106,10 +119,18 @@ class Curve:
     eval_s: float                   # evaluation time after step 1
     first_step_s: float             # the loop's first step (start-up: async workers start on the first batch)
     phases: dict = field(default_factory=dict)
+    # the clock from process start (experiments/bench/tta/clock.py), per eval point; empty when not watched
+    time_process_s: list = field(default_factory=list)          # earlier evaluations charged
+    time_process_no_eval_s: list = field(default_factory=list)  # every evaluation (step 0's too) excluded
+    cpu_s: list = field(default_factory=list)                   # CPU seconds of the process tree at the point
+    end_process_s: Optional[float] = None                       # the process's wall seconds (censoring)
+    end_process_no_eval_s: Optional[float] = None
+    cpu_end_s: Optional[float] = None
 
 
-def curve(rows: Sequence[Mapping]) -> Curve:
-    """The eval points of one run from its metric rows (``metrics.jsonl``: one row per logged step).
+def curve(rows: Sequence[Mapping], metric: str = "eval/accuracy") -> Curve:
+    """The eval points of one run from its metric rows (``metrics.jsonl``: one row per logged step); ``metric``: the
+    accuracy (``eval/accuracy``: exact match; ``eval/reward``: the task's own reward, e.g. the final answer's).
 
     Clock ``C(s)`` of step s: ``perf/elapsed_s`` (wall seconds since the training loop started, evaluation
     included) when every trained row has it, else the cumulative sum of ``perf/time_step_s`` (which also includes
@@ -141,16 +162,16 @@ def curve(rows: Sequence[Mapping]) -> Curve:
     for r in rows:
         ev = float(r.get("perf/time_eval_s", 0.0)) if r["step"] > first else 0.0
         eval_cum += ev
-        if r.get("eval/accuracy") is None:
+        if r.get(metric) is None:
             continue
         late = r["step"] > first
         c = clock_of.get(r["step"], origin) - origin
         cs.append(int(r["step"]))
-        ca.append(float(r["eval/accuracy"]))
+        ca.append(float(r[metric]))
         ct.append(max(c - ev, 0.0) if late else 0.0)
         cn.append(max(c - eval_cum, 0.0) if late else 0.0)
     if not cs:
-        raise ValueError("no eval/accuracy in the metric rows")
+        raise ValueError(f"no {metric} in the metric rows")
     end = clock_of[trained[-1]["step"]] - origin
     phases = {k: sum(float(r.get(k, 0.0)) for r in trained[1:])
               for k in ("perf/time_generate_s", "perf/time_old_logp_s", "perf/time_update_s", "async/trainer_wait_s",
@@ -161,22 +182,38 @@ def curve(rows: Sequence[Mapping]) -> Curve:
 
 @dataclass(frozen=True)
 class TTA:
-    """Seconds to the target: at the first eval with accuracy >= target, else censored at the run's end."""
+    """Seconds to the target: at the first eval with accuracy >= target, else censored at the run's end.  The
+    ``process`` fields are from process start (None when the run was not watched), ``cpu_s`` the CPU seconds of
+    the run's process tree by then."""
 
     seconds: float
     seconds_no_eval: float
     reached: bool
     step: Optional[int]
+    seconds_process: Optional[float] = None
+    seconds_process_no_eval: Optional[float] = None
+    cpu_s: Optional[float] = None
 
 
 def time_to_accuracy(c: Curve, target: float) -> TTA:
-    """First eval point with ``accuracy >= target``: its ``time_s`` (and ``time_no_eval_s``).  A run that never
-    reaches it is censored at its end (``end_s``, ``end_no_eval_s``), ``reached=False``: its true time is longer."""
+    """First eval point with ``accuracy >= target``: its ``time_s`` (and ``time_no_eval_s``, and from process start
+    ``time_process_s``, ``time_process_no_eval_s``, ``cpu_s``).  A run that never reaches it is censored at its end
+    (``end_s``, ``end_no_eval_s``, ``end_process_s``, ...), ``reached=False``: its true time is longer."""
     if not math.isfinite(target):
         raise ValueError(f"target must be finite, got {target!r}")
-    for s, a, t, tn in zip(c.steps, c.accuracy, c.time_s, c.time_no_eval_s):
+    watched = len(c.time_process_s) == len(c.steps)
+    for i, (s, a) in enumerate(zip(c.steps, c.accuracy)):
         if a >= target:
-            return TTA(t, tn, True, s)
+            if watched:
+                return TTA(c.time_s[i], c.time_no_eval_s[i], True, s, c.time_process_s[i],
+                           c.time_process_no_eval_s[i], c.cpu_s[i])
+            return TTA(c.time_s[i], c.time_no_eval_s[i], True, s)
+    if watched:
+        # the end's CPU: at least the last reading of the live tree (a worker that its parent never reaps is
+        # missing from the rusage total)
+        seen = [x for x in c.cpu_s if x == x]
+        cpu_end = max([c.cpu_end_s] + seen) if c.cpu_end_s is not None else None
+        return TTA(c.end_s, c.end_no_eval_s, False, None, c.end_process_s, c.end_process_no_eval_s, cpu_end)
     return TTA(c.end_s, c.end_no_eval_s, False, None)
 
 

@@ -36,9 +36,10 @@ from .prompts import prompt_ids_match
 
 
 def evaluate(model, tok, task, max_new_tokens: int, batch_size: int) -> dict[str, float]:
-    """Greedy accuracy on the held-out split and on as many training prompts (the first ones), as our trainer."""
+    """Greedy accuracy on the held-out split (with the task's own rewards: ``eval/reward``) and on as many training
+    prompts (the first ones), as our trainer."""
     kw = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
-    out = evaluate_greedy(model, tok, task.eval_dataset, **kw)
+    out = evaluate_greedy(model, tok, task.eval_dataset, task=task, **kw)
     n = min(len(task.train_dataset), max(len(task.eval_dataset), 1))
     out.update(evaluate_greedy(model, tok, task.train_dataset.select(range(n)), prefix="eval/train_", **kw))
     return out
