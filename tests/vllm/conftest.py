@@ -41,10 +41,10 @@ def policies(tok):
     return build_model(cfg.model, tok, seed=0), build_model(cfg.model, tok, seed=1)
 
 
-def engine_processes() -> list[psutil.Process]:
-    """This process's vLLM engine-core children."""
+def engine_processes(pid: int | None = None) -> list[psutil.Process]:
+    """The vLLM engine-core processes below process ``pid`` (default: this one)."""
     out = []
-    for p in psutil.Process().children(recursive=True):
+    for p in psutil.Process(pid).children(recursive=True):
         try:
             if "EngineCore" in p.name() or any("EngineCore" in c for c in p.cmdline()):
                 out.append(p)

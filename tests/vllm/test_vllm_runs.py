@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.vllm.conftest import engine_processes
+
 pytestmark = pytest.mark.vllm
 
 # a short job on the embedded model's vLLM variant: bf16 engine, fp32 trainer (the real mismatch), R3 + TIS
@@ -69,17 +71,6 @@ def test_a_ray_run(tmp_path):
     assert [r["step"] for r in _train_rows(run)] == [1, 2, 3]
 
 
-def _engine_children(pid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            if "EngineCore" in p.name() or any("EngineCore" in c for c in p.cmdline()):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
-
-
 def test_the_engine_killed_mid_run_is_restarted_and_every_step_trains_once(tmp_path):
     run = tmp_path / "killed"
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
@@ -89,7 +80,7 @@ def test_the_engine_killed_mid_run_is_restarted_and_every_step_trains_once(tmp_p
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline and not killed:
         if len(_train_rows(run)) >= 2:
-            for p in _engine_children(proc.pid):
+            for p in engine_processes(proc.pid):
                 os.kill(p.pid, signal.SIGKILL)
                 killed.append(p.pid)
         time.sleep(0.05)
