@@ -4,9 +4,9 @@ A problem is ``num_terms`` operands (each draws its number of digits uniformly i
 then a value with that many digits, as the arithmetic task) joined by ``+`` and closed by ``=``.  The reference
 answer works the sum left to right, one addition per step: each step replaces the first two terms by their sum
 and writes the shorter expression followed by ``=``, until one number is left, the final answer.  So a
-``num_terms``-term problem has ``num_terms - 1`` steps and, with 1-digit operands, a response of
-``(num_terms - 1) * num_terms - 1``-odd characters (7 terms: about 40 tokens, 9 terms: about 70): generation, not the
-update, is most of an RL step, as in reasoning RLVR.
+``num_terms``-term problem has ``num_terms - 1`` steps; with 1-digit operands its response is 29-34 characters at
+6 terms, 41-47 at 7 and 73-79 at 9 (plus eos): generation, not the update, is most of an RL step, as in reasoning
+RLVR.
 
 Reward (:func:`final_answer_reward`): 1 when the number after the response's last ``=`` equals the reference's
 final number, else 0; the worked steps are not graded (RLVR's outcome reward).  The SFT warm start trains on the
