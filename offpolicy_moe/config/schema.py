@@ -131,8 +131,6 @@ class RolloutConfig:
     # engine=vllm (docs/engines.md): the engine's KV cache (MiB of CPU memory, or of GPU memory on a GPU)
     vllm_kv_cache_mib: int = ranged(256, ge=16)
     vllm_eager: bool = True           # engine=vllm: no torch.compile / CUDA graphs (fast start; False on GPUs)
-    # engine=vllm on a CPU: the cores its threads bind to (VLLM_CPU_OMP_THREADS_BIND): nobind | auto | e.g. "1"
-    vllm_cpus: str = "nobind"
 
 
 @dataclass

@@ -129,7 +129,6 @@ class StartOptions:
     max_model_len: int
     max_num_seqs: int
     eager: bool
-    cpus: str
     in_process: bool
 
 
@@ -165,12 +164,11 @@ def preflight(config: Any, opts: StartOptions, model_class: str = "") -> None:
 
 @contextlib.contextmanager
 def _environment(opts: StartOptions) -> Iterator[None]:
-    """vLLM's environment for one start: the CPU cores its threads bind to, in-process or in its own engine
-    process, its log level; restored afterwards.  Pickled RPC calls (the worker functions of this package) stay
+    """vLLM's environment for one start: in-process or in its own engine process, its log level; restored
+    afterwards.  Pickled RPC calls (the worker functions of this package) stay
     allowed for the life of the process: vLLM's client reads that setting at every call."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    want = {"VLLM_CPU_OMP_THREADS_BIND": opts.cpus,
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if opts.in_process else "1",
+    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if opts.in_process else "1",
             "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     old = {k: os.environ.get(k) for k in want}
@@ -246,7 +244,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                  kv_cache_bytes=int(rollout.vllm_kv_cache_mib) << 20,
                                  max_model_len=int(getattr(cfg, "max_position_embeddings", 4096) or 4096),
                                  max_num_seqs=int(rollout.batch_size), eager=bool(rollout.vllm_eager),
-                                 cpus=str(rollout.vllm_cpus), in_process=in_daemon)
+                                 in_process=in_daemon)
         preflight(cfg, self.opts, type(policy).__name__)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None       # memory-backed where there is one
         self._dir = tempfile.mkdtemp(prefix="offpolicy-moe-vllm-", dir=shm)

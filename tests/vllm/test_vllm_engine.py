@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offpolicy_moe.rollout.engine import make_engine
-from offpolicy_moe.rollout.vllm_engine import VLLMEngineError
+from offpolicy_moe.rollout.vllm_engine import StartOptions, VLLMEngineError, start_llm
 from offpolicy_moe.routing import RoutingController, replay_guardrails, routing_metrics
 from offpolicy_moe.trainer.old_logp import conditioning_positions
 from tests.vllm.conftest import engine_processes, trainer_logp, vllm_config
@@ -133,8 +133,15 @@ def test_a_start_that_cannot_succeed_is_refused_before_vllm_starts(override, mat
     assert {p.pid for p in engine_processes()} == before
 
 
-def test_a_start_that_fails_in_vllm_is_one_line(policies, tok):
-    cfg = vllm_config("rollout.vllm_cpus=4096")           # bind the engine's threads to a core that does not exist
+def test_a_start_that_fails_in_vllm_is_one_line(policies, tmp_path):
+    """A model folder whose weights file is cut short passes every check before the start and fails inside vLLM's
+    engine process: the caller gets one line."""
+    folder = tmp_path / "model"
+    policies[0].save_pretrained(folder, safe_serialization=True)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    opts = StartOptions(dtype="float32", seed=0, kv_cache_bytes=64 << 20, max_model_len=256, max_num_seqs=16,
+                        eager=True, in_process=False)
     with pytest.raises(VLLMEngineError, match="did not start") as err:
-        make_engine(policies[0], tok, cfg.rollout, seed=0)
+        start_llm(str(folder), opts)
     assert "\n" not in str(err.value)
