@@ -12,17 +12,19 @@ kernels, its precision and its sampler, against the trainer's Hugging Face forwa
   token under the distribution it was sampled from (after temperature and top-k/top-p), not the raw model's.
 * **Sampling.**  Each sequence is its own request with its own seed, drawn from the iteration's seed, so a
   reissued batch draws the same random streams whatever else vLLM batches it with.
-* **Routes** (R3, routing metrics): recorded inside vLLM's worker from its own router logits during sampling
-  (:mod:`offpolicy_moe.rollout.vllm_worker`), then laid out as vLLM's own ``routed_experts`` array and read with
-  :meth:`~offpolicy_moe.routing.RouteTrace.from_vllm`, the same path as a vLLM that returns them natively.
+* **Routes** (R3, routing metrics): recorded inside vLLM's worker during sampling, the expert ids its CPU MoE
+  kernel selected (:mod:`offpolicy_moe.rollout.vllm_worker`), then laid out as vLLM's own ``routed_experts`` array
+  and read with :meth:`~offpolicy_moe.routing.RouteTrace.from_vllm`, the same path as a vLLM that returns them
+  natively.
 * **Weights by version.**  :meth:`VLLMRolloutEngine.sync` turns the trainer's tensors into checkpoint names
   (transformers' own reverse of its loading conversions) and loads them in place with vLLM's ``load_weights``
   in the worker, then checks that every engine parameter was filled.
 * **Faults.**  A start that cannot succeed is refused in one line before vLLM starts (vLLM missing, a head size
   its CPU attention refuses, a KV cache larger than free memory, an architecture vLLM does not serve); one that
-  fails anyway is one line naming the cause.  When the engine process dies (killed, crashed) during a
-  generation or a weight sync, the engine is started again with the last synced weights and the batch is reissued
-  with its seeds.
+  fails anyway is one line naming the cause.  When the engine process dies (killed, crashed) before or during a
+  generation or a weight sync, the engine is started again with the last synced weights and the call is
+  reissued (a batch with its seeds), at most :data:`MAX_RESTARTS` times in a row; a weight sync that fails
+  restarts the engine on the last good version and reports in one line.
 """
 from __future__ import annotations
 
