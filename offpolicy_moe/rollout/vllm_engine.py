@@ -308,7 +308,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 if ended:       # died between calls
                     raise EngineProcessDied(f"vLLM's engine process {ended[0].pid} ended (exit code "
                                             f"{ended[0].exitcode})")
-                return call()
+                return watched(self.llm, call)      # every RPC of the call, not only the longest
             except dead as exc:
                 if attempt == MAX_RESTARTS:
                     raise VLLMEngineError(f"rollout.engine=vllm: the engine died {attempt + 1} times in a row: "
@@ -371,7 +371,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def _generate_once(self, prompts: list, params: list) -> tuple[list, dict]:
         if self.record_routes:
             self.llm.collective_rpc(vllm_worker.take_routes)          # nothing left from an earlier call
-        outs = watched(self.llm, lambda: self.llm.generate(prompts, params, use_tqdm=False))
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         routes = vllm_worker.decode_routes(self.llm.collective_rpc(vllm_worker.take_routes)[0]) \
             if self.record_routes else {}
         return outs, routes
