@@ -68,6 +68,10 @@ class EngineProcessDied(RuntimeError):
     """vLLM's engine process ended while a call waited on it."""
 
 
+class _LoadFailed(RuntimeError):
+    """A weight load the engine refused (the message says why)."""
+
+
 def vllm_available() -> bool:
     """True when ``vllm`` is importable (``pip install -e ".[vllm]"``)."""
     import importlib.util
@@ -329,27 +333,28 @@ class VLLMRolloutEngine(RolloutEngine):
         save_file({k: v.contiguous() for k, v in named.items()}, path)
         try:
             missing = watched(self.llm, lambda: self.llm.collective_rpc(vllm_worker.load_weights, args=(path,))[0])
-        except (_engine_dead_errors() + (VLLMEngineError,)):
+        except _engine_dead_errors():
             raise
         except Exception as exc:  # noqa: BLE001 - the worker's error comes back as a plain Exception
-            # a reload that stopped half-way leaves the engine's weights (and vLLM's reload state) unknown: start
-            # it again on the last good weights before reporting, so the engine keeps serving the version it had
-            self._restart(exc, count=False)
-            raise VLLMEngineError(f"rollout.engine=vllm: the weight sync failed (the engine was restarted on "
-                                  f"version {self.version}): {_last_line(exc)}") from exc
+            raise _LoadFailed(_last_line(exc)) from exc
         finally:
             with contextlib.suppress(OSError):
                 os.remove(path)
         if missing:
-            self._restart(RuntimeError("unfilled parameters"), count=False)
-            raise VLLMEngineError(f"rollout.engine=vllm: the weight sync left {len(missing)} engine parameters "
-                                  f"unfilled (first: {missing[0]}); the trainer's tensor names do not map onto "
-                                  "the engine's model")
+            raise _LoadFailed(f"it left {len(missing)} engine parameters unfilled (first: {missing[0]}); the "
+                              "trainer's tensor names do not map onto the engine's model")
 
     def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
-        """Load the trainer's weights into vLLM in place and set the version (see module docstring)."""
+        """Load the trainer's weights into vLLM in place and set the version (see module docstring).  A load that
+        fails leaves the engine's weights (and vLLM's reload state) unknown: the engine is started again on the
+        last good weights, here in the caller's thread, and the failure is one line."""
         named = self.checkpoint_tensors(state_dict)
-        self._retrying(lambda: self._load(named))
+        try:
+            self._retrying(lambda: self._load(named))
+        except _LoadFailed as exc:
+            self._restart(exc, count=False)
+            raise VLLMEngineError(f"rollout.engine=vllm: the weight sync failed (the engine was restarted on "
+                                  f"version {self.version}): {exc}") from None
         self._last_sync = named
         self.version = int(version)
 
