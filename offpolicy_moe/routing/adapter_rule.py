@@ -69,16 +69,16 @@ class AdapterRule:
         modified = d_sel is not None or rep is not None
         st.observe(s.index, idx, own, b, sl, logits, logits,
                    (idx.detach(), None if d_w is None else d_w.detach()) if modified else None)
-        if not modified:
-            return None
-        lw = logits if d_w is None else (logits.float() + d_w).to(logits.dtype)
-        return (logits, s.adapter.weights(s.router, lw, idx), idx) + tuple(output[3:])
+        return _rewritten(s, output, idx, d_w) if modified else None
 
     def _recompute(self, s: Slot, logits: torch.Tensor, output):
         """Recompute of a checkpointed layer: exactly the forward-time route (None: the router's own)."""
         entry = self.state.tape_next()
-        if entry is None:
-            return None
-        idx, dw = entry
-        lw = logits if dw is None else (logits.float() + dw).to(logits.dtype)
-        return (logits, s.adapter.weights(s.router, lw, idx), idx) + tuple(output[3:])
+        return None if entry is None else _rewritten(s, output, *entry)
+
+
+def _rewritten(s: Slot, output, idx: torch.Tensor, d_w: torch.Tensor | None) -> tuple:
+    """The router output with ids ``idx`` and the family's weights at them from the logits shifted by ``d_w``."""
+    logits = output[0]
+    lw = logits if d_w is None else (logits.float() + d_w).to(logits.dtype)
+    return (logits, s.adapter.weights(s.router, lw, idx), idx) + tuple(output[3:])

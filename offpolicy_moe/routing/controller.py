@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .adapter_rule import AdapterRule
-from .adapters import RouterAdapter, UnsupportedRouterError
+from .adapters import UnsupportedRouterError
 from .aux import load_balancing_loss
 from .capture import Recorder, RouterCapture
 from .checkpointing import checkpoint_contexts
@@ -93,10 +93,6 @@ class RoutingController:
     @property
     def routers(self) -> list[nn.Module]:
         return [s.router for s in self._slots]
-
-    def adapter(self, layer: int) -> RouterAdapter:
-        """Family adapter of MoE layer ``layer``."""
-        return self._slots[layer].adapter
 
     def _rule(self, s: Slot) -> AdapterRule | GenericRule:
         return self._adapter_rule if s.adapter is not None else self._generic_rule
@@ -284,9 +280,7 @@ class RoutingController:
         weights whatever ``in_weights`` says, and the feature cache stores ``logits + f`` (the perturbed router's
         logits).  So the selection runs on ``logits + f + predictors(layer, h)``.
         """
-        for name, mod in (("predictors", predictors), ("fixed", fixed)):
-            if mod is None and name == "fixed":
-                continue
+        for name, mod in (("predictors", predictors),) + ((("fixed", fixed),) if fixed is not None else ()):
             if not isinstance(mod, PR2Predictors):
                 raise TypeError(f"offsets expects PR2Predictors, got {type(mod).__name__} ({name})")
             if (mod.num_layers, mod.num_experts, mod.hidden_size) != (
@@ -324,13 +318,6 @@ class RoutingController:
         with self._joining("captures", RouterCapture(self.shape, torch.as_tensor(bi), torch.as_tensor(pos))) as cap:
             yield cap
 
-    # ------------------------------------------------------------------------------------ generate guard
-    @staticmethod
-    def check_generate_kwargs(model: nn.Module, kwargs: dict) -> None:
-        """Raise :class:`UnsupportedGenerationError` for generation modes whose routes cannot be recorded (beam
-        search, assisted decoding, ``use_cache=False``; ``routing/generation.py``)."""
-        check_generate_kwargs(model, kwargs)
-
     # ------------------------------------------------------------------------------ gradient checkpointing
     def checkpoint_context_fn(self):
         """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant).
@@ -354,12 +341,8 @@ class RoutingController:
 
     # ---------------------------------------------------------------------------------------- helpers
     def generate(self, model: nn.Module | None = None, **kwargs):
-        """``model.generate(**kwargs)`` after checking the mode can be recorded (see :meth:`check_generate_kwargs`)."""
+        """``model.generate(**kwargs)`` after refusing the modes whose routes cannot be recorded (beam search,
+        assisted decoding, ``use_cache=False``: ``routing.generation.check_generate_kwargs``)."""
         model = self.model if model is None else model
-        self.check_generate_kwargs(model, kwargs)
+        check_generate_kwargs(model, kwargs)
         return model.generate(**kwargs)
-
-    def empty_trace(self, batch: int, seq_len: int, device=None) -> RouteTrace:
-        """An all-"not recorded" trace for this model."""
-        return RouteTrace.empty(batch, seq_len, self.num_moe_layers, self.top_k, self.num_experts, self.layer_ids,
-                                device)

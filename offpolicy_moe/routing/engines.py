@@ -4,37 +4,12 @@ Pure layout functions (no model): each returns int64 ``[S, L_moe, K]`` route ids
 (prompt then completion), -1 where a position was not recorded. ``RouteTrace.from_vllm`` / ``from_sglang`` wrap
 them into a trace tied to the token ids.
 
-What the engines send (sources: https://github.com/vllm-project/vllm/blob/main/docs/features/routed_experts.md,
-https://github.com/vllm-project/vllm/blob/main/tests/entrypoints/openai/test_return_routed_experts.py,
-https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/moe/routed_experts_capturer.py):
-
-=============  ===============================================  ===========================  ==============  =======
-engine         payload                                          rows                         layers          dtype
-=============  ===============================================  ===========================  ==============  =======
-vLLM 0.14-20   ``CompletionOutput.routed_experts`` (Python API)  ``[0, S - 1)``                all hidden      int32
-vLLM 0.21      ``prompt_routed_experts`` ``[P, L, K]`` + each    prompt ``P``; completion      MoE only        int16
-               completion's ``routed_experts`` (JSON lists);     ``T`` or ``T - 1``; cached
-               ``None`` after a preemption                       prompt rows -1
-vLLM >= 0.22   ``choices[i].routed_experts``: base64 of a        ``[start, S - 1)``,           all hidden      uint8
-               ``.npy`` file (an ndarray in the Python API)      ``start`` =                   (dense rows 0)  (E<=256)
-                                                                 ``routed_experts_prompt_start``               / uint16
-SGLang         ``meta_info["routed_experts"]``: base64 of raw    ``[start, S - 1)``,           all hidden      int32
-               little-endian int32, flat (a tensor with          ``start`` =                   (dense rows 0)
-               ``skip_tokenizer_init``)                          ``routed_experts_start_len``
-=============  ===============================================  ===========================  ==============  =======
-
-Accepted forms (:func:`decode_routes`): base64 ``str``/``bytes`` of an ``.npy`` file (``np.load(...,
-allow_pickle=False)``) or of raw int32; nested lists; numpy arrays and torch tensors of any integer dtype (uint8,
-uint16, int16, int32, int64). ``None`` is refused with one line saying the engine returned no routes.
-
-Rows: the last sampled token is never fed, so an engine returns ``S - start - 1`` rows; ``S - start`` rows (a path
-that fed the last token) are accepted too. Rows before ``start`` are "not recorded" (or taken from the previous
-turn's trace, ``RouteTrace.from_vllm(..., previous=...)``).
-
-Layers: an array with ``len(layer_ids)`` layers is taken as the MoE layers; one with ``num_hidden_layers`` layers is
-reduced to the rows ``layer_ids``, and the dropped (dense) layers must hold only the zeros the engines write there
-(a non-zero id there means ``layer_ids`` do not describe the engine's model). Anything else is refused, naming
-``num_hidden_layers``.
+What the engines send, by version (payload, rows, layers, dtype), is tabulated in docs/routing.md ("Routes from
+inference engines"), read from https://github.com/vllm-project/vllm/blob/main/docs/features/routed_experts.md,
+https://github.com/vllm-project/vllm/blob/main/tests/entrypoints/openai/test_return_routed_experts.py and
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/moe/routed_experts_capturer.py.
+Every payload form goes through :func:`decode_routes`; rows are laid out by :func:`place_rows` and layers reduced
+by :func:`moe_layers`.
 """
 from __future__ import annotations
 
@@ -47,7 +22,7 @@ import numpy as np
 import torch
 from einops import rearrange
 
-__all__ = ["NPY_MAGIC", "as_int_tensor", "decode_routes", "decode_sglang", "moe_layers", "place_rows",
+__all__ = ["NPY_MAGIC", "as_int_tensor", "decode_routes", "moe_layers", "place_rows",
            "vllm_routes", "sglang_routes"]
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -83,8 +58,9 @@ def _b64(payload, name: str) -> bytes:
 
 
 def decode_routes(payload, name: str = "routed_experts") -> torch.Tensor:
-    """Any engine payload as int64: ``[N, L, K]`` when the payload carries its shape (``.npy``, array, tensor,
-    nested list), flat ``[N * L * K]`` for SGLang's raw base64 int32 bytes (see the module docstring)."""
+    """Any engine payload as int64: ``[N, L, K]`` when the payload carries its shape (base64 of an ``.npy`` file,
+    read without pickle; an array or tensor of any integer dtype; nested lists), flat ``[N * L * K]`` for SGLang's
+    base64 of raw little-endian int32. ``None`` is refused: the engine returned no routes."""
     if payload is None:
         raise _no_routes(name)
     if isinstance(payload, (str, bytes, bytearray)):
@@ -103,8 +79,10 @@ def decode_routes(payload, name: str = "routed_experts") -> torch.Tensor:
 
 def moe_layers(routes: torch.Tensor, layer_ids: Sequence[int], num_hidden_layers: int | None, name: str,
                unreplayed: Sequence[int] = ()) -> torch.Tensor:
-    """``routes[N, L, K]`` reduced to the MoE layers ``layer_ids`` (see the module docstring); the dropped layers must
-    hold zeros, except ``unreplayed`` (routed layers the controller leaves to themselves, e.g. hash-routed)."""
+    """``routes[N, L, K]`` reduced to the MoE layers ``layer_ids``: ``L = len(layer_ids)`` is kept as is,
+    ``L = num_hidden_layers`` is cut to the rows ``layer_ids``, where the dropped (dense) layers must hold the zeros
+    the engines write there, except ``unreplayed`` (routed layers the controller leaves to themselves, e.g.
+    hash-routed); any other ``L`` is refused, naming ``num_hidden_layers``."""
     if routes.dim() != 3:
         raise ValueError(f"{name} must be [positions, layers, top_k], got shape {tuple(routes.shape)}")
     n_layers = routes.shape[1]
@@ -178,15 +156,6 @@ def _shaped(payload, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be [positions, layers, top_k] (an .npy file, an array or nested lists), got "
                          f"shape {tuple(routes.shape)}")
     return routes
-
-
-def decode_sglang(payload, num_layers: int, top_k: int) -> torch.Tensor:
-    """SGLang's ``meta_info["routed_experts"]`` (base64 of int32, or an array/tensor) as ``[N, L, K]``."""
-    flat = decode_routes(payload, "routed_experts").reshape(-1)
-    if flat.numel() % (num_layers * top_k):
-        raise ValueError(f"SGLang routed_experts holds {flat.numel()} ids, not a multiple of layers x top_k = "
-                         f"{num_layers} x {top_k}")
-    return rearrange(flat, "(n l k) -> n l k", l=num_layers, k=top_k)
 
 
 def sglang_routes(seq_len: int, payload, top_k: int, layer_ids: Sequence[int],

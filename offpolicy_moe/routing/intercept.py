@@ -1,21 +1,13 @@
 """Generic routing rule: the router's own forward, with its expert selection intercepted at its top-k.
 
-Almost every MoE router in transformers 5.x computes ``logits = linear(h)``, turns them into scores (softmax,
-sigmoid, plus a selection bias, a group mask, ``moe_statics``...), picks experts with ``torch.topk`` over the
-``E`` experts and derives the gating weights from the scores at the picked ids (a gather, the top-k values, a
-renormalisation, a scaling factor, selection-dependent extra outputs). :class:`TopKIntercept` is a
-``TorchFunctionMode`` opened only while one router (or, for routers that leave the selection to their block, one
-MoE block) runs. It
-
-* finds the router logits: the first linear/matmul output of shape ``[N, E]`` (``N`` tokens), optionally adding a
-  logit shift to it (PR2 offsets, noise) so that every later step of the rule sees the shifted logits;
-* answers each ``topk(x, K)`` over the expert dimension with the forced ids where forced (replay): the returned
-  values are ``x`` gathered at those ids, where a group mask applied with ``masked_fill`` is looked through (a
-  mask is a selection device, not part of the weights: R3, arXiv:2510.11370, gathers from the full distribution);
-* remembers the router's own choice (the real top-k) and the ids used.
-
-So the weights, the extra outputs and their gradients come from the model's own code, whatever the rule, wherever
-the router keeps its parameters and whatever extra arguments its forward takes.
+Almost every MoE router in transformers 5.x computes ``logits = linear(h)``, turns them into scores, picks experts
+with ``torch.topk`` over the ``E`` experts and derives the gating weights from the scores at the picked ids.
+:class:`TopKIntercept` is a ``TorchFunctionMode`` opened only while one router (or the MoE block that holds the
+top-k) runs. It shifts the first ``[N, E]`` linear/matmul output (the router logits; PR2 offsets, noise), answers
+the expert top-k with the forced ids (values gathered from the scores, looking through a ``masked_fill`` group mask:
+R3, arXiv:2510.11370, gathers from the full distribution) and remembers the router's own choice and the ids used.
+So the weights, extra outputs and gradients come from the model's own code (docs/routing.md, "How a router is
+handled").
 """
 from __future__ import annotations
 

@@ -9,14 +9,8 @@ Definitions (R3 paper, arXiv:2510.11370, section 2; PR2, arXiv:2606.00395, secti
     (``1 − decision mismatch``), and the share of tokens equal in every layer (``1 − token mismatch``).
 Only (token, layer) pairs recorded in both traces (and inside ``mask``) count.
 
-Replay guardrails (:func:`replay_guardrails`, R3, arXiv:2510.11370, section 3: replayed ids the trainer's router
-would not pick still get their weight from its full distribution, so a high share says the replay works against the
-trainer's router):
-  * ``routing/replay_fallback``: the share of (token, layer) decisions that fell back to the router's own choice
-    (row not recorded in the replayed trace, or a layer the controller does not replay, e.g. hash-routed);
-  * ``routing/replay_outside_topk``: the share of replayed (token, layer, slot) expert ids outside the trainer's own
-    top-k at that token and layer; ``routing/replay_outside_topk_decisions``: the share of replayed (token, layer)
-    decisions with at least one such id.
+Replay guardrails (:func:`replay_guardrails`): how much of a replayed forward fell back to the router's own choice,
+and how often the replayed ids lie outside the trainer router's own top-k (docs/routing.md, "Replay guardrails").
 """
 from __future__ import annotations
 

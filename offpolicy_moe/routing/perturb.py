@@ -1,17 +1,9 @@
 """A fixed, seeded perturbation of router weights: a systematic engine/trainer routing mismatch.
 
-A rollout engine whose router is computed by another kernel (another matmul order, another precision, a fused
-gate) does not see the trainer's router logits ``z = h W^T`` but ``z + e(h)`` with an error ``e`` that does not
-change from one forward to the next.  This module models ``e`` as a fixed linear error of the router weights: for
-every MoE layer ``l``
-
-    ``dW_l ~ N(0, sigma^2 / H)``, shape ``[E, H]``,   engine logits ``z_l + h dW_l^T`` (as if its weights were
-    ``W_l + dW_l``),
-
-so that ``h dW_l^T`` has a per-expert standard deviation of about ``sigma * |h| / sqrt(H)`` (``sigma`` for a router
-input of RMS 1).  ``dW`` is drawn once, in float32 on the CPU, from a ``torch.Generator`` seeded by
-:func:`perturbation_seed` of the run's seed alone (never from the current weights), layer by layer: the same seed
-gives the same ``dW`` on every process, device and resume.
+A rollout engine whose router runs another kernel (another matmul order or precision, a fused gate) sees the
+trainer's router logits ``z = h W^T`` plus an error that is the same at every forward. This module models it as a
+fixed error ``dW_l`` of each MoE layer's router weights, drawn once from the run's seed alone (formula, seeding and
+measured effect: :func:`router_perturbation` and docs/routing.md, "A fixed engine/trainer mismatch").
 
 The perturbation is a :class:`~offpolicy_moe.routing.pr2.PR2Predictors` (one bias-free ``Linear(H, E)`` per MoE
 layer) with weights ``dW``, applied through ``RoutingController.offsets`` (selection and gating weights).
@@ -31,7 +23,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def _splitmix64(x: int) -> int:
-    """One step of SplitMix64 (Steele, Lea and Flood 2014): a bijective 64-bit mix."""
+    """One step of SplitMix64 (Steele, Lea and Flood 2014, https://doi.org/10.1145/2660193.2660195): a
+    bijective 64-bit mix."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64

@@ -270,22 +270,12 @@ def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current
         replayed_ids: ``[M, L, K]`` the replayed route Î (``features.gather_trace(trace)``); default: top-k of q̂.
         top_k: K when neither ids tensor is given.
 
-    Metrics, all on the M feature tokens at this mini-step (definitions in docs/metrics.md):
-
-    * ``pr2/loss``, ``pr2/pred_kl``: mean over (token, layer) of ``KL(ρ_cur ‖ q̂)``; ``pr2/base_kl``: the same with
-      no predictor, ``KL(ρ_cur ‖ softmax(logits_old))``; ``pr2/skill_ratio = pred_kl / base_kl`` (< 1: the
-      predictor anticipates the drift; >= 1: it does not; left out while ``base_kl <= SKILL_MIN_BASE_KL``). The trainer calls this before the predictor's gradient
-      step on tokens of a mini-batch that no earlier update used, so the ratio is measured on tokens the predictor
-      was never trained on.
-    * ``pr2/zero_dev_layer``: share of (token, layer) pairs whose replayed route Î equals the current router's top-k
-      ``I_cur`` (the paper's per-pair "zero deviation"); ``pr2/zero_dev_token``: share of tokens with Î = I_cur in
-      every layer (depends on depth).
-    * ``pr2/zero_dev_layer_r3``, ``pr2/zero_dev_token_r3``: the same-token counterfactual, with the unbiased route
-      ``TopK(logits_old)`` (what R3 would have replayed) in place of Î.
-    * ``pr2/bias_route_change``: share of (token, layer) pairs where the predictor's bias changed the engine's
-      choice (Î ≠ ``TopK(logits_old)``): the routing mismatch PR2 itself adds between engine and trainer.
-    * ``pr2/topk_agreement`` (|Î ∩ I_cur| / K), ``pr2/coverage_gap`` (1 − Σ_{j∈Î} ρ_cur,j), ``pr2/bias_ratio``
-      (mean |b| / mean |logits_old|), ``pr2/num_tokens``.
+    Metrics, on the M feature tokens (each defined with its formula in docs/metrics.md, ``pr2/``): ``pr2/loss``;
+    ``pr2/pred_kl`` = mean ``KL(ρ_cur ‖ q̂)`` and ``pr2/base_kl`` (the same without the predictor), with
+    ``pr2/skill_ratio = pred_kl / base_kl`` (< 1: the predictor anticipates the drift; left out while ``base_kl <=
+    SKILL_MIN_BASE_KL``); ``pr2/zero_dev_layer``/``_token`` (Î against I_cur) and their ``_r3`` counterfactual
+    (``TopK(logits_old)`` against I_cur); ``pr2/bias_route_change``, ``pr2/topk_agreement``, ``pr2/coverage_gap``,
+    ``pr2/bias_ratio``, ``pr2/num_tokens``.
     """
     m, nl, e = features.logits.shape
     if tuple(current_logits.shape) != (m, nl, e):

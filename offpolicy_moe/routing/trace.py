@@ -431,14 +431,6 @@ class RouteTrace:
         tok = None if self.tokens is None else repad(self.tokens, attention_mask, side, -1)[0]
         return self._like(ids, tok), m
 
-    def left_to_right(self, attention_mask: torch.Tensor) -> tuple["RouteTrace", torch.Tensor]:
-        """Left-padded -> right-padded (see :meth:`repad`)."""
-        return self.repad(attention_mask, "right")
-
-    def right_to_left(self, attention_mask: torch.Tensor) -> tuple["RouteTrace", torch.Tensor]:
-        """Right-padded -> left-padded (see :meth:`repad`)."""
-        return self.repad(attention_mask, "left")
-
     def pack(self, attention_mask: torch.Tensor) -> tuple["RouteTrace", torch.Tensor]:
         """Packed layout ``[1, N, L, K]`` of the real tokens (row after row); returns ``(trace, cu_seqlens)``."""
         ids, cu = pack_tokens(self.ids, attention_mask)
