@@ -5,14 +5,15 @@ policy and the rollout engine from the run's config exactly as the local worker 
 serves one :class:`~offpolicy_moe.rollout.worker.Order` per :meth:`RolloutActor.generate` call: it asks the
 :class:`WeightRegistry` for the newest published version, pulls those weights from Ray's object store only when
 they are newer than the engine's (``ray.get`` of the reference the trainer ``ray.put`` once for that version),
-samples the iteration with the iteration's seed and returns the batch's ``state_dict`` (per-token versions, the
-engine's routes for R3, behaviour log-probs) with its timings.
+samples the iteration with the iteration's seed and returns a :class:`~offpolicy_moe.rollout.worker.BatchDone`
+(the batch's ``state_dict``: per-token versions, the engine's routes for R3, behaviour log-probs; its timings), the
+record a local worker sends.
 
 The weights of one call come from one object (one version) and are copied into the engine before sampling begins,
 so an actor never mixes two versions within a forward; with ``rollout.update_in_flight`` it may load a newer
 version between decode steps, and every token keeps the version that sampled it, as the local worker does.
 
-Neither class imports Ray: :mod:`~offpolicy_moe.sources.ray_source` wraps them with ``ray.remote``, and
+Neither class imports Ray: :mod:`~offpolicy_moe.sources.ray_transport` wraps them with ``ray.remote``, and
 ``ray`` is looked up (``importlib``) only by the code that runs inside an actor, so ``import offpolicy_moe`` stays
 Ray-free.  A different engine (vLLM, SGLang) plugs in through the engine registry (``rollout.engine``,
 :mod:`~offpolicy_moe.rollout.engine`); see docs/scale-out.md for what it must return.
@@ -28,7 +29,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from offpolicy_moe.models import load_policy
-from offpolicy_moe.rollout.worker import Order, WorkerSpec, build_engine, generate_iteration
+from offpolicy_moe.rollout.worker import BatchDone, Order, WorkerSpec, build_engine, generate_iteration
 from offpolicy_moe.tasks import make_task
 
 __all__ = ["RolloutActor", "WeightRegistry", "encode_weights", "decode_weights"]
@@ -130,9 +131,9 @@ class RolloutActor:
             self._last_poll = now
             self._load_newest(engine.version, [], self.spec.weight_timeout_s)
 
-    def generate(self, order: Order, version: int, ref: list) -> tuple[int, int, dict, dict]:
+    def generate(self, order: Order, version: int, ref: list) -> BatchDone:
         """Generate ``order``'s iteration with the newest published weights (version ``>= version``, whose
-        object-store reference is ``ref[0]``); returns ``(iteration, attempt, batch_state, timings)``."""
+        object-store reference is ``ref[0]``); returns the batch and the timings as a :class:`BatchDone`."""
         if version < order.min_version:
             raise ValueError(f"iteration {order.iteration} needs policy version >= {order.min_version}, the order "
                              f"carries version {version}")
@@ -146,5 +147,5 @@ class RolloutActor:
         wait_s = 0.0 if self._last_end is None else t0 - self._last_end
         self._last_end = t2
         timings = {"wait_s": wait_s, "sync_s": sync_s, "generate_s": t2 - t1, "cpu_s": time.process_time() - c0}
-        return order.iteration, order.attempt, batch.state_dict(), timings
+        return BatchDone(self.spec.index, order.iteration, order.attempt, batch.state_dict(), timings)
 

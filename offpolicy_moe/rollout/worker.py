@@ -1,14 +1,14 @@
 """The rollout worker process: its own engine copy, weights by version, one batch per work order.
 
-A worker is started by :class:`~offpolicy_moe.sources.asynchronous.AsyncBatchSource` with
-``multiprocessing``'s ``spawn`` method.  It builds the policy and rollout engine from the run's config exactly as
+A worker is started by :class:`~offpolicy_moe.sources.process_transport.ProcessTransport` (for the asynchronous
+source) as a ``multiprocessing`` ``forkserver`` process.  It builds the policy and rollout engine from the run's config exactly as
 the trainer builds its own engine, then serves :class:`Order` s: for each, it loads the newest published weights
 (waiting, if needed, for the order's minimum version), samples the iteration's prompts with the iteration's seed,
 and sends the :class:`~offpolicy_moe.rollout.batch.RolloutBatch` back (``torch.save`` bytes over its own pipe, so a
 worker killed mid-send corrupts nothing shared).  With ``rollout.update_in_flight`` the engine loads newer weights
 between decode steps, and every token carries the version that sampled it (``RolloutBatch.token_versions``).
 
-A worker exits when it receives ``None``, when its parent (the trainer) is gone, or after reporting an error.
+A worker exits when it receives :class:`Shutdown`, when its parent (the trainer) is gone, or after reporting an error.
 Sampling that meets non-finite values (NaN logits, non-finite behaviour log-probs) is not an error of the worker:
 it reports :class:`BatchNonFinite` for that order, like any other stage's non-finite value, and serves the next one;
 the trainer applies ``trainer.on_nan``.
@@ -33,7 +33,7 @@ from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.tasks import apply_chat_template, make_task
 
-__all__ = ["Order", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "worker_main", "pack",
+__all__ = ["Order", "Shutdown", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "worker_main", "pack",
            "unpack"]
 
 @dataclass(frozen=True)
@@ -45,6 +45,11 @@ class Order:
     seed: int
     min_version: int
     attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The trainer's last message to a worker: finish and exit."""
 
 
 @dataclass(frozen=True)
@@ -173,14 +178,15 @@ def pid_alive(pid: Optional[int]) -> bool:
 
 
 def _next_order(conn: Any, trainer_pid: int) -> Optional[Order]:
-    """The next order (None: stop), polling so that a worker whose trainer died exits within a second (the
+    """The next order (None: stop, on :class:`Shutdown`), polling so that a worker whose trainer died exits within a second (the
     worker's parent is the fork server, not the trainer: the trainer's pid is checked, and its pipe's end)."""
     while True:
         if conn.poll(1.0):
             try:
-                return conn.recv()
+                msg = conn.recv()
             except EOFError:      # the trainer closed the pipe
                 return None
+            return None if isinstance(msg, Shutdown) else msg
         if not pid_alive(trainer_pid):
             return None
 

@@ -14,7 +14,6 @@ from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
 from offpolicy_moe.sources.asynchronous import AsyncBatchSource
 from offpolicy_moe.sources.base import BatchSource
-from offpolicy_moe.sources.ray_source import RayBatchSource
 from offpolicy_moe.sources.sync import SyncBatchSource
 from offpolicy_moe.trainer.old_logp import OldLogpPass
 from offpolicy_moe.trainer.old_logp_strategy import (AtConsumption, FromEngine, Fused, Loglinear, OldLogpStrategy,
@@ -72,11 +71,11 @@ def build_source(cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, pr
     """The batch source of ``buffer.mode``: workers for ``async`` (Ray actors with ``rollout.backend=ray``), this
     process's ``engine`` otherwise; ``prepare`` takes a batch's old log-probs, ``on_nonfinite`` applies
     ``trainer.on_nan`` to a non-finite batch."""
-    if cfg.buffer.mode == "async" and cfg.rollout.backend == "ray":
-        # (a non-finite batch raises out of the Ray source: the run stops as diverged under either policy)
-        return RayBatchSource(cfg, model=model, prepare=prepare, rank=rank, world=world)
     if cfg.buffer.mode == "async":
-        return AsyncBatchSource(cfg, model=model, prepare=prepare, rank=rank, world=world, on_nonfinite=on_nonfinite)
+        # (with rollout.backend=ray a non-finite batch raises out of the source: the run stops as diverged under
+        # either policy)
+        return AsyncBatchSource(cfg, model=model, prepare=prepare, rank=rank, world=world,
+                                on_nonfinite=None if cfg.rollout.backend == "ray" else on_nonfinite)
     return SyncBatchSource(cfg, engine=engine, task=task, prepare=prepare, rank=rank, world=world,
                            on_nonfinite=on_nonfinite)
 

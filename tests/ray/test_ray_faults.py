@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from offpolicy_moe.config.load import to_yaml
-from offpolicy_moe.sources.ray_source import actor_died
+from offpolicy_moe.sources.ray_transport import actor_died
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer
 
@@ -37,7 +37,7 @@ def _check_nothing_lost(run_dir, steps: int, k: int) -> None:
 
 
 def _remove_node_of_actor(cluster, trainer, index: int) -> str:
-    node_id = trainer.source.actor_nodes()[index]
+    node_id = trainer.source.transport.actor_nodes()[index]
     node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
     assert node is not cluster.head_node
     cluster.remove_node(node, allow_graceful=False)
@@ -57,7 +57,7 @@ def test_a_removed_rollout_node_continues_with_fewer_actors_or_stops_with_a_chec
 
     def remove(trainer, step, m):
         if step == 1 and not removed:
-            nodes = trainer.source.actor_nodes()
+            nodes = trainer.source.transport.actor_nodes()
             assert len(set(nodes)) == 2, "the two actors share a node"
             removed.append(_remove_node_of_actor(cluster, trainer, nodes.index(extra.node_id)))
 

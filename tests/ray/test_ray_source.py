@@ -51,9 +51,9 @@ def _check_registry_on_the_trainers_node(source) -> None:
     """The weight registry, and four more placed the same way, run on the trainer's node (the head, without
     CPUs): one on a rollout node would die with it and fail the surviving actors' orders too."""
     here = ray.get_runtime_context().get_node_id()
-    assert source.registry_node() == here
+    assert source.transport.registry_node() == here
     for _ in range(4):
-        extra = source._place_registry()
+        extra = source.transport.place_registry()
         try:
             assert ray.get(extra.node.remote(), timeout=60) == here
         finally:

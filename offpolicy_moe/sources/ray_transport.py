@@ -1,30 +1,27 @@
-"""``buffer.mode=async rollout.backend=ray``: the asynchronous pipeline with its rollout workers as Ray actors.
+"""Rollout workers as Ray actors: the asynchronous source's transport for ``rollout.backend=ray``.
 
-:class:`RayBatchSource` is :class:`~offpolicy_moe.sources.asynchronous.AsyncBatchSource` with another
-transport; everything that decides what is trained is shared, unchanged: the :class:`Dispatcher` (iterations in
-order, ``buffer.staleness`` with ``wait`` or ``drop``, re-issues with the iteration's seed), the
-:class:`VersionRing` and the old-log-prob pass under the version that sampled each token, the checkpointed
-in-flight state (``state_dict``: same format as the local pipeline, so a run may resume on the other backend) and
-the metric names (``async/*``).  What differs:
+The source (:class:`~offpolicy_moe.sources.asynchronous.AsyncBatchSource`) is the same as with local processes:
+orders, staleness, the old-log-prob pass, the checkpoint (a run may resume on the other backend) and the metrics
+(``async/*``).  What this transport does differently:
 
 * workers are ``rollout.workers`` :class:`~offpolicy_moe.rollout.ray_actor.RolloutActor` s, placed by Ray anywhere
   in the cluster of ``rollout.ray_address`` (else ``RAY_ADDRESS``, else ``ray.init()``'s default: a cluster on this
-  machine), ``rollout.worker_threads`` CPUs each;
+  machine), ``rollout.worker_threads`` CPUs each; one that does not start within ``rollout.worker_timeout_s``
+  is a :class:`PipelineTimeout`, one that fails to start a :class:`WorkerDied`;
 * weights: each published version is ``ray.put`` once into the object store; a
   :class:`~offpolicy_moe.rollout.ray_actor.WeightRegistry` actor, pinned to the trainer's node, holds the newest
   reference, and an actor pulls it (once per version it uses) when it starts an order (``async/weight_sync_s``:
   the trainer's put);
-* an order is an actor call; the trainer waits on the calls' results (``ray.wait``, at most
-  ``rollout.worker_timeout_s`` without news, then a :class:`PipelineTimeout` naming the iteration and the actor);
-* an actor that dies (seen at once through its ``watch`` call, pending for the actor's life like a process
-  sentinel, even when it has no order in flight; checked at every step), or whose call raises (:func:`actor_died`
-  tells the two apart), is named with its node; under ``rollout.on_worker_death=restart`` a
-  new actor takes its place and its iterations are issued again with their seeds (``stop``: :class:`WorkerDied`,
-  the loop checkpoints and stops).  When the actor's NODE is gone, ``rollout.ray_on_node_loss`` decides:
-  ``continue`` with the remaining actors, or ``stop``.
+* an order is an actor call returning a :class:`~offpolicy_moe.rollout.worker.BatchDone`; the trainer waits on the
+  calls (``ray.wait``);
+* an actor that dies is seen at once through its ``watch`` call (pending for the actor's life, like a process
+  sentinel, even when it has no order in flight); a call that raises is told apart from a dead actor by
+  :func:`actor_died`.  Either is reported as a :class:`~offpolicy_moe.sources.transport.WorkerLost` naming the
+  cause; when the actor's NODE is gone (said by Ray, or seen within ``_NODE_GRACE_S``), ``node_lost`` is set and
+  the source applies ``rollout.ray_on_node_loss`` instead of ``rollout.on_worker_death``.
 
-Nothing here imports Ray at module level (``importlib`` in the constructor): without ``rollout.backend=ray`` no Ray
-module is loaded.
+Nothing here imports Ray at module level (``importlib`` in the constructor, :func:`connect`): without
+``rollout.backend=ray`` no Ray module is loaded, and the source imports this module only for that backend.
 """
 from __future__ import annotations
 
@@ -32,23 +29,18 @@ import importlib
 import os
 import re
 import socket
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
 from offpolicy_moe.config.validate import ConfigError
-from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.ray_actor import RolloutActor, WeightRegistry, encode_weights
-from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.worker import BatchDone, Order, WorkerSpec
-from offpolicy_moe.sources.asynchronous import AsyncBatchSource, PipelineTimeout, WorkerDied
-from offpolicy_moe.sources.schedule import Assignment
+from offpolicy_moe.sources.transport import Event, PipelineTimeout, WorkerDied, WorkerLost
 
-__all__ = ["RayBatchSource", "actor_died", "connect", "ray_address"]
-_MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
+__all__ = ["RayTransport", "actor_died", "connect", "ray_address"]
 _CONNECT_TIMEOUT_S = 5.0
 _NODE_GRACE_S = 15.0       # how long a dead actor's node is watched for its own death before a restart
 
@@ -99,15 +91,7 @@ def connect(cfg: Any) -> Any:
 class _Actor:
     index: int
     handle: Any
-    info: dict
-    restarts: int = 0
-
-
-@dataclass
-class _Call:
-    worker: int
-    iteration: int
-    attempt: int
+    info: dict                    # {"pid", "node_id", "ip"}: where it runs
 
 
 class _ObjectStoreWeights:
@@ -127,39 +111,34 @@ class _ObjectStoreWeights:
         return time.perf_counter() - t0
 
 
-class RayBatchSource(AsyncBatchSource):
-    """Rollout actors on a Ray cluster generating ahead of the trainer within ``buffer.staleness`` versions (see
-    module docstring).  Connects to the cluster at construction (before any compute); the actors start on the
-    first :meth:`next`, with the weights last published."""
+class RayTransport:
+    """Rollout actors of trainer process ``rank`` (of ``world``) on a Ray cluster (see module docstring).
+    Connects to the cluster at construction (before any compute)."""
 
-    def __init__(self, cfg: Any, *, model: torch.nn.Module, prepare: Callable[[RolloutBatch], None],
-                 rank: int = 0, world: int = 1):
-        super().__init__(cfg, model=model, prepare=prepare, rank=rank, world=world)
+    noun = "actor"
+
+    def __init__(self, cfg: Any, *, rank: int = 0, world: int = 1):
+        self.cfg, self.rank, self.world = cfg, int(rank), int(world)
+        self.timeout = float(cfg.rollout.worker_timeout_s)
         self.ray = connect(cfg)
-        self.on_node_loss = cfg.rollout.ray_on_node_loss
         self._actors: dict[int, _Actor] = {}
-        self._calls: dict[Any, _Call] = {}          # object ref of a generate call -> what it generates
+        self._calls: dict[Any, int] = {}            # object ref of a generate call -> the slot it went to
         self._watch: dict[Any, _Actor] = {}         # object ref of an actor's watch call (fails when it dies)
         self._registry: Any = None
+        self._weights: Optional[_ObjectStoreWeights] = None
 
-    # ------------------------------------------------------------------ actors
-    def _start(self, step: int) -> None:
-        """Start the registry and the actors with the newest published weights, then hand out the first orders."""
-        if step != self.cursor:
-            raise RuntimeError(f"async pipeline: trainer step {step} but the pipeline's next iteration is "
-                               f"{self.cursor} (a checkpoint from another buffer mode?)")
-        self._registry = self._place_registry()
-        self._board = _ObjectStoreWeights(self.ray, self._registry)
-        self._board.publish(self.ring[self.published], self.published)
-        for i in range(self.n_workers):
-            self._actors[i] = self._create(i)
-        self._issue(self.published)
+    # ------------------------------------------------------------------ weights
+    def start(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """The weight registry on the trainer's node, and ``weights`` put as ``version``."""
+        self._registry = self.place_registry()
+        self._weights = _ObjectStoreWeights(self.ray, self._registry)
+        self._weights.publish(weights, version)
 
-    def _place_registry(self) -> Any:
-        """A :class:`WeightRegistry` actor pinned to the trainer's own node (hard node affinity; it needs no CPU,
-        so it always fits there).  A soft affinity is not enough: a raylet without CPUs (a head node started with
-        ``num_cpus=0``) spills even a zero-CPU actor to another node, and a registry on a rollout node dies with
-        that node, failing every other actor's orders."""
+    def place_registry(self) -> Any:
+        """A new :class:`WeightRegistry` actor pinned to the trainer's own node (hard node affinity; it needs no
+        CPU, so it always fits there).  A soft affinity is not enough: a raylet without CPUs (a head node started
+        with ``num_cpus=0``) spills even a zero-CPU actor to another node, and a registry on a rollout node dies
+        with that node, failing every other actor's orders."""
         strategies = importlib.import_module("ray.util.scheduling_strategies")
         here = strategies.NodeAffinitySchedulingStrategy(node_id=self.ray.get_runtime_context().get_node_id(),
                                                          soft=False)
@@ -169,8 +148,14 @@ class RayBatchSource(AsyncBatchSource):
         """Ray node id of the weight registry actor (the trainer's node)."""
         return self.ray.get(self._registry.node.remote(), timeout=self.timeout)
 
-    def _create(self, index: int, restarts: int = 0) -> _Actor:
-        """A new actor for worker slot ``index``, waited for (at most ``rollout.worker_timeout_s``)."""
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        """Put ``weights`` into the object store as ``version``; returns the seconds spent."""
+        return self._weights.publish(weights, version)
+
+    # ------------------------------------------------------------------ actors
+    def spawn(self, index: int, restarts: int = 0) -> None:
+        """A new actor for slot ``index`` (named with its ``restarts``), waited for (at most
+        ``rollout.worker_timeout_s``)."""
         ro = self.cfg.rollout
         spec = WorkerSpec(cfg=self.cfg, index=index, rank=self.rank, world=self.world, parent_pid=os.getpid(),
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
@@ -186,57 +171,41 @@ class RayBatchSource(AsyncBatchSource):
                                   f"{index} to start (no node with {ro.worker_threads} free CPU(s)?)") from None
         except self.ray.exceptions.RayError as e:
             raise WorkerDied(f"Ray rollout actor {index} failed to start: {_cause(e)}") from None
-        actor = _Actor(index=index, handle=handle, info=info, restarts=restarts)
+        actor = _Actor(index=index, handle=handle, info=info)
+        self._actors[index] = actor
         self._watch[handle.watch.options(concurrency_group="watch").remote()] = actor
-        return actor
 
-    def worker_pids(self) -> list[int]:
-        """Process ids of the live actors (slot order)."""
-        return [self._actors[i].info["pid"] for i in sorted(self._actors)]
+    def send(self, index: int, order: Order) -> None:
+        """An actor call generating ``order`` with at least the newest put version."""
+        ref = self._actors[index].handle.generate.remote(order, self._weights.version, [self._weights.ref])
+        self._calls[ref] = index
 
     def actor_nodes(self) -> list[str]:
         """Ray node ids of the live actors (slot order)."""
         return [self._actors[i].info["node_id"] for i in sorted(self._actors)]
 
-    def _send(self, a: Assignment) -> None:
-        order = Order(iteration=a.iteration, seed=iteration_seed(self.cfg.seed, a.iteration, self.rank),
-                      min_version=a.min_version, attempt=a.attempt)
-        ref = self._actors[a.worker].handle.generate.remote(order, self._board.version, [self._board.ref])
-        self._calls[ref] = _Call(a.worker, a.iteration, a.attempt)
+    def pids(self) -> list[int]:
+        """Process ids of the live actors (slot order)."""
+        return [self._actors[i].info["pid"] for i in sorted(self._actors)]
 
-    def _name(self, actor: _Actor) -> str:
-        return f"Ray rollout actor {actor.index} (pid {actor.info['pid']} on {actor.info['ip']})"
+    def alive(self, index: int) -> bool:
+        """Whether actor ``index``'s watch call is still pending (the actor not seen dead)."""
+        return index in self._actors and any(a is self._actors[index] for a in self._watch.values())
+
+    def describe(self, index: int, detail: str = "") -> str:
+        """``Ray rollout actor <index> (pid <pid> on <ip>[, detail])``."""
+        info = self._actors[index].info
+        extra = f", {detail}" if detail else ""
+        return f"Ray rollout actor {index} (pid {info['pid']} on {info['ip']}{extra})"
 
     # ------------------------------------------------------------------ receiving
-    def take(self, step: int) -> tuple[RolloutBatch, float]:
-        """The prepared batch of iteration ``step`` and the seconds the trainer waited for it (not counting the
-        time it spent preparing batches that arrived meanwhile)."""
-        if step != self.cursor:
-            raise RuntimeError(f"async pipeline: the trainer asks for iteration {step}, the next one is "
-                               f"{self.cursor}")
-        t0, prep0 = time.perf_counter(), self.timing["prepare_s"]
-        last = t0
-        self._receive(timeout=0)     # deaths and errors that came meanwhile, even when this batch is ready already
-        while step not in self.ready:
-            if self._receive(timeout=min(1.0, self.timeout)):
-                last = time.perf_counter()
-            elif time.perf_counter() - last > self.timeout:
-                holder = next((a for a in self._actors.values() if step in self.dispatch.inflight.get(a.index, [])),
-                              None)
-                who = self._name(holder) if holder is not None else "no actor (the iteration was never issued)"
-                raise PipelineTimeout(f"waited {self.timeout:.0f} s (rollout.worker_timeout_s) for the batch of "
-                                      f"iteration {step} from {who}")
-        waited = time.perf_counter() - t0 - (self.timing["prepare_s"] - prep0)
-        self.timing["trainer_wait_s"] += waited
-        self.dispatch.release(step)
-        return self.ready.pop(step), waited
-
-    def _receive(self, timeout: float) -> bool:
-        """Handle the calls that finished within ``timeout`` seconds (batches, errors, deaths); True if any."""
+    def receive(self, timeout: float) -> Iterator[Event]:
+        """The calls that finished within ``timeout`` seconds: batches, and the deaths of actors (their watch call
+        ended, or a call raised).  Calls of an actor already retired are passed over."""
         refs = list(self._calls) + list(self._watch)
         if not refs:
             time.sleep(min(timeout, 0.05))
-            return False
+            return
         done, rest = self.ray.wait(refs, num_returns=1, timeout=timeout)
         if done and rest:
             done += self.ray.wait(rest, num_returns=len(rest), timeout=0)[0]
@@ -249,20 +218,30 @@ class RayBatchSource(AsyncBatchSource):
                         cause, raw = "its watch call returned", ""
                     except self.ray.exceptions.RayError as e:
                         cause, raw = _cause(e), str(e)
-                    self._on_actor_death(actor, cause, died=True, raw=raw)
+                    yield self._lost(actor, cause, died=True, raw=raw)
                 continue
-            call = self._calls.pop(ref, None)
-            if call is None or call.worker not in self._actors:
-                continue                     # a call of an actor already replaced
-            actor = self._actors[call.worker]
+            index = self._calls.pop(ref, None)
+            if index is None or index not in self._actors:
+                continue                     # a call of an actor already retired
+            actor = self._actors[index]
             try:
-                iteration, attempt, state, timings = self.ray.get(ref, timeout=self.timeout)
+                done_msg = self.ray.get(ref, timeout=self.timeout)
             except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as e:
                 died = actor_died(self.ray, e)
-                self._on_actor_death(actor, _cause(e), died=died, raw=str(e) if died else "")
+                yield self._lost(actor, _cause(e), died=died, raw=str(e) if died else "")
                 continue
-            self._handle(actor, BatchDone(actor.index, iteration, attempt, state, timings))
-        return bool(done)
+            if not isinstance(done_msg, BatchDone):
+                raise TypeError(f"Ray rollout actor {index} answered a {type(done_msg).__name__}, not a BatchDone")
+            yield done_msg
+
+    def _lost(self, actor: _Actor, cause: str, *, died: bool, raw: str) -> WorkerLost:
+        """The death report of ``actor``: its node's loss when the actor died (``died``) and Ray says, or soon
+        shows, that its node is gone; else ``cause``."""
+        node_lost = died and ("node has died" in raw or self._node_dies(actor.info["node_id"]))
+        if node_lost:
+            return WorkerLost(actor.index, f"its node {actor.info['node_id'][:12]} ({actor.info['ip']}) left the "
+                                           "cluster", node_lost=True)
+        return WorkerLost(actor.index, cause)
 
     def _node_alive(self, node_id: str) -> bool:
         return any(n.get("NodeID") == node_id and n.get("Alive") for n in self.ray.nodes())
@@ -278,35 +257,13 @@ class RayBatchSource(AsyncBatchSource):
             time.sleep(0.5)
         return True
 
-    def _on_actor_death(self, actor: _Actor, reason: str, *, died: bool, raw: str = "") -> None:
-        """Actor ``actor`` died (``died``) or a call of it raised: name it, then restart it, go on without it, or
-        stop, as configured; its iterations in flight are issued again (same seeds)."""
-        node_lost = died and ("node has died" in raw or self._node_dies(actor.info["node_id"]))
-        lost = self.dispatch.worker_lost(actor.index)
-        self._calls = {r: c for r, c in self._calls.items() if c.worker != actor.index}
+    def retire(self, index: int) -> None:
+        """Forget actor ``index``'s calls and watch, and kill it (no restart by Ray)."""
+        actor = self._actors.pop(index)
+        self._calls = {r: i for r, i in self._calls.items() if i != index}
         self._watch = {r: a for r, a in self._watch.items() if a is not actor}
-        doing = f" while generating iteration(s) {lost}" if lost else ""
-        what = f"its node {actor.info['node_id'][:12]} ({actor.info['ip']}) left the cluster" if node_lost else reason
-        msg = f"{self._name(actor)} died{doing}: {what}"
-        del self._actors[actor.index]
         self.ray.kill(actor.handle, no_restart=True)
-        if node_lost:
-            if self.on_node_loss == "stop" or not self._actors:
-                why = "rollout.ray_on_node_loss=stop" if self.on_node_loss == "stop" else "no rollout actor left"
-                raise WorkerDied(f"{msg}; stopping ({why})")
-            del self.dispatch.inflight[actor.index]         # the dispatcher hands out to the remaining actors
-            print(f"offpolicy-moe: {msg}; going on with {len(self._actors)} rollout actor(s) "
-                  "(rollout.ray_on_node_loss=continue)", file=sys.stderr)
-        else:
-            if self.on_death == "stop" or actor.restarts >= _MAX_RESTARTS:
-                why = "rollout.on_worker_death=stop" if self.on_death == "stop" else f"{_MAX_RESTARTS} restarts"
-                raise WorkerDied(f"{msg}; stopping ({why})")
-            print(f"offpolicy-moe: {msg}; restarting it (rollout.on_worker_death=restart)", file=sys.stderr)
-            self.restarts += 1
-            self._actors[actor.index] = self._create(actor.index, restarts=actor.restarts + 1)
-        self._issue(self.published)
 
-    # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float = 5.0) -> None:
         """Kill the actors and the registry (the cluster itself stays up); idempotent."""
         for a in self._actors.values():

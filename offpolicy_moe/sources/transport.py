@@ -1,0 +1,93 @@
+"""The seam between the asynchronous source and its rollout workers: what a worker transport does, and what it reports.
+
+:class:`~offpolicy_moe.sources.asynchronous.AsyncBatchSource` decides everything that is trained (which iteration
+goes out when, which batch is kept, the old-log-prob pass, the checkpoint, what a worker's death leads to); a
+:class:`WorkerTransport` only moves things between the trainer and its workers, wherever they run:
+
+* :meth:`~WorkerTransport.start` — set up the weight channel with the first published version;
+* :meth:`~WorkerTransport.spawn` / :meth:`~WorkerTransport.retire` — start a worker in a slot, let a dead one go;
+* :meth:`~WorkerTransport.send` — hand a worker an :class:`~offpolicy_moe.rollout.worker.Order`;
+* :meth:`~WorkerTransport.publish` — make a new version of the weights available to the workers;
+* :meth:`~WorkerTransport.receive` — what came back: :class:`~offpolicy_moe.rollout.worker.BatchDone`,
+  :class:`~offpolicy_moe.rollout.worker.BatchNonFinite` or :class:`WorkerLost`, produced one at a time so that the
+  source's answer to one (a restart, say) is seen by the next;
+* :meth:`~WorkerTransport.alive`, :meth:`~WorkerTransport.describe`, :meth:`~WorkerTransport.pids` — for messages;
+* :meth:`~WorkerTransport.close` — stop every worker.
+
+Two transports exist: worker processes on this machine
+(:class:`~offpolicy_moe.sources.process_transport.ProcessTransport`) and Ray actors
+(:class:`~offpolicy_moe.sources.ray_transport.RayTransport`, ``rollout.backend=ray``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Protocol, Union
+
+import torch
+
+from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
+from offpolicy_moe.sources.base import SourceStopped
+
+__all__ = ["WorkerTransport", "WorkerLost", "Event", "WorkerDied", "PipelineTimeout"]
+
+
+class WorkerDied(SourceStopped):
+    """A rollout worker died (or reported an error) and the configuration says stop."""
+
+
+class PipelineTimeout(TimeoutError):
+    """The trainer waited longer than ``rollout.worker_timeout_s`` for a batch (or for a worker to start)."""
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """The worker of slot ``index`` is gone: ``reason`` says why, in a few words; ``node_lost`` when the machine
+    it ran on left the cluster (Ray only)."""
+
+    index: int
+    reason: str
+    node_lost: bool = False
+
+
+Event = Union[BatchDone, BatchNonFinite, WorkerLost]
+
+
+class WorkerTransport(Protocol):
+    """Moves orders, weights and results between the trainer and its rollout workers (see module docstring).
+    Worker slots are numbered ``0 .. rollout.workers - 1``; a restarted worker takes its slot's number again."""
+
+    noun: str
+    """What a worker is called in messages: ``"worker"`` or ``"actor"``."""
+
+    def start(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Set up the weight channel holding ``weights`` as ``version`` (before the first :meth:`spawn`)."""
+
+    def spawn(self, index: int, restarts: int = 0) -> None:
+        """Start a worker in slot ``index`` (its ``restarts``-th replacement); raise :class:`PipelineTimeout` or
+        :class:`WorkerDied` when it cannot start."""
+
+    def send(self, index: int, order: Order) -> None:
+        """Hand ``order`` to the worker of slot ``index`` (a dead worker's order is lost: its death is reported
+        by :meth:`receive`)."""
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        """Make ``weights`` available to the workers as ``version``; returns the seconds spent."""
+
+    def receive(self, timeout: float) -> Iterator[Event]:
+        """What the workers sent, and the deaths seen, within ``timeout`` seconds (nothing when nothing came)."""
+
+    def retire(self, index: int) -> None:
+        """Let go of the dead worker of slot ``index`` (after its :class:`WorkerLost`)."""
+
+    def alive(self, index: int) -> bool:
+        """Whether the worker of slot ``index`` is still running as far as the transport knows."""
+
+    def describe(self, index: int, detail: str = "") -> str:
+        """The worker of slot ``index`` named for a message, e.g. ``rollout worker 0 (pid 123)``; ``detail`` is
+        added inside the parentheses."""
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers, in slot order."""
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every worker (waiting up to ``timeout`` seconds where that applies); idempotent."""
