@@ -314,7 +314,7 @@ class AsyncBatchSource(BatchSource):
             if self.on_node_loss == "stop" or not self._slots:
                 why = "rollout.ray_on_node_loss=stop" if self.on_node_loss == "stop" else f"no {noun} left"
                 raise WorkerDied(f"{msg}; stopping ({why})")
-            del self.dispatch.inflight[index]         # the dispatcher hands out to the remaining workers
+            self.dispatch.retire(index)               # the dispatcher hands out to the remaining workers
             print(f"offpolicy-moe: {msg}; going on with {len(self._slots)} {noun}(s) "
                   "(rollout.ray_on_node_loss=continue)", file=sys.stderr)
         else:

@@ -117,6 +117,13 @@ class Dispatcher:
         self.requeue(lost)
         return list(lost)
 
+    def retire(self, worker: int) -> None:
+        """Worker ``worker`` is gone for good (its node left): nothing is handed to it any more.  Its iterations in
+        flight must have been taken back first (:meth:`worker_lost`); :class:`ValueError` otherwise."""
+        if self.inflight.get(worker):
+            raise ValueError(f"worker {worker} still has iteration(s) {self.inflight[worker]} in flight")
+        self.inflight.pop(worker, None)
+
     def release(self, step: int) -> None:
         """The trainer took iteration ``step`` (it must be the next one)."""
         if step != self.cursor:

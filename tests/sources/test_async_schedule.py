@@ -143,3 +143,16 @@ def test_bad_arguments_raise():
     with pytest.raises(RuntimeError, match="iteration 1, the next one is 0"):
         d.release(1)
     assert min_version(1, 3) == 0 and is_stale(5, 2, 2) and not is_stale(4, 2, 2)
+
+
+def test_a_retired_worker_gets_no_more_work():
+    d = Dispatcher(staleness=4, policy="wait", ahead=2, total=10, workers=2)
+    first = d.issue(0)
+    assert {a.worker for a in first} == {0, 1}
+    with pytest.raises(ValueError, match="worker 1 still has iteration"):
+        d.retire(1)                                   # its iterations must be taken back first
+    lost = d.worker_lost(1)
+    d.retire(1)
+    again = d.issue(0)
+    assert sorted(a.iteration for a in again) == sorted(lost)     # the lost iterations go to the survivor
+    assert {a.worker for a in again} == {0}
