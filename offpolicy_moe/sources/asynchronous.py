@@ -84,8 +84,9 @@ class AsyncBatchSource(BatchSource):
     loaded into it); ``prepare(batch)``: the trainer's old-logp pass; ``on_nonfinite(err)``: the trainer's
     non-finite policy (raises, or returns True: drop the batch; without it the error is raised); ``transport``:
     what runs the workers (default: :func:`make_transport` of the config, which connects to a Ray cluster at
-    once with ``rollout.backend=ray``).  The workers start on the first :meth:`next`, with the weights last
-    published."""
+    once with ``rollout.backend=ray``).  The workers start with the first weights published
+    (``rollout.early_start``: while the trainer evaluates step 0), else on the first :meth:`next`, with the
+    weights last published."""
 
     mode = "async"
 
@@ -121,6 +122,7 @@ class AsyncBatchSource(BatchSource):
         self._before = dict(self.timing)
         self._slots: dict[int, int] = {}        # live worker slot -> how many times it was restarted
         self._started = False
+        self.early_start = bool(ro.early_start)
         self.transport: WorkerTransport = (transport if transport is not None
                                            else make_transport(cfg, rank=self.rank, world=self.world))
 
@@ -192,6 +194,8 @@ class AsyncBatchSource(BatchSource):
         if self._started:
             self.timing["weight_sync_s"] += self.transport.publish(weights, version)
             self._issue(version)
+        elif self.early_start:
+            self._start(self.cursor)
 
     def _prepare(self, batch: RolloutBatch) -> None:
         prepare_at_versions(batch, self.ring, current=self.version, model=self.model, prepare=self._prepare_pass)

@@ -12,7 +12,7 @@ without an upper bound span 1e-30 .. 1e30.  Keys left out, and why: ``run_dir``,
 ``model.tokenizer_path``, ``task.name``, ``task.rewards``, the dataset column names (files and modules: the
 preflight's business, tests/config); ``rollout.ray_address``, ``rollout.backend`` (a Ray cluster);
 ``buffer.mode=async`` and the keys only it reads (``rollout.workers``, ``worker_threads``, ``worker_timeout_s``,
-``on_worker_death``, ``update_in_flight``, ``buffer.on_stale``, ``max_ahead``: worker processes, tests/sources);
+``on_worker_death``, ``update_in_flight``, ``early_start``, ``buffer.on_stale``, ``max_ahead``: worker processes, tests/sources);
 ``logging.*`` and ``trainer.threads`` (no effect on what is computed).
 
 The default variant draws a few derandomised examples; ``-m slow`` runs every key's range boundaries and every
@@ -40,7 +40,7 @@ ONE_STEP = [*TINY, "trainer.steps=1", "trainer.threads=1", "trainer.checkpoint_e
 SKIPPED = {"run_dir", "preset", "model.path", "model.tokenizer_path", "task.name", "task.rewards", "task.split",
            "task.eval_split", "task.prompt_column", "task.answer_column", "rollout.ray_address", "rollout.backend",
            "buffer.mode", "rollout.workers", "rollout.worker_threads", "rollout.worker_timeout_s",
-           "rollout.on_worker_death", "rollout.update_in_flight", "rollout.ray_on_node_loss", "buffer.on_stale",
+           "rollout.on_worker_death", "rollout.update_in_flight", "rollout.early_start", "rollout.ray_on_node_loss", "buffer.on_stale",
            "buffer.max_ahead", "logging.loggers", "logging.wandb_mode", "logging.wandb_project", "logging.progress",
            "trainer.threads"}
 #: the largest value drawn for an integer key without an upper bound (one step must stay cheap)

@@ -238,3 +238,20 @@ def test_ray_is_not_imported_without_the_ray_backend(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_early_start_starts_the_workers_at_the_first_publish_and_changes_no_order(tmp_path, early):
+    """``rollout.early_start``: the workers start (and get iteration 0) when the first weights are published, so
+    their start overlaps the trainer's step-0 evaluation; off, at the first batch request.  The orders are the
+    same either way."""
+    src, fake, model = _source(tmp_path, f"rollout.early_start={str(early).lower()}")
+    if early:
+        assert fake.spawned == [(0, 0)] and [(i, o.iteration) for i, o in fake.orders] == [(0, 0)]
+    else:
+        assert fake.spawned == [] and fake.orders == []
+    for step in range(3):
+        assert _step(src, model, step).generated_at == step
+    assert fake.spawned == [(0, 0)]
+    assert [(i, o.iteration, o.attempt, o.min_version) for i, o in fake.orders] == [
+        (0, 0, 0, 0), (0, 1, 0, 1), (0, 2, 0, 2), (0, 3, 0, 3)]
