@@ -158,6 +158,22 @@ def test_the_loop_skips_a_nonfinite_optimizer_update_with_the_weights_rolled_bac
     assert all(torch.isfinite(v).all() for v in _weights(tr).values())
 
 
+@pytest.mark.parametrize("trainer", [("trainer.updates_per_step=2",)], indirect=True)
+def test_skip_drops_only_the_nonfinite_optimizer_update_of_a_step(trainer):
+    # the first of two optimizer updates leaves NaN parameters: it alone is rolled back, the second one applies
+    tr = trainer
+    batch, _ = tr.source.next(0)
+    before = _weights(tr)
+    tr.transaction.begin()
+    fault_injection.arm("optimizer", 1, times=1)
+    m = tr.update(batch)
+    tr.transaction.commit()
+    after = _weights(tr)
+    assert (m["nan/optimizer"], m["actor/updates"]) == (1.0, 1.0)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+
+
 @pytest.mark.parametrize("trainer", [("trainer.on_nan=stop",)], indirect=True)
 def test_under_stop_the_error_reaches_the_loop_which_rolls_the_step_back(trainer):
     tr = trainer
