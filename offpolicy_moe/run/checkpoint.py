@@ -34,6 +34,10 @@ states per process (``rng_<rank>.pt``, gathered on save, each rank restoring its
 from the main process, which is complete for DDP (replicated optimizer); sharded (FSDP/ZeRO-3) optimizer states
 are not supported by this format.
 
+Full states: a model sharded by FSDP2 is written and read as its full (unsharded) state
+(:func:`full_optimizer_state`, :func:`load_full_model_state`, :func:`load_full_optimizer_state`; the full weights
+come from :func:`~offpolicy_moe.run.full_state.full_model_state`), so a checkpoint does not depend on the sharding.
+
 Checkpoints of the previous format (``model.pt`` + ``state.pt`` pickles) are refused with the command that converts
 them once, which unpickles them and so must be asked for explicitly::
 
@@ -59,11 +63,15 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from offpolicy_moe.run.full_state import FULL, is_sharded
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "resume_checkpoint", "verify_checkpoint",
            "clean_checkpoint_root", "restore_metrics", "convert_legacy_checkpoint", "rng_state", "set_rng_state",
-           "gather_rng_states", "LoadedCheckpoint", "CheckpointError", "FORMAT", "SAFE_GLOBALS",
-           "ALLOWED_STATE_CLASSES"]
+           "gather_rng_states", "full_optimizer_state", "load_full_model_state", "load_full_optimizer_state",
+           "LoadedCheckpoint", "CheckpointError", "FORMAT", "SAFE_GLOBALS", "ALLOWED_STATE_CLASSES"]
 
 FORMAT = "offpolicy_moe.checkpoint/2"
 MANIFEST = "manifest.json"
@@ -128,6 +136,35 @@ def gather_rng_states(accelerator: Any = None) -> list[dict]:
     out: list = [None] * accelerator.num_processes
     torch.distributed.all_gather_object(out, rng_state())
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- full states
+def _bare(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)     # Accelerate's AcceleratedOptimizer wraps the torch one
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict:
+    """The optimizer's state dict with full tensors; collective when the model is sharded."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    return get_optimizer_state_dict(model, _bare(optimizer), options=FULL)
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict (every process holds it) into a plain or sharded model (strict keys); ``state`` is
+    left as it was (PyTorch's loader replaces its values by shards, so it gets a copy of the mapping)."""
+    if not is_sharded(model):
+        model.load_state_dict(state)
+        return
+    set_model_state_dict(model, dict(state), options=FULL)
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: Any, state: dict) -> None:
+    """Load a full optimizer state dict into the optimizer of a plain or sharded model."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    set_optimizer_state_dict(model, _bare(optimizer), state, options=FULL)
 
 
 # ---------------------------------------------------------------------------------------------------- writing

@@ -1,6 +1,6 @@
-"""Non-finite values as every process sees them, before the run's one policy (``trainer.on_nan``, a
-:class:`~offpolicy_moe.run.nonfinite.NanCounter`) decides: with several processes one process's NaN is every
-process's, so their updates and batches stay in step."""
+"""Non-finite values as every process sees them: with several processes one process's NaN is every process's, so
+their updates and batches stay in step.  What is found is raised as one
+:class:`~offpolicy_moe.run.nonfinite.NonFiniteError`; the training loop alone applies ``trainer.on_nan`` to it."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from offpolicy_moe.run.faults import is_finite
-from offpolicy_moe.run.nonfinite import STAGES, NanCounter, NonFiniteError, as_nonfinite
+from offpolicy_moe.run.nonfinite import STAGES, NonFiniteError, as_nonfinite
 
 __all__ = ["FiniteAgreement", "agree_on_stage"]
 
@@ -26,40 +26,34 @@ def agree_on_stage(err: Optional[NonFiniteError], accelerator: Any) -> Optional[
 
 
 class FiniteAgreement:
-    """Finiteness checks agreed over processes for the step being trained (:attr:`step`, :attr:`iteration`, set by
-    the update at each call); :attr:`agreed_err` is the last agreed error of a stage before any optimizer update."""
+    """Finiteness checks agreed over processes for the step being trained (set by :meth:`at` at each update), raised
+    as :class:`NonFiniteError` located at that step and iteration."""
 
-    def __init__(self, nan: NanCounter, accelerator: Any):
-        self.nan, self.acc = nan, accelerator
+    def __init__(self, accelerator: Any):
+        self.acc = accelerator
         self.world, self.device = accelerator.num_processes, accelerator.device
         self.step, self.iteration = 0, 0
-        self.agreed_err: Optional[NonFiniteError] = None
 
-    def check(self, value: torch.Tensor, what: str, stage: str) -> bool:
-        """True when ``value`` is finite on every process; otherwise the policy decides (:attr:`nan`): it raises
-        :class:`NonFiniteError` (``stop``, or too many skips in a row) or counts the skip and False is returned."""
+    def at(self, step: int, iteration: int) -> None:
+        """The checks that follow belong to trained step ``step`` (1-based) at generation iteration ``iteration``."""
+        self.step, self.iteration = step, iteration
+
+    def require(self, value: torch.Tensor, what: str, stage: str) -> None:
+        """Return when ``value`` is finite on every process; otherwise raise :class:`NonFiniteError` (``stage``)
+        on every process."""
         ok = is_finite(value)
         if self.world > 1:
             flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
             ok = float(self.acc.reduce(flag, "sum").item()) == 0.0
         if not ok:
-            self.nan.record(NonFiniteError(stage, what, step=self.step, iteration=self.iteration))
-        return ok
+            raise NonFiniteError(stage, what, step=self.step, iteration=self.iteration)
 
-    def agreed(self, err: Optional[NonFiniteError], stage: str, what: str) -> Optional[NonFiniteError]:
-        """``err`` as every process sees it: with several processes, one process's error is every process's
-        (their updates must stay in step); also kept in :attr:`agreed_err`."""
+    def raise_agreed(self, err: Optional[NonFiniteError], stage: str, what: str) -> None:
+        """Raise ``err`` as every process sees it (located at the current step): with several processes, one
+        process's error is every process's (their updates must stay in step); return when no process has one."""
         if self.world > 1:
             flag = torch.tensor([0.0 if err is None else 1.0], device=self.device)
             if float(self.acc.reduce(flag, "sum").item()) > 0 and err is None:
                 err = NonFiniteError(stage, f"{what} (on another process)")
-        self.agreed_err = err
-        return err
-
-    @staticmethod
-    def refusal(exc: BaseException, stage: str, what: str) -> NonFiniteError:
-        """``exc`` as a :class:`NonFiniteError` of ``stage``; re-raised when it is not a non-finite refusal."""
-        err = as_nonfinite(exc, stage, what)
-        if err is None:
-            raise exc
-        return err
+        if err is not None:
+            raise err.located(self.step, self.iteration)

@@ -1,28 +1,45 @@
 """The trainer's checkpoints, the one layer above the storage (:mod:`offpolicy_moe.run.checkpoint`: safe formats,
-checksums, atomic writes, verification): ``step_<n>`` written with the run's counters and the state of each part
-by name (optimizer, scheduler, batch source, PR2 predictors, non-finite counts, reference model), a checkpoint
-checked against the configured model and process count and read back into those parts, and the iteration boundary
-that a step stopping before it trains is put back to (and checkpointed at)."""
+checksums, atomic writes, verification, full states of a sharded model).
+
+A checkpoint is collected BY NAME: the caller hands :meth:`RunCheckpoints.save` a mapping of named parts, each an
+object with ``state_dict()`` / ``load_state_dict(state)`` (the loop's counters, the policy update, the non-finite
+counts, the batch source, the optimizer, the scheduler), and a mapping of named weight sets (the KL reference, the
+PR2 predictors); :meth:`RunCheckpoints.load` checks a checkpoint against the configured model and process count and
+hands each part its own state back, so no part's attributes are written from outside it.
+
+Where each part lives in ``state.pt`` (trainer format 2, unchanged, so every checkpoint written before still
+loads): under its own name (``source``, ``nan``, ``optimizer``, ``scheduler``), except the counters of the loop
+(``step``, ``sft_done``, ``last_metrics``) and of the policy update (``updates``), which format 2 keeps at the top
+level (:data:`TOP_LEVEL_PARTS`), and ``nan_skipped``, the non-finite count of the format's first checkpoints, still
+written beside ``nan``.  The RNG states of every process are stored apart (``rng_<rank>.pt``); the weights in
+safetensors files."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from offpolicy_moe.models.moe_shape import moe_shape
-from offpolicy_moe.run.checkpoint import (CheckpointError, LoadedCheckpoint, gather_rng_states, load_checkpoint,
-                                          rng_state, save_checkpoint, set_rng_state)
-from offpolicy_moe.run.full_state import (full_model_state, full_optimizer_state, load_full_model_state,
-                                          load_full_optimizer_state)
-from offpolicy_moe.run.nonfinite import NanCounter
+from offpolicy_moe.run.checkpoint import (CheckpointError, LoadedCheckpoint, full_optimizer_state, gather_rng_states,
+                                          load_checkpoint, load_full_model_state, load_full_optimizer_state,
+                                          save_checkpoint)
+from offpolicy_moe.run.full_state import full_model_state
 from offpolicy_moe.run.run_dir import RunDir
-from offpolicy_moe.sources.base import BatchSource
 
-__all__ = ["FORMAT", "model_signature", "RunCheckpoints"]
+__all__ = ["FORMAT", "TOP_LEVEL_PARTS", "model_signature", "RunCheckpoints"]
 
 FORMAT = "offpolicy_moe.trainer/2"      # 2: the batch source's state under "source"
+
+#: the parts whose state format 2 spreads over the top level of ``state.pt`` (each reads its own keys back)
+TOP_LEVEL_PARTS = ("trainer", "policy_update")
+
+#: the order of the top-level keys of ``state.pt`` in format 2 (the keys of other parts follow)
+_ORDER = ("format", "step", "updates", "nan_skipped", "nan", "sft_done", "source", "metrics_offset", "last_metrics",
+          "model_signature", "world_size")
+
+#: parts whose state is collective to take (every process calls ``state_dict``); the others only on the main one
+_COLLECTIVE = ("optimizer",)
 
 
 def model_signature(model: torch.nn.Module) -> dict:
@@ -36,41 +53,54 @@ def model_signature(model: torch.nn.Module) -> dict:
 
 
 class RunCheckpoints:
-    """Checkpoints of the run's step boundaries in ``run_dir``'s checkpoint folder (the newest ``keep`` kept), with
-    what is saved and loaded besides the trainer's counters (``publish_every``: ``rollout.publish_every``, for the
-    warning of a resume between two publications)."""
+    """Checkpoints of the run's step boundaries in ``run_dir``'s checkpoint folder (the newest ``keep`` kept) for the
+    policy ``model`` (its weights are ``model.safetensors``)."""
 
-    def __init__(self, *, accelerator: Any, run_dir: RunDir, source: BatchSource, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, nan: NanCounter, predictors: Any, keep: int,
-                 publish_every: int = 1):
-        self.accelerator, self.run_dir, self.source = accelerator, run_dir, source
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.nan, self.predictors, self.keep, self.publish_every = nan, predictors, int(keep), publish_every
+    def __init__(self, *, accelerator: Any, run_dir: RunDir, model: torch.nn.Module, keep: int):
+        self.accelerator, self.run_dir, self.model, self.keep = accelerator, run_dir, model, int(keep)
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
 
-    def save(self, step: int, counters: dict, *, last_metrics: dict, modules: dict) -> Optional[Path]:
-        """Checkpoint ``step_<step>`` with ``counters`` and ``modules`` (the main process writes; every process
-        gives its RNG states; all wait); returns its path."""
+    def save(self, step: int, parts: Mapping[str, Any], weights: Mapping[str, Any]) -> Optional[Path]:
+        """Checkpoint ``step_<step>`` with each named part's ``state_dict()`` and each named weight set (None:
+        left out); the main process writes, every process gives its RNG states, all wait; returns its path."""
         self.accelerator.wait_for_everyone()
         is_main = self.accelerator.is_main_process
-        state = self._state(counters, last_metrics) if is_main else None
+        states = {name: part.state_dict() for name, part in parts.items()
+                  if is_main and name not in _COLLECTIVE}
         rngs = gather_rng_states(self.accelerator)
-        weights = full_model_state(self.model)                    # collective for a sharded (FSDP2) model
-        optim = full_optimizer_state(self.model, self.optimizer)
+        model = full_model_state(self.model)                      # collective for a sharded (FSDP2) model
+        if "optimizer" in parts:
+            states["optimizer"] = full_optimizer_state(self.model, parts["optimizer"])
         path = None
         if is_main:
-            path = save_checkpoint(self.run_dir.ckpt_root, step, model=weights, optimizer=optim,
-                                   scheduler=self.scheduler, extra=state, modules=modules, rng_states=rngs,
-                                   keep=self.keep)
+            path = save_checkpoint(self.run_dir.ckpt_root, step, model=model, extra=self._layout(states),
+                                   modules=weights, rng_states=rngs, keep=self.keep)
         self.accelerator.wait_for_everyone()
         return path
 
-    def _state(self, counters: dict, last_metrics: dict) -> dict:
-        """The checkpointed counters and the batch source's state (weights, optimizer, scheduler and RNG are
-        stored apart); ``counters``: step, updates, nan_skipped, sft_done."""
-        return {"format": FORMAT, **counters, "source": self.source.state_dict(),
-                "metrics_offset": self.run_dir.metrics_offset(), "last_metrics": last_metrics,
-                "model_signature": model_signature(self.model), "world_size": self.world}
+    def _layout(self, states: dict[str, dict]) -> dict:
+        """The parts' states as ``state.pt`` (format 2, module docstring), with the facts a resume checks."""
+        flat: dict = {"format": FORMAT, "metrics_offset": self.run_dir.metrics_offset(),
+                      "model_signature": model_signature(self.model), "world_size": self.world}
+        for name, state in states.items():
+            if name in TOP_LEVEL_PARTS:
+                flat.update(state)
+            else:
+                flat[name] = state
+            if name == "nan":
+                flat["nan_skipped"] = state["skipped"]
+        first = [k for k in _ORDER if k in flat]
+        return {**{k: flat[k] for k in first}, **{k: v for k, v in flat.items() if k not in first}}
+
+    @staticmethod
+    def part_state(name: str, state: dict) -> dict:
+        """Part ``name``'s state in the checkpoint state ``state`` (format 2; a checkpoint without ``nan`` has only
+        its ``nan_skipped`` count)."""
+        if name in TOP_LEVEL_PARTS:
+            return state
+        if name == "nan" and "nan" not in state:
+            return {"skipped": state["nan_skipped"]}
+        return state[name]
 
     def _verified(self, path: Path) -> LoadedCheckpoint:
         """Checkpoint ``path`` read (checksums verified first) with its weights loaded into the model; one-line
@@ -97,35 +127,19 @@ class RunCheckpoints:
             raise CheckpointError(f"checkpoint {str(path)!r} weights do not fit the configured model: {exc}") from exc
         return ck
 
-    def load(self, path: Path) -> Any:
-        """The verified checkpoint ``path`` (:meth:`_verified`), with the weights, optimizer, scheduler, batch
-        source, PR2 predictors and non-finite counts put back from it (and a warning when its step falls between
-        two publications); the trainer takes its counters, reference model and RNG states from the returned
-        checkpoint (``state``, ``modules``, ``rng``)."""
+    def load(self, path: Path, parts: Mapping[str, Any], weights: Mapping[str, Any]) -> LoadedCheckpoint:
+        """The verified checkpoint ``path`` (:meth:`_verified`: the policy's weights are loaded), with each named
+        part's state handed back to it (``load_state_dict``, in the order of ``parts``) and each named weight set
+        that is not None and was saved loaded into it.  The caller takes what has no object yet from the returned
+        checkpoint (weight sets in ``modules``, this process's RNG states in ``rng``)."""
         ck = self._verified(path)
-        st = ck.state
-        load_full_optimizer_state(self.model, self.optimizer, st["optimizer"])
-        self.scheduler.load_state_dict(st["scheduler"])
-        self.source.load_state_dict(st["source"])
-        if self.predictors is not None and "predictors" in ck.modules:
-            self.predictors.load_state_dict(ck.modules["predictors"])
-        self.nan.load_state_dict(st.get("nan", {"skipped": st["nan_skipped"]}))
-        step = st["step"]
-        # a resume between two publications (rollout.publish_every > 1) can only give generation the newest
-        # weights: the version it held is not kept
-        if self.source.published != step and step % self.publish_every:
-            print(f"offpolicy-moe: warning: resumed at step {step} between publications "
-                  f"(rollout.publish_every={self.publish_every}): generation restarts from version "
-                  f"{step} instead of {self.source.published}", file=sys.stderr)
+        for name, part in parts.items():
+            state = self.part_state(name, ck.state)
+            if name == "optimizer":
+                load_full_optimizer_state(self.model, part, state)
+            else:
+                part.load_state_dict(state)
+        for name, module in weights.items():
+            if module is not None and name in ck.modules:
+                module.load_state_dict(ck.modules[name])
         return ck
-
-    def boundary(self) -> dict:
-        """What a step changes before its update besides weights and optimizer (the RNG states, the batch
-        source's counters and queue, the non-finite counts: skips of a step that is rolled back are not kept)."""
-        return {"rng": rng_state(), "source": self.source.state_dict(), "nan": self.nan.state_dict()}
-
-    def restore_boundary(self, boundary: dict) -> None:
-        """Put back the iteration boundary ``boundary`` (:meth:`boundary`)."""
-        self.source.load_state_dict(boundary["source"])
-        set_rng_state(boundary["rng"])
-        self.nan.load_state_dict(boundary["nan"])

@@ -16,11 +16,14 @@ One iteration ``i`` of :meth:`Trainer.run`:
 5. evaluation when due; the engine is synced (version v+1) with weights known to be finite, metrics are logged,
    checkpoints written every ``trainer.checkpoint_every``.
 
-A NaN/Inf in any of these stages is one :class:`~offpolicy_moe.run.nonfinite.NonFiniteError` handed to one policy
-(``trainer.on_nan``, :mod:`~offpolicy_moe.run.nonfinite`, docs/faults.md): ``skip`` drops the batch (generation,
-old log-probs, measurements, reference) or the optimizer update (loss, gradients, parameters), or puts back the
-weights of before the step (evaluation), counts it and goes on, up to ``trainer.max_nan_skips`` in a row;
-``stop`` checkpoints the last finite state (the step boundary) and ends the run with status ``diverged``.
+Each iteration is a transaction owned by the loop (:class:`~offpolicy_moe.trainer.transaction.StepTransaction`):
+opened at the iteration boundary, committed when the step is done, rolled back when it cannot be.  A NaN/Inf in
+any stage is one :class:`~offpolicy_moe.run.nonfinite.NonFiniteError`, raised where it is found; the loop alone
+applies ``trainer.on_nan`` to it (:meth:`Trainer.apply_nan_policy`, the one :class:`NanCounter` of the run,
+docs/faults.md): ``skip`` drops the batch (generation, old log-probs, measurements, reference) or the optimizer
+update (loss, gradients, parameters; that update rolled back), or rolls the update back (evaluation), counts it
+and goes on, up to ``trainer.max_nan_skips`` in a row; ``stop`` (or one skip too many) rolls the step back to its
+boundary, checkpoints that last finite state and ends the run with status ``diverged``.
 
 ``trainer.steps`` counts TRAINED steps; with staleness ``k`` the first ``k`` iterations only generate.
 
@@ -35,7 +38,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -46,7 +49,7 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes
 from offpolicy_moe.trainer.checks import CheckedConfig, check_config
 from offpolicy_moe.trainer.callbacks import Callback, CallbackList
-from offpolicy_moe.run.checkpoint import set_rng_state
+from offpolicy_moe.run.checkpoint import LoadedCheckpoint, set_rng_state
 from offpolicy_moe.run.export import export_final
 from offpolicy_moe.run.full_state import full_model_state
 from offpolicy_moe.trainer.forward import RoutedForward
@@ -61,6 +64,7 @@ from offpolicy_moe.trainer.build import (build_engine, build_optimizer, build_so
 from offpolicy_moe.trainer.evaluation import eval_due, evaluate_policy
 from offpolicy_moe.trainer.finite_agreement import agree_on_stage
 from offpolicy_moe.trainer.run_checkpoints import RunCheckpoints
+from offpolicy_moe.trainer.transaction import StepTransaction
 from offpolicy_moe.trainer.sft import sft_warm_start
 from offpolicy_moe.trainer.step_metrics import mean_over_processes, offpolicy_metrics
 from offpolicy_moe.run.signals import RunInterrupted, StopRequest, graceful_stop
@@ -154,7 +158,7 @@ class Trainer:
                                      temperature=cfg.rollout.temperature, group_size=cfg.rollout.group_size,
                                      micro_batching=MicroBatching.from_trainer(
                                          tc, max_over_processes(self.accelerator.device) if self.world > 1 else None))
-        self.nan = NanCounter(tc.on_nan, tc.max_nan_skips)     # the run's one non-finite policy and its counts
+        self.nan = NanCounter(tc.on_nan, tc.max_nan_skips)     # the run's one non-finite policy (the loop's alone)
         loss = loss_setup(cfg.algo.loss, self.world)
         passes = OldLogpPass(self.forward, self.unwrapped, cfg, is_moe=self.is_moe,
                              measure_routing=self.measure_routing)
@@ -163,14 +167,13 @@ class Trainer:
                                           device=self.accelerator.device)
         policy = TrainedPolicy(self.model, self.unwrapped, self.optimizer, self.scheduler, self.predictors)
         self.policy_update = PolicyUpdate(cfg, loss=loss, forward=self.forward, old_logps=self.old_logp,
-                                          policy=policy, accelerator=self.accelerator, task=self.task, nan=self.nan)
+                                          policy=policy, accelerator=self.accelerator, task=self.task)
         self.source = build_source(cfg, engine=self.engine, task=self.task, model=self.unwrapped, prepare=self.prepare,
                                    on_nonfinite=self.drop_nonfinite, rank=self.rank, world=self.world)
-        self.run_checkpoints = RunCheckpoints(accelerator=self.accelerator, run_dir=self.run_dir, source=self.source,
-                                              model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler,
-                                              nan=self.nan, predictors=self.predictors, keep=tc.keep_checkpoints,
-                                              publish_every=cfg.rollout.publish_every)
-        # counters (all checkpointed; updates / nan_skipped live in the policy update, iterations in the source)
+        self.run_checkpoints = RunCheckpoints(accelerator=self.accelerator, run_dir=self.run_dir, model=self.unwrapped,
+                                              keep=tc.keep_checkpoints)
+        # counters (all checkpointed; updates live in the policy update, non-finite counts in self.nan, iterations
+        # in the source)
         self.step = 0               # trained steps done = policy version
         self.sft_done = False
         self.last_metrics: dict[str, float] = {}
@@ -178,6 +181,10 @@ class Trainer:
         self.stop_request = StopRequest()                    # set by a signal inside run()
         self.logger: Optional[MultiLogger] = None
         self.console: Optional[ConsoleLogger] = None
+        # the step as a transaction: what a rolled-back step puts back besides weights, optimizer and scheduler
+        self.transaction = StepTransaction(self.optimizer, self.scheduler,
+                                           {"source": self.source, "nan": self.nan, "trainer": self},
+                                           on_nan=tc.on_nan)
 
     # ------------------------------------------------------------------ building
     def make_ref_model(self, state: Optional[dict] = None) -> None:
@@ -207,8 +214,18 @@ class Trainer:
 
     @property
     def nan_skipped(self) -> int:
-        """Updates skipped for a non-finite loss or gradient norm."""
-        return self.policy_update.nan_skipped
+        """Batches and optimizer updates skipped as non-finite (``actor/nan_skipped``)."""
+        return self.nan.skipped
+
+    def state_dict(self) -> dict:
+        """The loop's own counters: trained steps, whether the SFT warm start ran, the latest logged metrics."""
+        return {"step": self.step, "sft_done": self.sft_done, "last_metrics": dict(self.last_metrics)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back :meth:`state_dict` (extra keys are ignored: a checkpoint keeps other counters beside them)."""
+        self.step = int(state["step"])
+        self.sft_done = bool(state["sft_done"])
+        self.last_metrics = dict(state.get("last_metrics", {}))
 
     # ------------------------------------------------------------------ the steps of an iteration
     def prepare(self, batch: RolloutBatch) -> None:
@@ -238,15 +255,50 @@ class Trainer:
             err = agree_on_stage(err, self.accelerator)
         if err is None:
             return False
-        self.nan.record(err.located(self.step + 1))
+        self.apply_nan_policy(err.located(self.step + 1))
         return True
+
+    def apply_nan_policy(self, err: NonFiniteError) -> None:
+        """``trainer.on_nan`` applied to ``err``, the one place it is: raise it (``stop``, or the
+        ``trainer.max_nan_skips``-th skip in a row; the loop then rolls the step back and checkpoints it) or count
+        the skip (the caller drops what ``err`` spoiled and goes on)."""
+        self.nan.record(err)
+
+    def _attempt(self, part: Callable[[], Any], undo: Optional[Callable[[], Any]] = None) -> tuple[bool, Any]:
+        """Run one part of the step; a :class:`NonFiniteError` from it is undone (``undo``: the rollback of what the
+        part changed) and handed to :meth:`apply_nan_policy`.  ``(True, its result)``, or ``(False, None)`` when it
+        was skipped."""
+        try:
+            return True, part()
+        except NonFiniteError as exc:
+            if undo is not None:
+                undo()
+            self.apply_nan_policy(exc)
+            return False, None
 
     def update(self, batch: RolloutBatch, *, keep_start: bool = False) -> dict[str, float]:
         """Step 4: train on one consumed batch (this process's share of it); returns the step's metrics
         (``_tokens``: attention tokens processed).  Callable on any :class:`RolloutBatch` whose ``old_logp`` is set
         (or ``algo.old_logp_source=proximal``), e.g. a fixed batch loaded from disk.  ``keep_start``: keep the
-        state of before the update (the trainer evaluates the new weights before publishing them)."""
-        return self.policy_update(batch, step=self.step, iteration=self.iteration, keep_start=keep_start)
+        state of before the update for :meth:`StepTransaction.rollback_update` (the loop evaluates the new weights
+        before publishing them).
+
+        The update (:class:`PolicyUpdate`) raises what is non-finite; here each of its parts runs under the step's
+        transaction: a batch whose old or reference log-probs are non-finite is dropped, an optimizer update with
+        a non-finite loss, gradient norm or parameters is rolled back and dropped (``skip``)."""
+        txn, pu = self.transaction, self.policy_update
+        txn.begin_update(keep_start=keep_start, updates_per_step=self.cfg.trainer.updates_per_step)
+        work = pu.start(batch, step=self.step, iteration=self.iteration)
+        if work.batch is None or not self._attempt(lambda: pu.prepare(work))[0]:
+            return pu.no_update(work, self.nan.metrics())
+        for index in range(pu.optimizer_updates(work)):
+            txn.begin_optimizer_update()
+            ok, _ = self._attempt(lambda: pu.optimizer_update(work, index), undo=txn.rollback_optimizer_update)
+            if ok:
+                txn.commit_optimizer_update()
+            else:
+                pu.dropped_update(work)
+        return pu.finish(work, self.nan.metrics())
 
     def publish(self, version: int, *, force: bool = False) -> None:
         """Step 5: the batch source gets the current weights (and PR2 predictors) as policy version ``version``
@@ -261,29 +313,37 @@ class Trainer:
         return evaluate_policy(self.unwrapped, self.tok, self.task, self.cfg, self.step)
 
     # ------------------------------------------------------------------ checkpoints
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """The run's checkpointed parts by name, each with ``state_dict()`` / ``load_state_dict()`` (loaded back in
+        this order): optimizer, scheduler, batch source, non-finite counts, the loop's counters, the update's."""
+        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "source": self.source, "nan": self.nan,
+                "trainer": self, "policy_update": self.policy_update}
+
     def save(self) -> Optional[Path]:
         """Checkpoint ``step_<step>`` (main process writes; every process gives its RNG states; all wait)."""
-        counters = {"step": self.step, "updates": self.updates, "nan_skipped": self.nan_skipped,
-                    "nan": self.nan.state_dict(), "sft_done": self.sft_done}
-        path = self.run_checkpoints.save(self.step, counters, last_metrics=self.last_metrics,
-                                         modules={"ref_model": self.ref_model, "predictors": self.predictors})
+        path = self.run_checkpoints.save(self.step, self.checkpoint_parts(),
+                                         {"ref_model": self.ref_model, "predictors": self.predictors})
         self.saved_at = (self.step, self.iteration)
         return path
 
-    def load(self, path: Path) -> None:
-        """Restore everything from a checkpoint folder; clear errors when it does not fit the configured model."""
-        ck = self.run_checkpoints.load(path)    # optimizer, scheduler, source, predictors, non-finite counts
-        st = ck.state
+    def load(self, path: Path) -> LoadedCheckpoint:
+        """Restore everything from a checkpoint folder (each part from its own state); clear errors when it does
+        not fit the configured model."""
+        ck = self.run_checkpoints.load(path, self.checkpoint_parts(), {"predictors": self.predictors})
         if "ref_model" in ck.modules:
             self.make_ref_model(ck.modules["ref_model"])
-        self.step = st["step"]
-        self.policy_update.load_state_dict({"updates": st["updates"]})
-        self.sft_done = st["sft_done"]
-        self.last_metrics = dict(st.get("last_metrics", {}))
+        # a resume between two publications (rollout.publish_every > 1) can only give generation the newest
+        # weights: the version it held is not kept
+        every = self.cfg.rollout.publish_every
+        if self.source.published != self.step and self.step % every:
+            print(f"offpolicy-moe: warning: resumed at step {self.step} between publications "
+                  f"(rollout.publish_every={every}): generation restarts from version "
+                  f"{self.step} instead of {self.source.published}", file=sys.stderr)
         self.publish(self.step, force=True)
         set_rng_state(ck.rng)
-        self.run_dir.restore_metrics(st["metrics_offset"], path)
+        self.run_dir.restore_metrics(ck.state["metrics_offset"], path)
         self.saved_at = (self.step, self.iteration)
+        return ck
 
     # ------------------------------------------------------------------ logging
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -393,69 +453,68 @@ class Trainer:
 
     def loop(self) -> None:
         """Steps until ``trainer.steps`` are trained (module docstring, steps 1-5): the batch source gives each
-        step's prepared batch, whatever its staleness; the update trains on it; the new weights are published."""
+        step's prepared batch, whatever its staleness; the update trains on it; the new weights are published.
+        Each step is one transaction (:attr:`transaction`), begun at its boundary and committed at its end; a
+        :class:`NonFiniteError` that ends the run (``stop``, or one skip too many) rolls it back to that boundary,
+        which is checkpointed before the error goes on."""
         tc = self.cfg.trainer
+        txn = self.transaction
         t_loop = time.perf_counter() - self.last_metrics.get("perf/elapsed_s", 0.0)   # a resume goes on counting
         try:
             while self.step < tc.steps:
                 self.stop_if_requested()
-                boundary = self.run_checkpoints.boundary()   # restored if the step stops before it trains
+                txn.begin()                    # rolled back if the step cannot be finished
                 t_step = time.perf_counter()
                 try:
-                    batch, source_metrics = self.source.next(self.step)
-                except SourceStopped as exc:
-                    self.save()
-                    raise TrainingStopped(f"{exc}; checkpoint written at step {self.step}") from exc
-                except NonFiniteError as exc:   # the policy said stop (or too many skips): nothing trained yet
-                    raise self._diverged(exc, boundary) from exc
-                self.callbacks.on_batch(self, batch)
-                t0 = time.perf_counter()
-                due = eval_due(tc, self.step + 1)
-                try:
-                    m = self.update(batch, keep_start=due)
-                except RewardError as exc:      # task.on_reward_error=stop: nothing was trained on this batch yet
-                    path = self._save_boundary(boundary)
-                    raise RewardError(f"{exc}; the last good state (step {self.step}) is checkpointed in {path}",
-                                      fn=exc.fn, row=exc.row) from exc
-                except NonFiniteError as exc:     # the update put the weights back; checkpoint them
-                    raise self._diverged(exc, boundary) from exc
-                t_update = time.perf_counter() - t0
-                m.update(source_metrics)
-                m.update(offpolicy_metrics(self.step, batch, self.source, tc.updates_per_step, m.pop("_tokens"),
-                                           t_update))
-                self.step += 1
-                if due:           # before publishing: generation only ever gets weights known to be finite
-                    m.update(self._evaluate_step(boundary))
-                self.publish(self.step)
-                self._end_step(m, t_step, t_loop)
+                    self._step(t_step, t_loop)
+                except NonFiniteError as exc:   # the policy said stop (or too many skips in a row)
+                    txn.rollback()
+                    path = self.save()
+                    raise exc.with_note(f"the last finite state (step {self.step}) is checkpointed in {path}") from exc
+                txn.commit()
                 self.nan.step_done()
         finally:
             self.source.close()
             self.task.rewards.close()         # the math reward's math-verify process, if one was started
 
-    def _evaluate_step(self, boundary: dict) -> dict[str, float]:
-        """The evaluation of the step just trained (``eval/*``, ``perf/time_eval_s``).  Non-finite logits put back
-        the weights of before the step; then ``skip`` counts it and goes on (no ``eval/*`` this step), ``stop`` (or
-        one skip too many) checkpoints that state and raises."""
-        t0 = time.perf_counter()
+    def _step(self, t_step: float, t_loop: float) -> None:
+        """One iteration inside the loop's transaction: batch, update, evaluation when due, publication, log and
+        checkpoint."""
+        tc = self.cfg.trainer
         try:
-            out = self.evaluate()
-        except NonFiniteError as exc:
-            self.policy_update.restore_start()
-            try:
-                self.nan.record(exc)
-            except NonFiniteError as final:
-                self.step -= 1
-                raise self._diverged(final, boundary) from exc
+            batch, source_metrics = self.source.next(self.step)
+        except SourceStopped as exc:
+            self.save()
+            raise TrainingStopped(f"{exc}; checkpoint written at step {self.step}") from exc
+        self.callbacks.on_batch(self, batch)
+        t0 = time.perf_counter()
+        due = eval_due(tc, self.step + 1)
+        try:
+            m = self.update(batch, keep_start=due)
+        except RewardError as exc:      # task.on_reward_error=stop: nothing was trained on this batch yet
+            self.transaction.rollback()
+            path = self.save()
+            raise RewardError(f"{exc}; the last good state (step {self.step}) is checkpointed in {path}",
+                              fn=exc.fn, row=exc.row) from exc
+        t_update = time.perf_counter() - t0
+        m.update(source_metrics)
+        m.update(offpolicy_metrics(self.step, batch, self.source, tc.updates_per_step, m.pop("_tokens"), t_update))
+        self.step += 1
+        if due:           # before publishing: generation only ever gets weights known to be finite
+            m.update(self._evaluate_step())
+        self.publish(self.step)
+        self._end_step(m, t_step, t_loop)
+
+    def _evaluate_step(self) -> dict[str, float]:
+        """The evaluation of the step just trained (``eval/*``, ``perf/time_eval_s``).  Non-finite logits roll the
+        update back (the weights of before the step); then ``skip`` counts it and goes on (no ``eval/*`` this
+        step), ``stop`` (or one skip too many) raises to the loop."""
+        t0 = time.perf_counter()
+        ok, out = self._attempt(self.evaluate, undo=self.transaction.rollback_update)
+        if not ok:
             out = self.nan.metrics()
         out["perf/time_eval_s"] = time.perf_counter() - t0
         return out
-
-    def _diverged(self, exc: NonFiniteError, boundary: dict) -> NonFiniteError:
-        """``exc`` once the last finite state (the boundary of the current step, weights put back by the update)
-        is checkpointed, with the checkpoint named in its message."""
-        path = self._save_boundary(boundary)
-        return exc.with_note(f"the last finite state (step {self.step}) is checkpointed in {path}")
 
     def _end_step(self, m: dict[str, float], t_step: float, t_loop: float) -> None:
         """Log, checkpoint when due, call back (evaluation, when due, is in ``m`` already).  ``perf/elapsed_s``:
@@ -485,9 +544,3 @@ class Trainer:
         else:
             path = self.run_dir.latest_checkpoint()
         raise RunInterrupted(signum, self.step, str(path) if path is not None else None)
-
-    def _save_boundary(self, boundary: dict) -> Optional[Path]:
-        """Checkpoint the iteration boundary ``boundary`` (with the weights and optimizer the policy update put
-        back): the last good state before a non-finite update stopped the run."""
-        self.run_checkpoints.restore_boundary(boundary)
-        return self.save()

@@ -5,13 +5,19 @@ micro-batches each.
 Loss denominators are the GLOBAL token/sequence counts of the mini-batch (all micro-batches, all processes), so
 the update does not depend on how the mini-batch is cut; a loss that selects tokens over the whole mini-batch
 (M2PO, arXiv 2510.01161) gets that selection from one no-grad pre-pass.  PR2 adds its predictor loss in the same
-backward.  Non-finite values are routed to the run's one policy (``trainer.on_nan``, a
-:class:`~offpolicy_moe.run.nonfinite.NanCounter`), by stage: the reference log-probs (``reference``) and the
-old log-probs taken at consumption (``old_logp``) drop the whole batch; the loss (or the loss library's refusal of
-a NaN log-prob), the gradient norm (``gradients``) and the parameters after ``optimizer.step()`` (``optimizer``,
-:class:`~offpolicy_moe.trainer.step_guard.StepGuard`) drop that one optimizer update.  ``skip`` restores the
-weights and optimizer state of before the dropped update and counts it; ``stop`` restores those of the start of the
-policy update (the last good step boundary) and raises :class:`~offpolicy_moe.run.nonfinite.NonFiniteError`.
+backward.
+
+The update is driven in parts by the training loop, which owns the step's transaction
+(:mod:`~offpolicy_moe.trainer.transaction`) and the run's one non-finite policy: :meth:`PolicyUpdate.start`
+(rewards, advantages, dynamic sampling), :meth:`PolicyUpdate.prepare` (old log-probs at consumption, reference
+log-probs), one :meth:`PolicyUpdate.optimizer_update` per mini-batch, and :meth:`PolicyUpdate.finish` (the step's
+metrics).  A non-finite value in any part is raised as one :class:`~offpolicy_moe.run.nonfinite.NonFiniteError`
+naming its stage, agreed over processes (:class:`~offpolicy_moe.trainer.finite_agreement.FiniteAgreement`): the
+old log-probs at consumption (``old_logp``) and the reference log-probs (``reference``) from ``prepare``, which
+makes the whole batch unusable; the loss (or the loss library's refusal of a NaN log-prob), the gradient norm
+(``gradients``) and the parameters after ``optimizer.step()`` (``optimizer``) from ``optimizer_update``, which makes
+that one optimizer update unusable.  The update never catches it: the loop rolls back what it must and applies
+``trainer.on_nan``.
 """
 from __future__ import annotations
 
@@ -24,19 +30,19 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.run import probes
-from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, all_finite, as_nonfinite
+from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
 from offpolicy_moe.trainer.finite_agreement import FiniteAgreement
 from offpolicy_moe.trainer.forward import RoutedForward
 from offpolicy_moe.trainer.grads import average_predictor_grads, grad_norm, zero_missing_grads
 from offpolicy_moe.trainer.micro_loss import MicroBatchTensors, MicroLoss, micro_batch_loss, options_from
 from offpolicy_moe.trainer.old_logp_strategy import BatchOldLogp, OldLogpStrategy
-from offpolicy_moe.trainer.step_guard import StepGuard
+from offpolicy_moe.trainer.step_guard import max_abs
 from offpolicy_moe.losses import (LossSpec, get_loss_spec, global_counts, group_advantages, metrics_to_floats,
                                   resolve_loss_options)
 from offpolicy_moe.routing import compare_traces, pr2_predictor_loss
 
-__all__ = ["PolicyUpdate", "TrainedPolicy", "LossSetup", "loss_setup", "mean_metrics", "drop_constant_groups",
-           "zero_missing_grads"]
+__all__ = ["PolicyUpdate", "TrainedPolicy", "UpdateWork", "LossSetup", "loss_setup", "mean_metrics",
+           "drop_constant_groups", "zero_missing_grads"]
 
 
 @dataclass
@@ -132,14 +138,35 @@ class TrainedPolicy:
     predictors: Any = None
 
 
+@dataclass
+class UpdateWork:
+    """One consumed batch on its way through the update: the batch (None once dynamic sampling left nothing to
+    train on), its advantages, the metrics gathered so far, and what :meth:`PolicyUpdate.prepare` adds (routes,
+    old log-probs, reference log-probs, the cut into mini-batches) and each optimizer update leaves (metrics,
+    gradient norms, rows skipped, updates dropped)."""
+
+    batch: Optional[RolloutBatch]
+    adv: torch.Tensor
+    metrics: dict
+    step: int                       # the policy version the batch is trained at (trained steps before it)
+    routes: Any = None
+    old: Optional[BatchOldLogp] = None
+    ref_lp: Optional[torch.Tensor] = None
+    cuts: list = field(default_factory=list)
+    skip_zero: bool = False
+    mini_metrics: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+    skipped_rows: int = 0
+    dropped: int = 0                # optimizer updates dropped as non-finite
+
+
 class PolicyUpdate:
-    """Applies the update of the module docstring; counts ``updates`` and ``nan_skipped`` (checkpointed by the
-    trainer).  Built with the config, the loss, the routed forward, the run's old-log-prob strategy, the policy it
-    trains (:class:`TrainedPolicy`), the accelerator, the task (rewards) and the run's non-finite policy."""
+    """Applies the update of the module docstring; counts ``updates`` (checkpointed: :meth:`state_dict`).  Built
+    with the config, the loss, the routed forward, the run's old-log-prob strategy, the policy it trains
+    (:class:`TrainedPolicy`), the accelerator and the task (rewards)."""
 
     def __init__(self, cfg: Any, *, loss: LossSetup, forward: RoutedForward, old_logps: OldLogpStrategy,
-                 policy: TrainedPolicy, accelerator: Any, task: Any, nan: Optional[NanCounter] = None):
-        """``nan``: the run's non-finite policy and counts (one is made from ``cfg.trainer`` when omitted)."""
+                 policy: TrainedPolicy, accelerator: Any, task: Any):
         self.cfg = cfg
         self.spec = loss
         self.forward, self.old_logps = forward, old_logps
@@ -151,29 +178,16 @@ class PolicyUpdate:
         self.norm_length = cfg.algo.loss.norm_length or cfg.rollout.max_new_tokens
         self.loss_options = options_from(loss.fn, loss.options, cfg, self.norm_length)
         self.updates = 0
-        self.nan = nan if nan is not None else NanCounter(cfg.trainer.on_nan, cfg.trainer.max_nan_skips)
         self._step, self._iteration = 0, 0
-        self.guard = StepGuard(self.optimizer, self.scheduler)        # before each optimizer step (on_nan=skip)
-        self.start_guard = StepGuard(self.optimizer, self.scheduler)  # the start of the policy update (step boundary)
-        self._start: Optional[StepGuard] = None
-        self.applied = 0                # optimizer updates applied by the current call
-        self.finite = FiniteAgreement(self.nan, accelerator)     # checks agreed over processes, by stage
-
-    @property
-    def nan_skipped(self) -> int:
-        """Skipped batches and updates (``actor/nan_skipped``), kept by :attr:`nan`."""
-        return self.nan.skipped
-
-    @nan_skipped.setter
-    def nan_skipped(self, value: int) -> None:
-        self.nan.skipped = int(value)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]   # checked after each step
+        self.finite = FiniteAgreement(accelerator)     # checks agreed over processes, by stage
 
     def state_dict(self) -> dict:
-        """The update's own checkpointed counter (the non-finite counts are :attr:`nan`'s)."""
+        """The update's own checkpointed counter (the non-finite counts are the loop's)."""
         return {"updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
-        """Put back :meth:`state_dict`."""
+        """Put back :meth:`state_dict` (extra keys are ignored: a checkpoint keeps it among the run's counters)."""
         self.updates = int(state["updates"])
 
     @property
@@ -210,94 +224,77 @@ class PolicyUpdate:
             raise NonFiniteError("reference", "reference log-probs", step=self._step, iteration=self._iteration)
         return lp
 
-    def __call__(self, batch: RolloutBatch, *, step: int, iteration: int, keep_start: bool = False
-                 ) -> dict[str, float]:
-        """Train on one consumed batch at policy version ``step``; returns the step's metrics (``_tokens``:
-        attention tokens processed).  Under ``trainer.on_nan=stop`` a non-finite value raises
-        :class:`NonFiniteError` with the weights, optimizer and scheduler put back as they were when this call
-        started; so does the ``trainer.max_nan_skips``-th skip in a row under ``skip``.  ``keep_start``: keep the
-        state of the start of the call for :meth:`restore_start` (the trainer evaluates the new weights next)."""
+    def start(self, batch: RolloutBatch, *, step: int, iteration: int) -> UpdateWork:
+        """The update of one consumed batch at policy version ``step`` (generation iteration ``iteration``) begins:
+        rewards, group advantages and (``algo.dynamic_sampling=drop``) the groups left to train on.  A
+        :class:`~offpolicy_moe.tasks.RewardError` under ``task.on_reward_error=stop`` propagates."""
         self._step, self._iteration = step + 1, iteration
-        self.finite.step, self.finite.iteration = self._step, iteration
-        self.applied = 0
-        one_update = self.cfg.trainer.updates_per_step == 1
-        stop = self.cfg.trainer.on_nan == "stop"
-        self._start = None
-        if stop or (keep_start and not one_update):
-            self.start_guard.snapshot()          # the last good state, restored before stopping
-            self._start = self.start_guard
-        elif keep_start:     # one update under skip: its own snapshot (taken before its optimizer step) is the start
-            self._start = self.guard
-        try:
-            return self._update(batch, step)
-        except NonFiniteError:
-            if stop and self.start_guard.taken:
-                self.start_guard.restore()
-            self.optimizer.zero_grad(set_to_none=True)
-            raise
-
-    def restore_start(self) -> bool:
-        """Put back the weights, optimizer and scheduler of the start of the last call (made with ``keep_start``
-        or under ``on_nan=stop``); False when that call applied no update (nothing to put back)."""
-        if self.applied == 0:
-            return False
-        if self._start is None or not self._start.taken:
-            raise RuntimeError("PolicyUpdate.restore_start() without a state kept at the start of the update")
-        self._start.restore()
-        self.optimizer.zero_grad(set_to_none=True)
-        return True
-
-    def _skip_batch(self, err: NonFiniteError, metrics: dict[str, float]) -> dict[str, float]:
-        """A stage before any optimizer update found non-finite values: the policy decides (raise, or drop the
-        batch: no update, counted)."""
-        self.nan.record(err.located(self._step, self._iteration))
-        return self._no_update(metrics)
-
-    def _update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        self.finite.at(self._step, iteration)
         adv, metrics = self.advantages(batch)
         if self.cfg.algo.dynamic_sampling == "drop":
             batch, adv, ds = drop_constant_groups(batch, adv)
-            metrics.update(ds)
-            if batch is None:                # every group's rewards were equal: nothing to learn from this batch
-                return self._no_update(metrics)
-        routes = self.forward.routes_for_update(batch)
-        old = self.old_logps.take(batch, step=step, routes=routes, adv=adv)   # the one old-log-prob call
-        metrics.update(old.metrics)
-        if self.finite.agreed(old.error, "old_logp", "old log-probs at consumption") is not None:
-            return self._skip_batch(self.finite.agreed_err, metrics)
+            metrics.update(ds)              # batch None: every group's rewards were equal, nothing to learn from
+        return UpdateWork(batch, adv, metrics, step)
+
+    def prepare(self, work: UpdateWork) -> None:
+        """The routes the update's forwards replay, the old log-probs (the strategy's one ``take``) and the
+        reference log-probs of ``work``'s batch, and its cut into mini-batches.  Raises :class:`NonFiniteError`
+        (stage ``old_logp`` or ``reference``, agreed over processes) when the batch cannot be trained on; the
+        metrics taken until then are in ``work.metrics``."""
+        batch = work.batch
+        work.routes = self.forward.routes_for_update(batch)
+        old = self.old_logps.take(batch, step=work.step, routes=work.routes, adv=work.adv)   # the one call
+        work.metrics.update(old.metrics)
+        self.finite.raise_agreed(old.error, "old_logp", "old log-probs at consumption")
         err = None
-        ref_lp = None
         try:
-            ref_lp = self.ref_logp(batch, routes)
+            work.ref_lp = self.ref_logp(batch, work.routes)
         except NonFiniteError as exc:
             err = exc
-        if self.finite.agreed(err, "reference", "reference log-probs") is not None:
-            return self._skip_batch(self.finite.agreed_err, metrics)
-        skipped_before = self.nan.skipped
-        mini_metrics: list[dict] = []
-        grad_norms: list[torch.Tensor] = []
-        on_policy = batch.version == step
-        skip = self.skips_zero_advantage(old)
-        skipped = 0
-        for mb_num, micro in enumerate(self.forward.micro_batching.cut(batch.size, int(batch.input_ids.shape[1]))):
-            # PR2: skip the predictor loss on the first mini-step of on-policy data (target = "no change")
-            off_policy = not (on_policy and mb_num == 0)
-            mb = self._cut(batch, micro, routes, pr2_on=off_policy, adv=adv if skip else None)
-            mb.index = mb_num
-            skipped += mb.skipped_rows
-            mb.off_policy = off_policy
-            mb.global_sel = self.global_selection(mb, adv)
-            gn = self.minibatch_step(mb, adv, old, ref_lp, mini_metrics)
-            if gn is not None:
-                grad_norms.append(gn)
-        if grad_norms:
-            mini_metrics.append({"actor/grad_norm": torch.stack([g.float() for g in grad_norms]).mean()})
+        self.finite.raise_agreed(err, "reference", "reference log-probs")
+        work.old = old
+        work.skip_zero = self.skips_zero_advantage(old)
+        work.cuts = self.forward.micro_batching.cut(batch.size, int(batch.input_ids.shape[1]))
+
+    def optimizer_updates(self, work: UpdateWork) -> int:
+        """How many optimizer updates :meth:`prepare` cut ``work``'s batch into."""
+        return len(work.cuts)
+
+    def optimizer_update(self, work: UpdateWork, index: int) -> None:
+        """Optimizer update ``index`` of the step on its mini-batch (:meth:`minibatch_step`), then the schedule's
+        step.  Raises :class:`NonFiniteError` (``loss``, ``gradients``, ``optimizer``) with the update unfinished:
+        the caller undoes it (the parameters of before its optimizer step) and calls :meth:`dropped_update`."""
+        batch = work.batch
+        # PR2: skip the predictor loss on the first mini-step of on-policy data (target = "no change")
+        off_policy = not (batch.version == work.step and index == 0)
+        mb = self._cut(batch, work.cuts[index], work.routes, pr2_on=off_policy,
+                       adv=work.adv if work.skip_zero else None)
+        mb.index = index
+        work.skipped_rows += mb.skipped_rows
+        mb.off_policy = off_policy
+        mb.global_sel = self.global_selection(mb, work.adv)
+        work.grad_norms.append(self.minibatch_step(mb, work.adv, work.old, work.ref_lp, work.mini_metrics))
+
+    def dropped_update(self, work: UpdateWork) -> None:
+        """After an optimizer update dropped as non-finite (and undone by the caller): the schedule still takes its
+        step, the gradients are dropped."""
+        work.dropped += 1
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish(self, work: UpdateWork, nan_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics once every optimizer update ran (``_tokens``: attention tokens processed);
+        ``nan_metrics``: the loop's non-finite counts, logged with them."""
+        batch, adv, metrics = work.batch, work.adv, work.metrics
+        mini_metrics = work.mini_metrics
+        if work.grad_norms:
+            mini_metrics.append({"actor/grad_norm": torch.stack([g.float() for g in work.grad_norms]).mean()})
         metrics.update(mean_metrics(mini_metrics))
-        metrics.update(old.finish(clean=self.nan.skipped == skipped_before))
+        metrics.update(work.old.finish(clean=work.dropped == 0))
         metrics["actor/zero_adv_share"] = float((adv == 0).float().mean()) if adv.numel() else 0.0
-        metrics["actor/rows_skipped_share"] = skipped / max(batch.size, 1)
+        metrics["actor/rows_skipped_share"] = work.skipped_rows / max(batch.size, 1)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics.update(self.nan.metrics())
+        metrics.update(nan_metrics)
         metrics["actor/updates"] = float(self.updates)
         metrics.update(self.forward.last_plan.metrics())     # perf/forward_*: the last update forward's way
         metrics["_tokens"] = float(int(batch.attention_mask.sum()))
@@ -328,11 +325,13 @@ class PolicyUpdate:
                 and self.world == 1
                 and not (self.forward.ref_model is not None and self.cfg.algo.kl.coef > 0))
 
-    def _no_update(self, metrics: dict[str, float]) -> dict[str, float]:
-        """A consumed batch with nothing left to train on (dynamic sampling dropped every group, or a non-finite
-        reference or old log-prob under ``on_nan=skip``): no optimizer step; the schedule does not advance."""
+    def no_update(self, work: UpdateWork, nan_metrics: dict[str, float]) -> dict[str, float]:
+        """The metrics of a consumed batch with nothing left to train on (dynamic sampling dropped every group, or
+        a non-finite reference or old log-prob under ``on_nan=skip``): no optimizer step; the schedule does not
+        advance.  ``nan_metrics``: the loop's non-finite counts."""
+        metrics = work.metrics
         metrics.update({"actor/lr": float(self.optimizer.param_groups[0]["lr"]), "actor/updates": float(self.updates),
-                        "_tokens": 0.0, **self.nan.metrics()})
+                        "_tokens": 0.0, **nan_metrics})
         return metrics
 
     def global_selection(self, mb: _MiniBatch, adv: torch.Tensor) -> list[dict]:
@@ -351,61 +350,47 @@ class PolicyUpdate:
 
     # ------------------------------------------------------------------ one optimizer update
     def minibatch_step(self, mb: _MiniBatch, adv: torch.Tensor, old: BatchOldLogp, ref_lp: Optional[torch.Tensor],
-                       mini_metrics: list[dict]) -> Optional[torch.Tensor]:
-        """Backward over the micro-batches (DDP syncs on the last), clip, step; returns the gradient norm, or None
-        when the update was skipped as non-finite."""
+                       mini_metrics: list[dict]) -> torch.Tensor:
+        """Backward over the micro-batches (DDP syncs on the last), clip, step, schedule; returns the gradient norm.
+        A non-finite loss, gradient norm or parameter raises :class:`NonFiniteError` before the schedule's step
+        (the metrics of the micro-batches before it are in ``mini_metrics``)."""
         losses: list[torch.Tensor] = []
-        ok = True
         for j in range(len(mb.parts)):
             last = j == len(mb.parts) - 1
             sync_ctx = self.acc.no_sync(self.model) if (not last and self.world > 1) else contextlib.nullcontext()
             with sync_ctx:
                 loss, lm = self.micro_loss(mb, j, adv, old, ref_lp)
-                if loss is None:
-                    ok = False
-                    break
                 self.acc.backward(loss * self.world)    # DDP averages gradients over ranks; global counts already
             losses.append(loss.detach())
             mini_metrics.append(lm)
-        gn = None
-        if ok and mb.skipped_rows:
+        if mb.skipped_rows:
             zero_missing_grads(self.model)
-        if ok:
-            self.sync_predictor_grads()
-            probes.poison_("gradients", self._step, next((p.grad for p in self.model.parameters()
-                                                          if p.grad is not None), None))
-            gn = grad_norm(self.acc, self.model, self.cfg.optim.grad_clip)
-            ok = self.check_finite(torch.as_tensor(gn), "gradient norm", "gradients")
-        if ok:
-            ok = self.guarded_step()
-        if ok:
-            self.updates += 1
-            self.applied += 1
-            mini_metrics.append({"actor/loss": torch.stack(losses).sum() if losses else torch.zeros(())})
+        self.sync_predictor_grads()
+        probes.poison_("gradients", self._step, next((p.grad for p in self.model.parameters()
+                                                      if p.grad is not None), None))
+        gn = grad_norm(self.acc, self.model, self.cfg.optim.grad_clip)
+        self.finite.require(torch.as_tensor(gn), "gradient norm", "gradients")
+        self.checked_step()
+        self.updates += 1
+        mini_metrics.append({"actor/loss": torch.stack(losses).sum() if losses else torch.zeros(())})
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return torch.as_tensor(gn).detach() if ok else None
+        return torch.as_tensor(gn).detach()
 
-    def guarded_step(self) -> bool:
-        """``optimizer.step()`` followed by one fused finiteness check of the parameters; non-finite parameters
-        are put back to before the step (``on_nan=skip``: returns False, the update counts as skipped) or stop the
-        run (``on_nan=stop``: :class:`NonFiniteError`, restored by the caller)."""
-        skip = self.cfg.trainer.on_nan != "stop"
-        if skip:
-            self.guard.snapshot()
+    def checked_step(self) -> None:
+        """``optimizer.step()`` followed by one fused finiteness check of the parameters
+        (:func:`~offpolicy_moe.trainer.step_guard.max_abs`): non-finite parameters raise :class:`NonFiniteError`
+        (stage ``optimizer``), left for the caller's transaction to put back."""
         self.optimizer.step()
-        probes.poison_("optimizer", self._step, self.guard.params[0] if self.guard.params else None)
-        if self.check_finite(self.guard.params_max_abs(), "parameters after the optimizer step", "optimizer"):
-            return True
-        self.guard.restore()
-        return False
+        probes.poison_("optimizer", self._step, self.params[0] if self.params else None)
+        self.finite.require(max_abs(self.params), "parameters after the optimizer step", "optimizer")
 
     def micro_loss(self, mb: _MiniBatch, j: int, adv: torch.Tensor, old: BatchOldLogp,
                    ref_lp: Optional[torch.Tensor]):
         """Micro-batch ``j``: its update forward (replaying its routes; recording what PR2, the drift metrics or
         the old-log-prob strategy need), its old log-probs and weights (:meth:`BatchOldLogp.micro`), and its loss
-        (:func:`~offpolicy_moe.trainer.micro_loss.micro_batch_loss`) with its metrics; ``(None, {})`` when the loss
-        is non-finite and ``trainer.on_nan=skip``."""
+        (:func:`~offpolicy_moe.trainer.micro_loss.micro_batch_loss`) with its metrics; a non-finite loss (on any
+        process) raises :class:`NonFiniteError` (stage ``loss``)."""
         dev = self.device
         p, rows, routes = mb.parts[j], mb.rows[j], mb.routes[j]
         feats = p.pr2_features if (self.predictors is not None and mb.pr2_on) else None
@@ -443,18 +428,13 @@ class PolicyUpdate:
             # decided below with the other processes (they must agree before any backward)
             nan = torch.full((), float("nan"), device=dev)
             res, what = MicroLoss(nan, nan, {}), err.what
-        if not self.check_finite(res.policy.detach(), what, "loss"):
-            return None, {}
+        self.finite.require(res.policy.detach(), what, "loss")
         lm = res.metrics
         if own is not None:
             lm = dict(lm, **compare_traces(p.routes, own, p.attention_mask).zero_deviation_metrics("drift/"))
         return res.total, lm
 
     # ------------------------------------------------------------------ multi-process details
-    def check_finite(self, value: torch.Tensor, what: str, stage: str) -> bool:
-        """True when ``value`` is finite on every process, else the policy decides (:meth:`FiniteAgreement.check`)."""
-        return self.finite.check(value, what, stage)
-
     def sync_predictor_grads(self) -> None:
         """The PR2 predictors' gradients averaged over processes by hand (:func:`average_predictor_grads`)."""
         average_predictor_grads(self.predictors, self.world)

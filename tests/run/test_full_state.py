@@ -1,4 +1,5 @@
-"""Full states of FSDP2-sharded models (run/full_state.py): the rollout engine, checkpoints and exports see the
+"""Full states of FSDP2-sharded models (run/full_state.py, and the checkpoint storage's full optimizer state and
+loaders in run/checkpoint.py): the rollout engine, checkpoints and exports see the
 same plain tensors as for an unsharded model, and loading them back restores the sharded model and optimizer.
 FSDP2 runs on CPU over gloo with one process here; the GPU run is in experiments/gpu/smoke.sh."""
 from __future__ import annotations
@@ -10,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from offpolicy_moe.run.full_state import (as_full_tensor, full_model_state, full_optimizer_state, is_sharded,
-                                             load_full_model_state, load_full_optimizer_state)
+from offpolicy_moe.run.checkpoint import full_optimizer_state, load_full_model_state, load_full_optimizer_state
+from offpolicy_moe.run.full_state import as_full_tensor, full_model_state, is_sharded
 from tests.tiny import free_port
 
 
