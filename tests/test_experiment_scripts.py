@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p for p in [*(ROOT / "experiments").glob("*.py"), *(ROOT / "experiments" / "bench").glob("*.py")]
-                 if not p.name.startswith("_"))
+SCRIPTS = sorted(p for p in [*(ROOT / "experiments").glob("*.py"), *(ROOT / "experiments" / "bench").glob("*.py"),
+                             *(ROOT / "experiments" / "refactor_check").glob("*.py")]
+                 if not p.name.startswith("_") and p.name != "runner.py")
 
 
 def test_scripts_are_found():
