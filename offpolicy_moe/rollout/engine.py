@@ -100,11 +100,6 @@ def _encode(tokenizer: Any, prompts: Sequence[str]) -> tuple[torch.Tensor, torch
     return encode_prompts(tokenizer, list(prompts))
 
 
-def _decode(tokenizer: Any, resp: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Completion texts, decoded exactly as the task's evaluation decodes them (so rewards agree with eval)."""
-    return list(decode_completions(tokenizer, resp))
-
-
 # the native sampler takes the behaviour log-probs of the steps it holds once their scores reach this many floats
 # (16 MiB of float32): one step at a time with a real vocabulary, all steps in one call with a tiny one
 SCORES_HELD_ELEMENTS = 1 << 22
@@ -512,7 +507,9 @@ class HFRolloutEngine(RolloutEngine):
         if feats:
             features = cat_features(feats, sizes) if len(feats) > 1 else feats[0]
             features = features.filter(attention_mask.cpu())     # drop left-pad and after-EOS positions
-        completions = _decode(self.tokenizer, resp.cpu(), response_mask.cpu())
+        # decoded as the task's evaluation decodes (cut at the first eos: the response mask's extent), so the
+        # rewards agree with the evaluation's
+        completions = decode_completions(self.tokenizer, resp.cpu())
         groups = torch.arange(len(prompts)).repeat_interleave(group_size)
         answers_rep = [a for a in answers for _ in range(group_size)]
         return RolloutBatch(input_ids=seq.cpu(), attention_mask=attention_mask.cpu(),

@@ -77,3 +77,21 @@ def test_recorder_scatter_rows_refuses_a_wrong_row_count():
         rec.scatter_rows(torch.tensor([0, 2]), 4)
         with pytest.raises(ValueError, match="active rows"):
             eng.model(input_ids=ids[:3])
+
+
+def test_completions_are_the_masked_response_tokens_decoded():
+    """A completion is exactly the response's masked tokens (through the first eos) decoded, the eos dropped: the
+    text a reward sees is what the update trains on."""
+    from offpolicy_moe.tasks.tokenizer import decode_completions
+
+    torch.set_num_threads(1)
+    eng, prompts, answers = _engine(True, False)
+    b = eng.generate(prompts, answers, group_size=4, seed=3)
+    resp = b.input_ids[:, b.prompt_len:]
+    lengths = b.response_mask.sum(1).long().tolist()
+    assert len(set(lengths)) > 1                        # rows finish at different steps
+    eos = eng.tokenizer.eos_token_id
+    for row, n, text in zip(resp.tolist(), lengths, b.completions):
+        kept = row[:n]
+        assert eos not in kept[:-1]
+        assert decode_completions(eng.tokenizer, [[t for t in kept if t != eos]]) == [text]
