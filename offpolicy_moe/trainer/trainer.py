@@ -415,6 +415,10 @@ class Trainer:
             error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            # the workers (started at the first publish: rollout.early_start) and the math reward's process stop
+            # however the run ends, the step-0 evaluation's failure included
+            self.source.close()
+            self.task.rewards.close()
             if self.logger is not None:
                 self.logger.close()
             summary = {"status": status, "steps": int(self.step), "iterations": int(self.iteration),
@@ -460,22 +464,18 @@ class Trainer:
         tc = self.cfg.trainer
         txn = self.transaction
         t_loop = time.perf_counter() - self.last_metrics.get("perf/elapsed_s", 0.0)   # a resume goes on counting
-        try:
-            while self.step < tc.steps:
-                self.stop_if_requested()
-                txn.begin()                    # rolled back if the step cannot be finished
-                t_step = time.perf_counter()
-                try:
-                    self._step(t_step, t_loop)
-                except NonFiniteError as exc:   # the policy said stop (or too many skips in a row)
-                    txn.rollback()
-                    path = self.save()
-                    raise exc.with_note(f"the last finite state (step {self.step}) is checkpointed in {path}") from exc
-                txn.commit()
-                self.nan.step_done()
-        finally:
-            self.source.close()
-            self.task.rewards.close()         # the math reward's math-verify process, if one was started
+        while self.step < tc.steps:
+            self.stop_if_requested()
+            txn.begin()                    # rolled back if the step cannot be finished
+            t_step = time.perf_counter()
+            try:
+                self._step(t_step, t_loop)
+            except NonFiniteError as exc:   # the policy said stop (or too many skips in a row)
+                txn.rollback()
+                path = self.save()
+                raise exc.with_note(f"the last finite state (step {self.step}) is checkpointed in {path}") from exc
+            txn.commit()
+            self.nan.step_done()
 
     def _step(self, t_step: float, t_loop: float) -> None:
         """One iteration inside the loop's transaction: batch, update, evaluation when due, publication, log and

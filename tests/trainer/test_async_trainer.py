@@ -119,3 +119,29 @@ def test_two_workers_stay_within_the_bound_and_in_order(make_cfg):
     rows = [m for m in _metrics(cfg.run_dir) if m["step"] > 0]
     assert [m["offpolicy/generated_at"] for m in rows] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert all(m["offpolicy/staleness_max"] <= 2.0 for m in rows)
+
+
+def test_workers_started_early_are_stopped_when_the_step_0_evaluation_fails(make_cfg, monkeypatch):
+    """``rollout.early_start`` starts the workers at the first publish, before the step-0 evaluation: a run that
+    fails there (before the loop) still stops them, and its summary says failed."""
+    cfg = make_cfg("buffer.mode=async", "buffer.staleness=1", "trainer.steps=2")
+    trainer = Trainer(cfg)
+    seen: list[int] = []
+
+    def broken_evaluate():
+        seen.extend(trainer.source.worker_pids())
+        raise RuntimeError("evaluation broke")
+
+    monkeypatch.setattr(trainer, "evaluate", broken_evaluate)
+    with pytest.raises(RuntimeError, match="evaluation broke"):
+        trainer.run()
+    assert seen, "the workers start at the first publish, before the step-0 evaluation"
+    def running() -> list[int]:
+        return [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+    deadline = time.time() + 10
+    while running() and time.time() < deadline:
+        time.sleep(0.1)
+    assert running() == [], "a worker outlived the failed run"
+    with open(os.path.join(cfg.run_dir, "summary.json")) as f:
+        assert json.load(f)["status"] == "failed"
