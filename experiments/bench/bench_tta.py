@@ -23,8 +23,8 @@ of this script.
 
 **Threads** (``--threads N``, default 1): torch threads (and ``OMP_NUM_THREADS``) of trl and sync, the two
 one-process arms; an asynchronous arm's trainer and worker get one each (2 cores in all).  TRL's best count is
-measured before the run (1 vs 2 threads on the same job, experiments/results/tta/threads/) and our sync arm gets
-the same.  TRL runs without gradient checkpointing (``--trl-gradient-checkpointing 0``, the default here: TRL
+measured before the run (1 vs 2 threads on the same job, experiments/results/tta/threads/: 2 on both jobs on the
+2-core VM, 2026-11-26) and our sync arm gets the same, so the recorded runs pass ``--threads 2``.  TRL runs without gradient checkpointing (``--trl-gradient-checkpointing 0``, the default here: TRL
 1.16's own default recomputes the forward in the backward, which no user of a model this size wants).
 
 **The jobs** (``--job``): ``default`` = the embedded tiny Qwen3-MoE (2 layers, hidden 64, 8 experts, top-2) on the
