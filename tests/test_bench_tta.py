@@ -18,8 +18,8 @@ BENCH = ROOT / "experiments" / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_tta  # noqa: E402
-from tta.analysis import (ASYNC_STALENESS, LOSSES, curve, default_target, parse_arms, per_seed_ratios,  # noqa: E402
-                          rotated, speedup, time_to_accuracy)
+from tta.analysis import (ASYNC_STALENESS, LOSSES, curve, default_target, gain_target, parse_arms,  # noqa: E402
+                          per_seed_ratios, rotated, speedup, time_to_accuracy)
 
 from offpolicy_moe.config.load import load_config  # noqa: E402
 from offpolicy_moe.config.validate import validate  # noqa: E402
@@ -174,7 +174,11 @@ def test_every_arm_resolves_to_the_config_it_names():
 
 @pytest.mark.parametrize("argv, word", [
     (["--arms", "trl,bogus"], "'bogus'"),
-    (["--arms", "trl,async"], "--target is required"),
+    (["--arms", "trl,async"], "--target or --target-gain is required"),
+    (["--arms", "sync", "--headline", "sync", "--target", "0.5", "--target-gain", "0.05"], "give one"),
+    (["--arms", "sync", "--headline", "sync", "--target-gain", "0"], "--target-gain must be in (0, 1)"),
+    (["--arms", "sync", "--headline", "sync", "--target-gain", "nan"], "--target-gain must be in (0, 1)"),
+    (["--arms", "sync", "--headline", "sync", "--warm-seed", "-2"], "--warm-seed must be >= 0"),
     (["--steps", "30", "--eval-every", "25"], "multiple of --eval-every"),
     (["--seeds", "0"], "--seeds must be >= 1"),
     (["--set", "nokey"], "KEY=VALUE"),
@@ -356,6 +360,53 @@ def test_seeds_start_at_first_seed_and_arms_rotate(monkeypatch, tmp_path):
     rec = bench_tta.collect(args)
     assert calls == [(5, "sync", "w5"), (5, "async-k1-grpo", "w5"), (6, "async-k1-grpo", "w6"), (6, "sync", "w6")]
     assert rec["headline"] == "async-k1-grpo" and set(rec["warm_start_s"]) == {5, 6}
+
+
+def test_a_shared_warm_start_is_made_once_and_every_seed_starts_from_it(monkeypatch, tmp_path):
+    made = []
+    monkeypatch.setattr(bench_tta, "warm_start", lambda args, seed, work: made.append(seed) or (f"w{seed}", 1.0))
+    monkeypatch.setattr(bench_tta, "save_partial", lambda *a: None)
+    calls = []
+
+    def fake_run(args, arm, seed, warm, work):
+        calls.append((seed, warm))
+        return {"arm": arm.name, "seed": seed, "curve": {"final_accuracy": 0.5, "end_s": 1.0, "eval_s": 0.0},
+                "process_wall_s": 1.0, "load_after": [1.0, 1.0, 1.0]}
+
+    monkeypatch.setattr(bench_tta, "run_arm", fake_run)
+    args = bench_tta.parse_args(["--arms", "sync", "--headline", "sync", "--seeds", "3", "--first-seed", "5",
+                                 "--warm-seed", "5", "--out", str(tmp_path)])
+    rec = bench_tta.collect(args)
+    assert made == [5]                                  # one SFT, made once for every seed
+    assert calls == [(5, "w5"), (6, "w5"), (7, "w5")] and rec["warm_seed"] == 5 and set(rec["warm_start_s"]) == {5}
+
+
+def test_gain_target_is_the_median_start_plus_the_gain_and_refuses_bad_input():
+    assert gain_target([0.5, 0.5, 0.4], 0.06) == pytest.approx(0.56)
+    with pytest.raises(ValueError, match="step-0 evaluation"):
+        gain_target([], 0.05)
+    for bad in (0.0, -0.1, math.nan, math.inf):
+        with pytest.raises(ValueError, match="--target-gain must be"):
+            gain_target([0.5], bad)
+
+
+def test_the_gain_target_rule_is_kept_with_the_record_and_met_by_no_run_at_step_0(tmp_path):
+    """--target-gain 0.15 over ROWS (step 0 at 0.30): target 0.45, first met at step 4 by every run, none at step 0;
+    the record keeps the rule, so --reanalyse applies it again; --target given at re-analysis wins."""
+    rec = _process_record({"trl": [2.0, 2.0], "sync": [1.0, 1.0], "async-k1-grpo": [0.5, 0.5]},
+                          {"trl": 5.0, "sync": 5.0, "async-k1-grpo": 5.0})
+    rec["target_gain"] = 0.15
+    assert bench_tta.target_of(rec, None, None) == (pytest.approx(0.45), "median step-0 accuracy 0.300 + 0.15 "
+                                                                         "(--target-gain)")
+    assert bench_tta.target_of(rec, 0.5, None) == (0.5, "--target")
+    bench_tta.report(rec, None, tmp_path, headline="async-k1-grpo")
+    out = json.loads((tmp_path / "runs.json").read_text())
+    assert out["target"] == pytest.approx(0.45) and "warning" not in (tmp_path / "table.md").read_text()
+    assert all(r["tta"]["step"] == 4 for r in out["runs"])
+    no_step0 = dict(rec, runs=[dict(r, curve=dict(r["curve"], steps=r["curve"]["steps"][1:],
+                                                    accuracy=r["curve"]["accuracy"][1:])) for r in rec["runs"]])
+    with pytest.raises(ValueError, match="step-0 evaluation"):
+        bench_tta.target_of(no_step0, None, None)
 
 
 @pytest.mark.slow

@@ -40,7 +40,10 @@ problems (plus as many training prompts, as our trainer does).
 
 **Warm start**: once per seed, ``train`` with the SFT warm start and one RL step, checkpointing step 0 (the SFT
 weights), then ``export --step 0``; every arm of that seed starts from it (``model.path=...``,
-``trainer.sft_warmup_steps=0``; TRL loads it with ``load_policy``).  Its wall time is reported apart.
+``trainer.sft_warmup_steps=0``; TRL loads it with ``load_policy``).  Its wall time is reported apart.  ``--warm-seed
+N``: one warm start, seed N's, shared by every seed (the seeds then vary the RL run alone: its sampling, as in an
+ablation that starts every run from one checkpoint), so the runs start from one step-0 accuracy and a warm start
+that happens to begin above the target cannot decide a seed.
 
 **Clocks** (experiments/bench/tta/clock.py): each run's command is launched and watched; every metric row is
 stamped with the seconds since launch when it appears in ``metrics.jsonl`` (20 ms polling).  **From process
@@ -52,8 +55,9 @@ CPU seconds (user + system) of the run's process and its descendants (the worker
 that never reaches the target is **censored** at its end (process wall time, total CPU) and counted in
 ``reached``; a censored time is a lower bound.
 
-**Target**: ``--target A``, else the sync arm's median final accuracy over the seeds of this invocation minus 0.03;
-the headline's ratios are also given at the target -/+ 0.05 (target sensitivity).
+**Target**: ``--target A``; or ``--target-gain G``: the median step-0 accuracy of the runs plus G (a rise over the
+accuracy before training, named before the run); else the sync arm's median final accuracy over the seeds of this
+invocation minus 0.03.  The headline's ratios are also given at the target -/+ 0.05 (target sensitivity).
 
 **Ratios**: per seed, ``TTA(reference) / TTA(arm)`` (> 1: the arm is sooner) for reference ``trl`` and ``sync``;
 the table gives their geometric mean with the paired 95% Student-t interval on the log scale
@@ -84,8 +88,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, parse_arms, per_seed_ratios, rotated,
-                          speedup, time_to_accuracy)
+from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, gain_target, parse_arms, per_seed_ratios,
+                          rotated, speedup, time_to_accuracy)
 from tta.clock import eval_seconds, process_curve, tail, watch
 
 HERE = Path(__file__).resolve().parent
@@ -407,6 +411,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seeds are first-seed .. first-seed + seeds - 1 (held-out seeds: a fresh range)")
     p.add_argument("--target", type=float, default=None,
                    help=f"target accuracy (default: sync's median final accuracy - {TARGET_MARGIN})")
+    p.add_argument("--target-gain", type=float, default=None, metavar="G",
+                   help="target = the runs' median step-0 accuracy + G (a rise over the start; not with --target)")
+    p.add_argument("--warm-seed", type=int, default=None, metavar="N",
+                   help="one SFT warm start (seed N's) shared by every seed; default: each seed its own")
     p.add_argument("--quick", action="store_true", help=f"{QUICK}")
     p.add_argument("--steps", type=int, default=None, help="trained steps per run (default: the job's)")
     p.add_argument("--eval-every", type=int, default=None, help="default: the job's")
@@ -452,8 +460,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--first-seed must be >= 0, got {args.first_seed}")
     if args.steps % args.eval_every:
         p.error(f"--steps {args.steps} must be a multiple of --eval-every {args.eval_every} (same eval points)")
-    if args.target is None and args.reanalyse is None and "sync" not in names:
-        p.error("--target is required when the sync arm is not among --arms (the default target is sync's)")
+    if args.target is not None and args.target_gain is not None:
+        p.error("--target and --target-gain are two target rules: give one")
+    if args.target_gain is not None and not (args.target_gain > 0 and args.target_gain < 1):
+        p.error(f"--target-gain must be in (0, 1), got {args.target_gain}")
+    if args.warm_seed is not None and args.warm_seed < 0:
+        p.error(f"--warm-seed must be >= 0, got {args.warm_seed}")
+    if (args.target is None and args.target_gain is None and args.reanalyse is None and "sync" not in names):
+        p.error("--target or --target-gain is required when the sync arm is not among --arms (the default target "
+                "is sync's)")
     for s in args.set:
         if "=" not in s:
             p.error(f"--set {s!r}: expected KEY=VALUE")
@@ -495,7 +510,8 @@ def save_partial(args, arms: list[Arm], runs: list[dict], warm: dict, t_start: f
            "command": "python experiments/bench/bench_tta.py " + " ".join(args.argv) + " (partial)",
            "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
            "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
-           "load_end": os.getloadavg(), "warm_start_s": warm, "runs": runs}
+           "load_end": os.getloadavg(), "warm_start_s": warm, "warm_seed": args.warm_seed,
+           "target_gain": args.target_gain, "runs": runs}
     (args.out / "partial.json").write_text(json.dumps(rec, indent=1, default=str))
 
 
@@ -507,14 +523,17 @@ def collect(args) -> dict:
     print(f"bench_tta: job {args.job}; headline (pre-registered) {args.headline}; arms "
           f"{', '.join(a.name for a in arms)}; {args.seeds} seeds from {args.first_seed}; {args.steps} steps, eval every "
           f"{args.eval_every}; load average at start {' / '.join(f'{x:.2f}' for x in load_start)}", flush=True)
-    runs, warm = [], {}
+    runs, warm, made = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_tta_") as tmp:
         work = Path(tmp)
         for i in range(args.seeds):
             seed = args.first_seed + i
-            path, wall = cached_warm_start(args, seed, work)
-            warm[seed] = wall
-            print(f"seed {seed}: warm start {wall:.1f} s", flush=True)
+            warm_seed = seed if args.warm_seed is None else args.warm_seed
+            if warm_seed not in made:                   # a shared warm start (--warm-seed) is made once
+                made[warm_seed] = cached_warm_start(args, warm_seed, work)
+            path, wall = made[warm_seed]
+            warm[warm_seed] = wall
+            print(f"seed {seed}: warm start (seed {warm_seed}'s) {wall:.1f} s", flush=True)
             for arm in rotated(arms, i):
                 r = run_arm(args, arm, seed, path, work)
                 runs.append(r)
@@ -528,18 +547,33 @@ def collect(args) -> dict:
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "arm_list"},
             "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
             "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
-            "load_end": os.getloadavg(), "warm_start_s": warm, "runs": runs}
+            "load_end": os.getloadavg(), "warm_start_s": warm, "warm_seed": args.warm_seed,
+            "target_gain": args.target_gain, "runs": runs}
 
 
-def report(record: dict, target_arg: float | None, out: Path, note: str = "", headline: str | None = None) -> None:
-    """Target, summary, table (printed, table.md), plot (tta.png) and the raw record with them (runs.json)."""
+def target_of(record: dict, target_arg: float | None, gain_arg: float | None) -> tuple[float, str]:
+    """The target accuracy of ``record`` and its rule in words: ``--target``, else ``--target-gain`` (given now, else
+    the record's own), else sync's median final accuracy minus the margin (module docstring)."""
+    runs = record["runs"]
+    gain = gain_arg if gain_arg is not None else (record.get("target_gain") if target_arg is None else None)
+    if target_arg is not None:
+        return target_arg, "--target"
+    if gain is not None:
+        step0 = [r["curve"]["accuracy"][0] for r in runs if r["curve"]["steps"] and r["curve"]["steps"][0] == 0]
+        if len(step0) != len(runs):
+            raise ValueError("--target-gain needs every run's step-0 evaluation; a run has none")
+        return gain_target(step0, gain), f"median step-0 accuracy {statistics.median(step0):.3f} + {gain} (--target-gain)"
+    final = [r["curve"]["final_accuracy"] for r in runs if r["arm"] == "sync"]
+    return default_target(final), f"sync median final accuracy - {TARGET_MARGIN}"
+
+
+def report(record: dict, target_arg: float | None, out: Path, note: str = "", headline: str | None = None,
+           gain_arg: float | None = None) -> None:
+    """Target (:func:`target_of`), summary, table (printed, table.md), plot (tta.png) and the raw record with them
+    (runs.json)."""
     runs = record["runs"]
     arms = parse_arms(",".join(record["arms"]))
-    if target_arg is not None:
-        target, rule = target_arg, "--target"
-    else:
-        target = default_target([r["curve"]["final_accuracy"] for r in runs if r["arm"] == "sync"])
-        rule = f"sync median final accuracy - {TARGET_MARGIN}"
+    target, rule = target_of(record, target_arg, gain_arg)
     summary = summarise(runs, arms, target)
     clocks = sorted({r["curve"]["clock"] for r in runs})
     headline = headline or record.get("headline") or "sync"
@@ -553,7 +587,7 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "", he
               f"\n\npre-registered headline arm: **{headline}** (named on the command line before the run); job "
               f"{record.get('job', 'default')}, accuracy `{record.get('metric', 'eval/accuracy')}`; median load "
               f"average (1 min) after the runs {statistics.median(r.get('load_after', [float('nan')])[0] for r in runs):.2f}"
-              f"\n\ntarget rule: {rule}; warm start (SFT, s per seed): "
+              f"\n\ntarget rule: {rule}; warm start (SFT, s{warm_text(record)}): "
               f"{', '.join(f'{v:.1f}' for v in record['warm_start_s'].values())}; total wall {record['wall_s']:.0f} s; "
               f"load average start {' / '.join(f'{x:.2f}' for x in load_start)}, end "
               f"{' / '.join(f'{x:.2f}' for x in load_end)}\n")
@@ -575,13 +609,19 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "", he
     print(last)
 
 
+def warm_text(record: dict) -> str:
+    """How the warm starts were shared, for the table's header."""
+    ws = record.get("warm_seed")
+    return " per seed" if ws is None else f"; one warm start, seed {ws}'s, shared by every seed"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.reanalyse is not None:
         record = json.loads(Path(args.reanalyse).read_text())
         out = Path(args.out_given) if args.out_given else Path(args.reanalyse).parent
         report(record, args.target, out, note=f" (re-analysed {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-                                              f" with --reanalyse)", headline=args.headline)
+                                              f" with --reanalyse)", headline=args.headline, gain_arg=args.target_gain)
         return
     report(collect(args), args.target, args.out)
 

@@ -23,6 +23,7 @@ from offpolicy_moe.commands.threads import ThreadChoice, machine_threads
 from offpolicy_moe.config.load import load_config, to_yaml
 from offpolicy_moe.config.schema import TrainConfig
 from offpolicy_moe.config.validate import validate
+from offpolicy_moe.sources import fork_server
 
 if TYPE_CHECKING:     # resume and the engine load torch: imported where used, so `--help` stays fast
     from offpolicy_moe.commands.resume import ResumePlan
@@ -86,6 +87,11 @@ def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan]
     if args.print_config and not args.dry_run:
         validate(cfg)
         return cfg, plan, None
+    # a valid config that forks local rollout workers early starts their fork server now: its imports run on the
+    # other core beside the checks, the trainer's imports and its model load (sources/fork_server.py)
+    validate(cfg)
+    if not args.dry_run:
+        fork_server.start_early(cfg)
     # every check a start makes before compute (files, tokenizer, shapes, buffer, engine), once: a real start hands
     # the result to the trainer
     from offpolicy_moe.trainer.checks import check_config

@@ -1,6 +1,6 @@
 """Rollout workers as processes on this machine: the asynchronous source's default transport (``rollout.backend=local``).
 
-Each worker is a ``forkserver`` process running :func:`~offpolicy_moe.rollout.worker.worker_main`, with its own
+Each worker is a ``forkserver`` process (:mod:`.fork_server`) running :func:`~offpolicy_moe.rollout.worker.worker_main`, with its own
 pipe for orders and one for results (``torch.save`` bytes, so a worker killed mid-send corrupts nothing shared).
 Weights go through one :class:`~offpolicy_moe.rollout.weights.WeightBoard` in shared memory.  A worker's death is
 seen through its process sentinel, waited on beside the result pipes; the error it reported before exiting
@@ -8,7 +8,6 @@ seen through its process sentinel, waited on beside the result pipes; the error 
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -22,6 +21,7 @@ from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import (BatchDone, BatchNonFinite, Order, Shutdown, WorkerFailed, WorkerSpec,
                                           pid_alive, unpack, worker_main)
 from offpolicy_moe.run import probes
+from offpolicy_moe.sources import fork_server
 from offpolicy_moe.sources.transport import Event, WorkerLost
 
 __all__ = ["ProcessTransport", "exit_reason"]
@@ -47,16 +47,6 @@ def exit_reason(code: Optional[int]) -> str:
     return f"exited with code {code}"
 
 
-def _context() -> Any:
-    """``forkserver`` processes whose server has imported the worker module once (torch, transformers, the
-    package): later workers — restarts, the next run in the same Python process — start in a fraction of a second
-    instead of re-importing everything (``spawn``); the server itself starts no threads, so forking it is safe."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["offpolicy_moe.rollout.worker", "transformers.modeling_utils",
-                                "transformers.generation.utils"])
-    return ctx
-
-
 class ProcessTransport:
     """Worker processes of trainer process ``rank`` (of ``world``) on this machine (see module docstring)."""
 
@@ -65,7 +55,7 @@ class ProcessTransport:
     def __init__(self, cfg: Any, *, rank: int = 0, world: int = 1):
         self.cfg, self.rank, self.world = cfg, int(rank), int(world)
         self.timeout = float(cfg.rollout.worker_timeout_s)
-        self._ctx = _context()
+        self._ctx = fork_server.context()
         self._board: Optional[WeightBoard] = None
         self._procs: dict[int, _Proc] = {}
 

@@ -224,6 +224,17 @@ def default_target(final_accuracies: Sequence[float], margin: float = TARGET_MAR
     return statistics.median(final_accuracies) - margin
 
 
+def gain_target(step0_accuracies: Sequence[float], gain: float) -> float:
+    """``median(step-0 accuracies of every run) + gain``: the target as a rise over the accuracy before training
+    (``--target-gain``; with one shared warm start every run's step-0 accuracy is the same, so no run can meet it
+    at step 0 when ``gain > 0``)."""
+    if not step0_accuracies:
+        raise ValueError("--target-gain needs each run's step-0 evaluation (trainer.eval_every > 0 evaluates step 0)")
+    if not math.isfinite(gain) or gain <= 0:
+        raise ValueError(f"--target-gain must be a finite number > 0, got {gain}")
+    return statistics.median(step0_accuracies) + gain
+
+
 def speedup(reference: Mapping[int, float], arm: Mapping[int, float]) -> Optional[Comparison]:
     """Paired speed-up of ``arm`` over ``reference`` by seed: ``reference_TTA / arm_TTA`` (> 1: the arm is sooner),
     the geometric mean over seeds with its 95% Student-t interval on the log scale
