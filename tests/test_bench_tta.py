@@ -18,8 +18,8 @@ BENCH = ROOT / "experiments" / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_tta  # noqa: E402
-from tta.analysis import (ASYNC_STALENESS, LOSSES, curve, default_target, gain_target, parse_arms,  # noqa: E402
-                          per_seed_ratios, rotated, speedup, time_to_accuracy)
+from tta.analysis import (ASYNC_STALENESS, LOSSES, curve, default_target, equal_steps_ceiling,  # noqa: E402
+                          gain_target, parse_arms, per_seed_ratios, rotated, speedup, time_to_accuracy)
 
 from offpolicy_moe.config.load import load_config  # noqa: E402
 from offpolicy_moe.config.validate import validate  # noqa: E402
@@ -401,7 +401,9 @@ def test_the_gain_target_rule_is_kept_with_the_record_and_met_by_no_run_at_step_
     assert bench_tta.target_of(rec, 0.5, None) == (0.5, "--target")
     bench_tta.report(rec, None, tmp_path, headline="async-k1-grpo")
     out = json.loads((tmp_path / "runs.json").read_text())
-    assert out["target"] == pytest.approx(0.45) and "warning" not in (tmp_path / "table.md").read_text()
+    text = (tmp_path / "table.md").read_text()
+    assert out["target"] == pytest.approx(0.45) and "warning" not in text
+    assert "equal-steps ceiling (async-k1-grpo" in text and "| sync | 5.0 / 5.0 |" in text
     assert all(r["tta"]["step"] == 4 for r in out["runs"])
     no_step0 = dict(rec, runs=[dict(r, curve=dict(r["curve"], steps=r["curve"]["steps"][1:],
                                                     accuracy=r["curve"]["accuracy"][1:])) for r in rec["runs"]])
@@ -510,3 +512,17 @@ def test_a_target_met_before_training_gives_no_ratio_on_any_clock():
     a = s["async-k1-grpo"]
     assert a["met_at_start"] == 2 and a["vs_sync_process"] is None and a["vs_trl_cpu"] is None
     assert bench_tta.headline_line(s, "async-k1-grpo").endswith("async-k1-grpo n/a TRL, n/a ours sync")
+
+
+def test_the_equal_steps_ceiling_charges_start_up_and_tends_to_the_step_cost_ratio():
+    """Reference: start-up 10 s, loop 99 s over 100 steps (1 s a step); arm: start-up 20 s, 0.5 s a step. At 100
+    steps (10 + 100) / (20 + 50) = 1.571..; the limit 2.0; medians over runs; errors name what is missing."""
+    c = equal_steps_ceiling("sync", "a", {"sync": [10.0, 12.0, 8.0], "a": [20.0]}, {"sync": [99.0], "a": [49.5, 49.5]},
+                            100)
+    assert (c.startup_reference_s, c.startup_arm_s) == (10.0, 20.0)
+    assert c.at_steps == pytest.approx(110 / 70) and c.limit == pytest.approx(2.0)
+    assert c.at_steps < c.limit
+    with pytest.raises(ValueError, match="runs of arm 'a'"):
+        equal_steps_ceiling("sync", "a", {"sync": [1.0]}, {"sync": [1.0]}, 100)
+    with pytest.raises(ValueError, match=">= 2 steps"):
+        equal_steps_ceiling("sync", "a", {"sync": [1.0], "a": [1.0]}, {"sync": [1.0], "a": [1.0]}, 1)

@@ -70,6 +70,11 @@ the arms are rotated left by i, so load drift hits every arm alike.  The load av
 the end, and around every run; per-run means of a few training diagnostics (clip fraction, staleness, reward) are
 kept in runs.json.
 
+**Equal-steps ceiling** (in the table): with the medians of each arm's start-up S and loop cost c per step
+(evaluation included), ``(S_ref + N c_ref) / (S_arm + N c_arm)`` at the job's N steps and its limit ``c_ref / c_arm``:
+the ratio from process start the clock allows if both arms need the same number of steps to the target; an arm
+beats it only by needing fewer.
+
 **Output** (``--out``, default experiments/results/tta/<full|long|quick>/): ``runs.json`` (every run: arm, seed,
 eval curve on every clock, TTA, phases, start-up, loads, diagnostics), ``table.md`` (printed too), ``tta.png``
 (accuracy against the clock from process start).  ``--reanalyse RUNS_JSON`` summarises an earlier record again
@@ -88,8 +93,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, gain_target, parse_arms, per_seed_ratios,
-                          rotated, speedup, time_to_accuracy)
+from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, equal_steps_ceiling, gain_target,
+                          parse_arms, per_seed_ratios, rotated, speedup, time_to_accuracy)
 from tta.clock import eval_seconds, process_curve, tail, watch
 
 HERE = Path(__file__).resolve().parent
@@ -381,6 +386,28 @@ def phase_table(runs: list[dict], arms: list[Arm], steps: int) -> str:
     return "\n".join(lines)
 
 
+def ceiling_table(runs: list[dict], headline: str, steps: int) -> str:
+    """What the clock from process start allows the headline against trl and sync if all need the same steps
+    (tta/analysis.py ``equal_steps_ceiling``): the ratio at this job's steps and its limit as the run grows; the
+    headline exceeds them only by reaching the target in fewer steps."""
+    startup = {r["arm"]: [] for r in runs}
+    loop = {r["arm"]: [] for r in runs}
+    for r in runs:
+        startup[r["arm"]].append(r["startup_s"])
+        loop[r["arm"]].append(r["curve"]["end_s"])
+    lines = [f"equal-steps ceiling ({headline}, from process start; medians over runs; per-step cost with evaluation "
+             "included): the ratio the clock allows if both arms need the same number of steps", "",
+             "| reference | start-up s (ref / arm) | s per step (ref / arm) | ratio at "
+             f"{steps} steps | limit as steps grow |", "| --- | --- | --- | --- | --- |"]
+    for ref in ("trl", "sync"):
+        if ref == headline or ref not in loop or headline not in loop:
+            continue
+        c = equal_steps_ceiling(ref, headline, startup, loop, steps)
+        lines.append(f"| {ref} | {c.startup_reference_s:.1f} / {c.startup_arm_s:.1f} | {c.step_reference_s:.3f} / "
+                     f"{c.step_arm_s:.3f} | {c.at_steps:.2f}x | {c.limit:.2f}x |")
+    return "\n".join(lines)
+
+
 def headline_line(summary: dict, headline: str) -> str:
     """``time to accuracy (from process start): <arm> <x>x TRL, <y>x ours sync``: the pre-registered arm's geometric
     mean paired ratios on the clock from process start (``n/a`` where a ratio has no seed)."""
@@ -582,6 +609,8 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "", he
         text += "\n\n" + sensitivity(runs, arms, target, headline)
     steps = (record.get("args") or {}).get("steps") or max(max(r["curve"]["steps"]) for r in runs)
     text += "\n\n" + phase_table(runs, arms, int(steps))
+    if any(r.get("startup_s") is not None for r in runs) and int(steps) >= 2:
+        text += "\n\n" + ceiling_table(runs, headline, int(steps))
     load_start, load_end = record["load_start"], record["load_end"]
     header = (f"# bench_tta {record['date']}\n\ncommand: `{record['command']}`{note}"
               f"\n\npre-registered headline arm: **{headline}** (named on the command line before the run); job "

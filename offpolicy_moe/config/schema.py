@@ -114,7 +114,8 @@ class RolloutConfig:
     workers: int = ranged(1, ge=1)
     worker_threads: int = ranged(1, ge=1)          # torch threads of each worker
     # start the workers when the trainer first publishes its weights (they start while the trainer evaluates
-    # step 0); false: at the first batch request, after that evaluation
+    # step 0), and local workers' fork server as soon as the config is valid (sources/fork_server.py); false: at
+    # the first batch request, after that evaluation
     early_start: bool = True
     # a sequence may continue across a weight update (each token keeps the version that sampled it)
     update_in_flight: bool = False

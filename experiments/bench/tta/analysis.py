@@ -235,6 +235,46 @@ def gain_target(step0_accuracies: Sequence[float], gain: float) -> float:
     return statistics.median(step0_accuracies) + gain
 
 
+@dataclass(frozen=True)
+class Ceiling:
+    """What the clock from process start allows an arm against a reference when both need the same number of
+    steps: ``process(N) = start-up + N * step cost`` (the cost with evaluation included), medians over runs."""
+
+    reference: str
+    arm: str
+    startup_reference_s: float
+    startup_arm_s: float
+    step_reference_s: float         # seconds per step, evaluation included
+    step_arm_s: float
+    steps: int
+
+    @property
+    def at_steps(self) -> float:
+        """``(S_ref + N c_ref) / (S_arm + N c_arm)`` at this job's ``N`` steps."""
+        return ((self.startup_reference_s + self.steps * self.step_reference_s)
+                / (self.startup_arm_s + self.steps * self.step_arm_s))
+
+    @property
+    def limit(self) -> float:
+        """``c_ref / c_arm``: the ratio as ``N`` grows (start-up no longer counts)."""
+        return self.step_reference_s / self.step_arm_s
+
+
+def equal_steps_ceiling(reference: str, arm: str, startup: Mapping[str, Sequence[float]],
+                        loop: Mapping[str, Sequence[float]], steps: int) -> Ceiling:
+    """The :class:`Ceiling` of ``arm`` against ``reference`` from each arm's runs: ``startup`` (process wall minus
+    the loop, s) and ``loop`` (the loop from the end of step 1 with its evaluations, s, over ``steps - 1`` steps).
+    An arm can beat ``at_steps`` (and ``limit``) only by needing fewer steps to the target than the reference."""
+    if steps < 2:
+        raise ValueError(f"the ceiling needs a job of >= 2 steps, got {steps}")
+    for name in (reference, arm):
+        if not startup.get(name) or not loop.get(name):
+            raise ValueError(f"the ceiling needs runs of arm {name!r}")
+    per_step = {n: statistics.median(loop[n]) / (steps - 1) for n in (reference, arm)}
+    return Ceiling(reference, arm, statistics.median(startup[reference]), statistics.median(startup[arm]),
+                   per_step[reference], per_step[arm], steps)
+
+
 def speedup(reference: Mapping[int, float], arm: Mapping[int, float]) -> Optional[Comparison]:
     """Paired speed-up of ``arm`` over ``reference`` by seed: ``reference_TTA / arm_TTA`` (> 1: the arm is sooner),
     the geometric mean over seeds with its 95% Student-t interval on the log scale
