@@ -589,7 +589,8 @@ def target_of(record: dict, target_arg: float | None, gain_arg: float | None) ->
         step0 = [r["curve"]["accuracy"][0] for r in runs if r["curve"]["steps"] and r["curve"]["steps"][0] == 0]
         if len(step0) != len(runs):
             raise ValueError("--target-gain needs every run's step-0 evaluation; a run has none")
-        return gain_target(step0, gain), f"median step-0 accuracy {statistics.median(step0):.3f} + {gain} (--target-gain)"
+        rule = f"median step-0 accuracy {statistics.median(step0):.3f} + {gain} (--target-gain)"
+        return gain_target(step0, gain), rule
     final = [r["curve"]["final_accuracy"] for r in runs if r["arm"] == "sync"]
     return default_target(final), f"sync median final accuracy - {TARGET_MARGIN}"
 

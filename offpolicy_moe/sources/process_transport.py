@@ -1,7 +1,8 @@
 """Rollout workers as processes on this machine: the asynchronous source's default transport (``rollout.backend=local``).
 
-Each worker is a ``forkserver`` process (:mod:`.fork_server`) running :func:`~offpolicy_moe.rollout.worker.worker_main`, with its own
-pipe for orders and one for results (``torch.save`` bytes, so a worker killed mid-send corrupts nothing shared).
+Each worker is a ``forkserver`` process (:mod:`.fork_server`) running
+:func:`~offpolicy_moe.rollout.worker.worker_main`, with its own pipe for orders and one for results (``torch.save``
+bytes, so a worker killed mid-send corrupts nothing shared).
 Weights go through one :class:`~offpolicy_moe.rollout.weights.WeightBoard` in shared memory.  A worker's death is
 seen through its process sentinel, waited on beside the result pipes; the error it reported before exiting
 (:class:`~offpolicy_moe.rollout.worker.WorkerFailed`), else its exit status, is the reason given.
