@@ -3,7 +3,8 @@
 A worker process is forked from a server that has imported the worker module once (torch, transformers, the
 package): restarts and later workers start in a fraction of a second.  The server's own imports take as long as
 the trainer's (about 8 s on the project's 2-core VM), and a worker cannot start before they end.  With
-``rollout.early_start`` the command starts the server as soon as the config is known, so those imports run on the
+``rollout.early_start`` ``offpolicy-moe train`` starts the server as soon as the config is valid (a
+:class:`~offpolicy_moe.trainer.trainer.Trainer` built from Python, after its checks), so those imports run on the
 second core beside the trainer's own imports, model load and step-0 evaluation instead of after them.  Starting it
 changes no computation: the same workers are forked from the same server, only sooner.
 """

@@ -13,7 +13,6 @@ import psutil
 import yaml
 from accelerate.commands.launch import launch_command_parser
 
-from offpolicy_moe.sources import fork_server
 from offpolicy_moe.trainer.callbacks import Callback
 from offpolicy_moe.trainer.checks import CheckedConfig
 from offpolicy_moe.trainer.trainer import Trainer
@@ -96,5 +95,4 @@ def train(cfg: Any, *, resume: bool = False, callbacks: Optional[Iterable[Callba
     nproc = cpu_launch_processes() if not callbacks else 0
     if nproc > 1:
         return _relaunch_with_torchrun(nproc)
-    fork_server.start_early(cfg)        # the local workers' fork server imports beside the trainer's start
     return Trainer(cfg, resume=resume, callbacks=callbacks, checked=checked).run()

@@ -46,6 +46,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
 from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.sources import fork_server
 from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes
 from offpolicy_moe.trainer.checks import CheckedConfig, check_config
 from offpolicy_moe.trainer.callbacks import Callback, CallbackList
@@ -125,6 +126,9 @@ class Trainer:
             checked = check_config(cfg)
             for w in checked.warnings:
                 print(f"offpolicy-moe: warning: {w}", file=sys.stderr)
+        # a checked config with local workers started early: their fork server imports beside the model load
+        # (`offpolicy-moe train` has started it already, right after validating the config)
+        fork_server.start_early(cfg)
         self.accelerator = _accelerator()
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         self.run_dir.is_main = self.is_main
