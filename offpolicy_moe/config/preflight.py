@@ -36,6 +36,7 @@ class CheckedConfig:
 
     warnings: list[str] = field(default_factory=list)
     task: Optional[PromptAnswerTask] = None
+    model_config: Any = None          # the policy's transformers config (read from model.path, or the preset's)
 
 
 def preflight(cfg: Any) -> list[str]:
@@ -53,13 +54,13 @@ def preflight_checked(cfg: Any) -> CheckedConfig:
     task = check_task_data(cfg, found)
     model_config = check_model_folder(cfg, found)
     tok = check_tokenizer(cfg, found, task)
-    check_model_shape(cfg, found, model_config, tok)
+    model_config = check_model_shape(cfg, found, model_config, tok)
     check_experts_kernel(cfg, found)
     if task is not None and tok is not None:
         check_answers_fit(cfg, found, task, tok)
         check_chat_template(cfg, found, task, tok)
     found.raise_if_errors()
-    return CheckedConfig(warnings + found.warnings, task)
+    return CheckedConfig(warnings + found.warnings, task, model_config)
 
 
 #: experts implementations that run only as CUDA kernels loaded through the ``kernels`` package
@@ -132,8 +133,9 @@ def check_tokenizer(cfg: Any, found: Findings, task: Any = None):
         return None
 
 
-def check_model_shape(cfg: Any, found: Findings, model_config: Any, tok: Any) -> None:
-    """``model.path``: the tokenizer fits the embedding (``vocab_size``); a preset: its config object builds."""
+def check_model_shape(cfg: Any, found: Findings, model_config: Any, tok: Any) -> Any:
+    """``model.path``: the tokenizer fits the embedding (``vocab_size``); a preset: its config object builds.
+    Returns the policy's transformers config (``None`` when it could not be had)."""
     m = cfg.model
     if model_config is not None:
         rows = getattr(model_config, "vocab_size", None) or getattr(getattr(model_config, "text_config", None),
@@ -141,16 +143,19 @@ def check_model_shape(cfg: Any, found: Findings, model_config: Any, tok: Any) ->
         if tok is not None and isinstance(rows, int) and len(tok) > rows:
             found.error(f"model.path={m.path!r}: the tokenizer has {len(tok)} tokens but the model's vocab_size is "
                         f"{rows}; the tokenizer does not match the checkpoint")
-        return
+        return model_config
     if m.path or m.preset not in PRESETS or tok is None:
-        return
+        return None
     make_config = PRESETS[m.preset][0]
     special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    sizes = {"head_dim": m.head_dim} if m.head_dim is not None else {}
     try:
-        make_config(len(tok), num_layers=m.num_layers, hidden_size=m.hidden_size, num_experts=m.num_experts,
-                    top_k=m.top_k, special_ids=special, experts_implementation=m.experts_implementation)
+        return make_config(len(tok), num_layers=m.num_layers, hidden_size=m.hidden_size, num_experts=m.num_experts,
+                           top_k=m.top_k, special_ids=special, experts_implementation=m.experts_implementation,
+                           **sizes)
     except (ValueError, TypeError) as exc:
         found.error(f"model.preset={m.preset!r}: cannot build its config: {_first_line(exc)}")
+        return None
 
 
 def check_answers_fit(cfg: Any, found: Findings, task: PromptAnswerTask, tok: Any) -> None:

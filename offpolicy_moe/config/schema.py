@@ -69,6 +69,11 @@ class TaskConfig:
     eval_fraction: float = ranged(0.0, ge=0, lt=1)  # > 0: hold out this fraction of the prompts (else eval_size)
 
 
+# model.head_dim when the config leaves it out: the embedded model's, and its variant for rollout.engine=vllm
+EMBEDDED_HEAD_DIM = 16
+VLLM_HEAD_DIM = 32
+
+
 @dataclass
 class ModelConfig:
     """Which policy to train: an embedded tiny preset built from config, or a local checkpoint."""
@@ -78,7 +83,9 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     num_layers: int = ranged(2, ge=1)
     hidden_size: int = ranged(64, ge=1)
-    head_dim: int = ranged(16, ge=1)               # attention head size of the presets (32: vLLM's CPU attention)
+    # attention head size of the presets; left out: 16, or 32 with rollout.engine=vllm (the smallest head vLLM's CPU
+    # attention serves), resolved when the config loads
+    head_dim: Optional[int] = ranged(None, ge=1, optional=True)
     num_experts: int = ranged(8, ge=1)
     top_k: int = ranged(2, ge=1)
     dtype: str = ranged("float32", choices=DTYPE_NAMES)           # trainer precision
@@ -135,6 +142,9 @@ class RolloutConfig:
     # engine=vllm (docs/engines.md): the engine's KV cache (MiB of CPU memory, or of GPU memory on a GPU)
     vllm_kv_cache_mib: int = ranged(256, ge=16)
     vllm_eager: bool = True           # engine=vllm: no torch.compile / CUDA graphs (fast start; False on GPUs)
+    # engine=vllm: after each weight sync, the engine's log-probs of a fixed probe are held against the trainer's
+    # on the synced tensors, within a bound its precision allows (rollout/vllm_probe.py); a miss fails the sync
+    vllm_check_sync: bool = True
 
 
 @dataclass
@@ -280,3 +290,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.head_dim is None:
+            self.model.head_dim = VLLM_HEAD_DIM if self.rollout.engine == "vllm" else EMBEDDED_HEAD_DIM

@@ -354,7 +354,7 @@ def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None
                 found.error(f"model.num_experts: an MoE preset needs >= 2 experts, got {m.num_experts}")
             elif m.top_k > m.num_experts:
                 found.error(f"model.top_k: must be in [1, model.num_experts={m.num_experts}], got {m.top_k}")
-        if m.hidden_size >= 1 and m.head_dim >= 1 and m.hidden_size % m.head_dim:
+        if m.hidden_size >= 1 and m.head_dim is not None and m.head_dim >= 1 and m.hidden_size % m.head_dim:
             found.error(f"model.hidden_size: the presets need a multiple of model.head_dim={m.head_dim}, "
                         f"got {m.hidden_size}")
     for key, value in (("model.path", m.path), ("model.tokenizer_path", m.tokenizer_path),

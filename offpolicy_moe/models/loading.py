@@ -202,7 +202,7 @@ def build_model(cfg, tok, *, seed: Optional[int] = None):
     return build_preset(preset, len(tok), num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                         num_experts=cfg.num_experts, top_k=cfg.top_k, special_ids=special, dtype=cfg.dtype,
                         experts_implementation=cfg.experts_implementation, seed=seed,
-                        head_dim=int(getattr(cfg, "head_dim", HEAD_DIM)))
+                        head_dim=int(getattr(cfg, "head_dim", None) or HEAD_DIM))
 
 
 def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_experts: Optional[int] = None,

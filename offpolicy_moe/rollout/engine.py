@@ -51,7 +51,7 @@ from offpolicy_moe.models import is_moe
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.tasks import decode_completions, encode_prompts
 
-__all__ = ["REPLAY_ENGINE", "RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "check_engine_name", "make_engine",
+__all__ = ["REPLAY_ENGINE", "RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "check_engine_name", "check_engine_config", "make_engine",
            "resolve_dtype"]
 
 REPLAY_ENGINE = ("r3", "pr2")    # replay modes whose routes come from the rollout engine
@@ -84,6 +84,11 @@ class RolloutEngine(abc.ABC):
         """The engine for config section ``rollout`` (``RolloutConfig``); ``router_offsets``: the PR2 keywords
         (``pr2_predictors``, ``pr2_in_weights``, ``pr2_feature_sample_rate``) or None; ``seed``: the run's seed,
         from which ``rollout.router_perturb``'s fixed perturbation is drawn."""
+
+    @classmethod
+    def check_config(cls, rollout: Any, model_config: Any) -> None:
+        """One-line ``ValueError`` when this engine cannot serve the model of ``model_config`` with the ``rollout``
+        settings (checked in the trainer's process before any engine starts); the built-in engine serves any."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
@@ -535,6 +540,13 @@ def check_engine_name(name: str) -> None:
     if name not in ENGINES:
         raise ValueError(f"rollout.engine={name!r} is not a known engine; choose one of {sorted(ENGINES)} "
                          "(offpolicy_moe.rollout.engine.register_engine adds one)")
+
+
+def check_engine_config(rollout: Any, model_config: Any) -> None:
+    """The named engine's own checks of the ``rollout`` section against the policy's transformers config, before
+    any engine or worker starts (:meth:`RolloutEngine.check_config`); one-line ``ValueError``."""
+    check_engine_name(rollout.engine)
+    ENGINES[rollout.engine].check_config(rollout, model_config)
 
 
 def make_engine(policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,

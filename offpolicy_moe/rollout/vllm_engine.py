@@ -45,7 +45,8 @@ import torch
 from safetensors.torch import save_file
 
 from offpolicy_moe.models import is_moe
-from offpolicy_moe.rollout import vllm_worker
+from offpolicy_moe.models.dtypes import resolve_dtype
+from offpolicy_moe.rollout import vllm_probe, vllm_worker
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.engine import EngineCapabilities, RolloutEngine, register_engine
 from offpolicy_moe.rollout.seeds import iteration_seed
@@ -137,6 +138,13 @@ class StartOptions:
     eager: bool
     in_process: bool
 
+    @classmethod
+    def from_rollout(cls, rollout: Any, model_config: Any, *, seed: int = 0, in_process: bool = False) -> "StartOptions":
+        """The options of config section ``rollout`` for the model of ``model_config``."""
+        return cls(dtype=str(rollout.dtype), seed=int(seed), kv_cache_bytes=int(rollout.vllm_kv_cache_mib) << 20,
+                   max_model_len=int(getattr(model_config, "max_position_embeddings", 4096) or 4096),
+                   max_num_seqs=int(rollout.batch_size), eager=bool(rollout.vllm_eager), in_process=bool(in_process))
+
 
 def _head_dim(config: Any) -> int:
     cfg = getattr(config, "get_text_config", lambda: config)()
@@ -160,12 +168,48 @@ def preflight(config: Any, opts: StartOptions, model_class: str = "") -> None:
                               "this model; use rollout.engine=hf")
     if current_platform.is_cpu() and _head_dim(config) < CPU_MIN_HEAD_DIM:
         raise VLLMEngineError(f"rollout.engine=vllm on a CPU: vLLM's CPU attention needs head_dim >= "
-                              f"{CPU_MIN_HEAD_DIM}, the model has {_head_dim(config)}; for the embedded model set "
-                              f"model.head_dim={CPU_MIN_HEAD_DIM}")
+                              f"{CPU_MIN_HEAD_DIM}, the model has {_head_dim(config)}; for the embedded model leave "
+                              f"model.head_dim out (it is then {CPU_MIN_HEAD_DIM}) or set it >= {CPU_MIN_HEAD_DIM}")
+    if current_platform.is_cpu() and is_moe_config(config) and cpu_has_amx():
+        _check_amx(config, opts.dtype)
     free = psutil.virtual_memory().available
     if current_platform.is_cpu() and opts.kv_cache_bytes > free:
         raise VLLMEngineError(f"rollout.vllm_kv_cache_mib={opts.kv_cache_bytes >> 20}: more than the "
                               f"{free >> 20} MiB of memory free now; lower it")
+
+
+def causal_lm_class(config: Any) -> str:
+    """The transformers causal-LM class name of ``config``'s model type (``""`` when transformers has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", ""), ""))
+
+
+def cpu_has_amx() -> bool:
+    """True when this CPU has AMX tiles (vLLM's CPU MoE then runs the AMX grouped GEMM, and only that)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+def is_moe_config(config: Any) -> bool:
+    """True when the transformers config describes routed experts."""
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    return bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+                or getattr(cfg, "n_routed_experts", None))
+
+
+def _check_amx(config: Any, dtype: str) -> None:
+    """vLLM 0.27's CPU MoE on an AMX CPU takes the AMX grouped GEMM or refuses the layer (no fallback to the torch
+    loop): bfloat16 weights whose expert matrices have every side a multiple of 32."""
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    if dtype != "bfloat16":
+        raise VLLMEngineError(f"rollout.dtype={dtype}: on this CPU (AMX) vLLM's MoE kernel serves only bfloat16 "
+                              "experts; set rollout.dtype=bfloat16 or use rollout.engine=hf")
+    inter = int(getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0)
+    hidden = int(cfg.hidden_size)
+    if hidden % 32 or inter % 32:
+        raise VLLMEngineError(f"rollout.engine=vllm on this CPU (AMX): vLLM's MoE kernel needs the hidden size "
+                              f"({hidden}) and the experts' intermediate size ({inter}) to be multiples of 32")
 
 
 @contextlib.contextmanager
@@ -226,10 +270,20 @@ class VLLMRolloutEngine(RolloutEngine):
             raise VLLMEngineError("rollout.engine=vllm does not support router-logit offsets (PR2)")
         return cls(policy, tokenizer, rollout, record_routes=record_routes, seed=seed)
 
+    @classmethod
+    def check_config(cls, rollout: Any, model_config: Any) -> None:
+        """:func:`preflight` of the ``rollout`` section for ``model_config``, as a one-line ``ValueError`` (the
+        trainer's checks call it before any worker starts)."""
+        try:
+            preflight(model_config, StartOptions.from_rollout(rollout, model_config), causal_lm_class(model_config))
+        except VLLMEngineError as exc:
+            raise ValueError(str(exc)) from None
+
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, in_process: Optional[bool] = None):
         """Write ``policy`` as a Hugging Face folder and start vLLM on it (refused in one line, before the start,
-        when it cannot succeed: :func:`preflight`)."""
+        when it cannot succeed: :func:`preflight`).  ``in_process``: vLLM's engine core in this process (default:
+        only in a daemon process, which may not start one of its own)."""
         self.tokenizer = tokenizer
         self.max_new_tokens = int(rollout.max_new_tokens)
         self.temperature = float(rollout.temperature)
@@ -240,17 +294,16 @@ class VLLMRolloutEngine(RolloutEngine):
                                   "use rollout.top_k=0 rollout.top_p=1")
         self.version = 0
         self.between_tokens = None          # weights change between whole generations only
+        self.check_sync = bool(getattr(rollout, "vllm_check_sync", True))
+        self.last_probe: Optional[vllm_probe.ProbeResult] = None
         self._policy = policy               # the tensor names' reverse conversion is the policy's
         self.record_routes = bool(record_routes) and is_moe(policy)
         cfg = policy.config
         self.num_experts = int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts"))
         self.top_k_experts = int(cfg.num_experts_per_tok)
-        in_daemon = multiprocessing.current_process().daemon       # a daemon may not start an engine process
-        self.opts = StartOptions(dtype=str(rollout.dtype), seed=int(seed),
-                                 kv_cache_bytes=int(rollout.vllm_kv_cache_mib) << 20,
-                                 max_model_len=int(getattr(cfg, "max_position_embeddings", 4096) or 4096),
-                                 max_num_seqs=int(rollout.batch_size), eager=bool(rollout.vllm_eager),
-                                 in_process=in_daemon)
+        if in_process is None:
+            in_process = multiprocessing.current_process().daemon    # a daemon may not start an engine process
+        self.opts = StartOptions.from_rollout(rollout, cfg, seed=seed, in_process=in_process)
         preflight(cfg, self.opts, type(policy).__name__)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None       # memory-backed where there is one
         self._dir = tempfile.mkdtemp(prefix="offpolicy-moe-vllm-", dir=shm)
@@ -345,18 +398,47 @@ class VLLMRolloutEngine(RolloutEngine):
                               "trainer's tensor names do not map onto the engine's model")
 
     def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
-        """Load the trainer's weights into vLLM in place and set the version (see module docstring).  A load that
-        fails leaves the engine's weights (and vLLM's reload state) unknown: the engine is started again on the
+        """Load the trainer's weights into vLLM in place and set the version (see module docstring); with
+        ``rollout.vllm_check_sync`` the engine's log-probs of a fixed probe are then held against the trainer's on
+        the same tensors (:mod:`~offpolicy_moe.rollout.vllm_probe`).  A load that fails or does not pass the
+        check leaves the engine's weights (and vLLM's reload state) unknown: the engine is started again on the
         last good weights, here in the caller's thread, and the failure is one line."""
         named = self.checkpoint_tensors(state_dict)
         try:
             self._retrying(lambda: self._load(named))
+            if self.check_sync:
+                self._check(state_dict)
         except _LoadFailed as exc:
             self._restart(exc, count=False)
             raise VLLMEngineError(f"rollout.engine=vllm: the weight sync failed (the engine was restarted on "
                                   f"version {self.version}): {exc}") from None
         self._last_sync = named
         self.version = int(version)
+
+    def _check(self, state_dict: dict) -> None:
+        """Hold the engine's probe log-probs against the trainer's on ``state_dict``; :class:`_LoadFailed` when
+        they differ by more than the precisions allow."""
+        cfg = self._policy.config
+        ids = vllm_probe.probe_tokens(int(getattr(cfg, "get_text_config", lambda: cfg)().vocab_size))
+        got = self._retrying(lambda: self._probe(ids))
+        ref, scale = vllm_probe.reference_logprobs(self._policy, state_dict, ids)
+        dtypes = [resolve_dtype(self.opts.dtype)] + [v.dtype for v in state_dict.values() if v.is_floating_point()][:1]
+        result = vllm_probe.compare(got, ref, scale, dtypes, cfg)
+        self.last_probe = result
+        if not result.ok:
+            raise _LoadFailed(f"the engine's log-prob of probe token {result.worst_position} differs from the "
+                              f"trainer's by {result.max_abs_diff:.3g}, more than the {result.tolerance:.3g} its "
+                              f"precision allows (rollout.vllm_check_sync): it does not compute with the synced "
+                              f"weights")
+
+    def _probe(self, ids: list[int]) -> list[float]:
+        """The engine's log-prob of each probe token after the first (one prefill, temperature 1)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0, detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], [params], use_tqdm=False)[0]
+        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
 
     # ------------------------------------------------------------------------------------------------- sampling
     def _requests(self, prompt_rows: list[list[int]], group_size: int, seed: int) -> tuple[list, list]:

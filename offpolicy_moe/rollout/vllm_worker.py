@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 __all__ = ["ROUTER_NAME", "RouteRecorder", "install_route_recorder", "take_routes", "decode_routes", "load_weights",
-           "router_layers"]
+           "router_layers", "expert_kernels"]
 
 # the router linear of a decoder layer's MoE block in vLLM's models: layers.<i>.<block>.gate
 ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward|moe)\.gate$")
@@ -183,13 +183,17 @@ def load_weights(worker: Any, path: str) -> list[str]:
     """Load the checkpoint-named tensors of the safetensors file ``path`` into ``worker``'s model in place; returns
     the names of the model's parameters that no tensor filled (empty: a complete load).
 
-    Two steps, because vLLM's kernels keep weights in two ways.  Most layers (the CPU's oneDNN linears among them)
-    hold a processed copy of their weights, so they go through vLLM's own in-place reload
-    (``model_runner.reload_weights``: the model's ``load_weights`` maps the checkpoint names, fusing q/k/v and
-    gate/up, then the kernels' weight processing runs again).  The routed experts keep their stacked parameters,
-    which that reload leaves alone; the model's ``load_weights`` copies the experts' tensors into them.  A file,
-    not the tensors, crosses the process boundary: vLLM's RPC pickles its arguments, and the file lies beside the
-    engine's model folder (memory-backed where the machine has ``/dev/shm``)."""
+    Every tensor goes through vLLM's own in-place reload (``model_runner.reload_weights`` with checkpoint-format
+    weights): the layers' parameters are put back as they were before the kernels processed them, each with its
+    own loader; the model's ``load_weights`` maps the checkpoint names (fusing q/k/v, gate/up and the experts'
+    shards); once a layer has all its elements its weight processing runs again (the CPU MoE method prepacks the
+    experts for the grouped GEMM on AVX-512 and AMX, or keeps per-expert views for the torch loop on AVX2) and
+    the result is copied into the tensors the kernels hold.  Nothing is written into a processed parameter
+    directly, so every kernel path gets the weights in the layout it computes with.  The names say which
+    parameters a tensor reached; whether the engine then computes with them is checked by value
+    (:meth:`~offpolicy_moe.rollout.vllm_engine.VLLMRolloutEngine.sync`).  A file, not the tensors, crosses the
+    process boundary: vLLM's RPC pickles its arguments, and the file lies beside the engine's model folder
+    (memory-backed where the machine has ``/dev/shm``)."""
     runner = worker.model_runner
     model = runner.get_model()
     tensors = load_file(path)
@@ -206,10 +210,26 @@ def load_weights(worker: Any, path: str) -> list[str]:
         runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
     finally:
         del model.load_weights
-    experts = [(k, v) for k, v in tensors.items() if ".experts." in k]
-    if experts:
-        filled.update(model.load_weights(experts) or ())
     return _unfilled(model, filled)
+
+
+def expert_kernels(worker: Any) -> list[str]:
+    """Which CPU kernel each MoE layer of ``worker``'s model runs: ``"grouped_gemm:<isa>"`` (prepacked experts:
+    ``vec`` on AVX-512, ``amx`` on AMX) or ``"torch_loop"`` (per-expert matrix products, AVX2); ``"other"`` off the
+    CPU."""
+    kinds = []
+    for _, module in worker.model_runner.get_model().named_modules():
+        cpu = getattr(getattr(module, "quant_method", None), "cpu_fused_moe", None)
+        if cpu is None:
+            continue
+        method = getattr(getattr(cpu, "forward_method", None), "__name__", "")
+        if method == "forward_grouped_gemm":
+            kinds.append(f"grouped_gemm:{getattr(cpu, 'isa', '?')}")
+        elif method == "forward_torch":
+            kinds.append("torch_loop")
+        else:
+            kinds.append("other")
+    return kinds
 
 
 def _unfilled(model: torch.nn.Module, filled: set[str]) -> list[str]:

@@ -108,7 +108,11 @@ def test_staleness_zero_bypass_equals_plain_on_policy_loop(make_cfg):
     ref = ref_model.state_dict()
     assert got.keys() == ref.keys()
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
-    assert worst < 1e-5, worst
+    # Adam moves a coordinate by at most about lr a step (its update is normalised); the two loops sum the same
+    # float32 terms in different orders (and the kernels' order differs between AVX2 and AVX-512 builds), so they
+    # must agree to 10 bits of that movement: 5.9e-6 on an AVX2 CPU, 1.15e-5 on an AVX-512 one, bound 2.9e-5
+    bound = cfg.trainer.steps * cfg.optim.lr * 2.0 ** -10
+    assert worst < bound, (worst, bound)
     # and the weights really moved (the comparison is not vacuous)
     from offpolicy_moe.models import load_policy
 

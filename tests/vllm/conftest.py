@@ -20,8 +20,8 @@ from offpolicy_moe.config import load_config  # noqa: E402
 from offpolicy_moe.models.loading import build_model  # noqa: E402
 from offpolicy_moe.tasks import build_char_tokenizer  # noqa: E402
 
-# the embedded model in the variant vLLM's CPU attention serves, a short fp32 job
-VLLM_MODEL = ("model.head_dim=32",)
+# the embedded model: under rollout.engine=vllm it takes the head size vLLM's CPU attention serves by itself
+VLLM_MODEL: tuple[str, ...] = ()
 
 
 def vllm_config(*overrides: str):

@@ -19,7 +19,7 @@ from tests.vllm.conftest import engine_processes
 pytestmark = pytest.mark.vllm
 
 # a short job on the embedded model's vLLM variant: bf16 engine, fp32 trainer (the real mismatch), R3 + TIS
-JOB = ["model.head_dim=32", "rollout.engine=vllm", "rollout.dtype=bfloat16", "preset=[grpo,tis,r3]",
+JOB = ["rollout.engine=vllm", "rollout.dtype=bfloat16", "preset=[grpo,tis,r3]",
        "rollout.prompts_per_step=8", "rollout.group_size=4", "trainer.sft_warmup_steps=5", "trainer.eval_every=0",
        "task.eval_size=16", "logging.progress=false", "logging.loggers=[jsonl]", "trainer.min_free_mb=1"]
 
