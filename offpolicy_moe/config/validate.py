@@ -17,9 +17,9 @@ cross-field rules (E = error, W = warning):
 | loss | ``algo.loss.name`` registered (E); ``algo.loss.options`` checked by the loss's registry entry (E); a sequence-level loss with a token-summing ``agg`` (W: GSPO, arXiv 2507.18071) |
 | correction | ``mode`` ≠ none with ``old_logp_source=engine`` (E: the mismatch would be corrected twice); ``low`` < ``high`` (E); truncate with ``high`` < 1 (W) |
 | routing | replay on a dense model (E); R2 with bypass (E: R2 records in the old-log-prob pass bypass skips); R2 with one update per step (W: R3 paper, arXiv 2510.11370) |
-| rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W); a ``vllm_`` key with another engine (E); with ``engine=vllm``: ``vllm_devices`` distinct indices >= 0, not with ``backend=ray`` (E), ``vllm_max_model_len`` < ``max_new_tokens`` + 1 (E), ``vllm_routes=hooks`` without ``vllm_eager`` when routes are recorded (E) |
+| rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W); a ``vllm_`` key with another engine (E); with ``engine=vllm``: ``vllm_devices`` distinct indices >= 0, not with ``backend=ray`` (E), ``vllm_max_model_len`` < ``max_new_tokens`` + 1 (E), ``vllm_routes=hooks`` without ``vllm_eager`` when routes are recorded (E); ``ray_num_gpus`` without ``backend=ray`` (W) |
 | trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached); ``buffer.max_delay`` set with a mode other than ``bounded`` (E: only ``bounded`` reads it), above ``buffer.staleness`` (W: the later batches are dropped, never trained staler than k) |
-| unread keys | a key set away from its default while the key that switches it on is off (:data:`UNREAD_UNLESS`: correction bounds without a correction, the KL kind without a KL, PR2 settings without PR2, ``rollout.ray_num_gpus`` without Ray) (W) |
+| unread keys | a key set away from its default while the key that switches it on is off (:data:`UNREAD_UNLESS`: correction bounds without a correction, the KL kind without a KL, PR2 settings without PR2) (W) |
 | optim | ``betas`` two values in [0, 1) (E) |
 | model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder; ``experts_implementation=deepgemm`` with both dtypes bfloat16 (E) |
 | task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; reverse: the same digit bounds; else ``jsonl:<path>`` (E) |
@@ -244,6 +244,9 @@ def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
         found.warn("rollout.router_noise > 0 on a dense model has no effect")
     if ro.router_perturb > 0 and model_is_moe is False:
         found.warn("rollout.router_perturb > 0 on a dense model has no effect")
+    if ro.ray_num_gpus is not None and ro.backend != "ray":
+        found.warn(f"rollout.ray_num_gpus={ro.ray_num_gpus} has no effect with rollout.backend={ro.backend}: it is "
+                   "read only with rollout.backend=ray")
     if ro.engine == "vllm" and ro.update_in_flight:
         found.error("rollout.update_in_flight=true with rollout.engine=vllm: vLLM takes new weights between "
                     "generations only; turn update_in_flight off")
@@ -323,7 +326,6 @@ UNREAD_UNLESS: dict[str, tuple[str, Any, str]] = {
     "algo.kl.kind": ("algo.kl.coef", lambda v: v > 0, "algo.kl.coef > 0"),
     **{f"algo.routing.{k}": ("algo.routing.replay", lambda v: v == "pr2", "algo.routing.replay=pr2")
        for k in ("pr2_lr_mult", "pr2_feature_sample_rate", "pr2_bias_in_weights")},
-    "rollout.ray_num_gpus": ("rollout.backend", lambda v: v == "ray", "rollout.backend=ray"),
 }
 
 
