@@ -23,7 +23,8 @@ kernels, its precision and its sampler, against the trainer's Hugging Face forwa
   (transformers' own reverse of its loading conversions) and loads them in place with vLLM's ``load_weights``
   in the worker, then checks that every engine parameter was filled.
 * **Faults.**  A start that cannot succeed is refused in one line before vLLM starts (vLLM missing, a head size
-  its CPU attention refuses, a KV cache larger than free memory, an architecture vLLM does not serve); one that
+  its CPU attention refuses, a KV cache larger than free memory, an architecture vLLM does not serve, a
+  ``max_model_len`` the cache cannot hold, recording hooks with CUDA graphs, a GPU memory share not free); one that
   fails anyway is one line naming the cause.  When the engine process dies (killed, crashed) before or during a
   generation or a weight sync, the engine is started again with the last synced weights and the call is
   reissued (a batch with its seeds), at most :data:`MAX_RESTARTS` times in a row; a weight sync that fails

@@ -23,16 +23,13 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.config.schema import VLLM_ROUTES
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.rollout.devices import visible_devices
 
-__all__ = ["ROUTE_SOURCES", "NATIVE_ROUTES_ARG", "FALLBACK_MAX_MODEL_LEN", "DEFAULT_LENGTH_UNIT", "platform",
+__all__ = ["NATIVE_ROUTES_ARG", "FALLBACK_MAX_MODEL_LEN", "DEFAULT_LENGTH_UNIT", "platform",
            "native_routes_supported", "route_source", "kv_bytes_per_token", "kv_capacity_tokens", "max_model_len",
            "llm_kwargs", "start_environment", "check_gpu_memory"]
 
-#: rollout.vllm_routes: where the routes come from (auto: native where this vLLM returns them, else hooks)
-ROUTE_SOURCES = VLLM_ROUTES
 #: vLLM's engine argument that returns the routed experts with each completion
 NATIVE_ROUTES_ARG = "enable_return_routed_experts"
 #: max_model_len when the KV cache's size per token cannot be computed from the model's config
@@ -68,11 +65,10 @@ def native_routes_supported(plat: Any) -> tuple[bool, str]:
 
 
 def route_source(needed: bool, asked: str, native: tuple[bool, str], eager: bool) -> str:
-    """Where the routes come from: ``""`` (not needed), ``"native"`` or ``"hooks"``; a one-line ``ValueError`` for
-    ``rollout.vllm_routes=native`` where this vLLM cannot return them, and for hooks without
-    ``rollout.vllm_eager`` (CUDA graphs and torch.compile'd forwards run past them)."""
-    if asked not in ROUTE_SOURCES:
-        raise ValueError(f"rollout.vllm_routes={asked!r}: expected one of {', '.join(ROUTE_SOURCES)}")
+    """Where the routes come from: ``""`` (not needed), ``"native"`` or ``"hooks"``, for ``asked``
+    (``rollout.vllm_routes``: ``auto`` takes native routes where ``native`` says this vLLM returns them); a one-line
+    ``ValueError`` for ``native`` where this vLLM cannot return them, and for hooks without ``rollout.vllm_eager``
+    (CUDA graphs and torch.compile'd forwards run past them)."""
     if not needed:
         return ""
     ok, why = native
