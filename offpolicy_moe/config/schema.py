@@ -35,6 +35,7 @@ ON_NAN = ("skip", "stop")
 DYNAMIC_SAMPLING = ("none", "drop")       # DAPO's dynamic sampling: drop groups whose rewards do not vary
 PROXIMAL_LOGP = ("exact", "loglinear")    # decoupled PPO's proximal log-probs: a pass, or AReaL's approximation
 WANDB_MODES = ("offline", "online", "disabled")
+VLLM_ROUTES = ("auto", "native", "hooks")  # engine=vllm: where the routes come from (rollout/vllm_start.py)
 LOGGERS = ("console", "jsonl", "wandb")
 
 
@@ -145,6 +146,19 @@ class RolloutConfig:
     # engine=vllm: after each weight sync, the engine's log-probs of a fixed probe are held against the trainer's
     # on the synced tensors, within a bound its precision allows (rollout/vllm_probe.py); a miss fails the sync
     vllm_check_sync: bool = True
+    # engine=vllm on a GPU: the share of the device's memory the engine may take (vLLM refuses to start with less free)
+    vllm_gpu_memory_utilization: float = ranged(0.5, gt=0, le=1)
+    # engine=vllm: the longest sequence (prompt + response) it serves; None: the model's max_position_embeddings,
+    # capped at what the KV cache (vllm_kv_cache_mib) holds
+    vllm_max_model_len: Optional[int] = ranged(None, ge=2, optional=True)
+    # engine=vllm: auto (vLLM's own routed_experts where this build returns them, else hooks in its worker) | native
+    # | hooks
+    vllm_routes: str = ranged("auto", choices=VLLM_ROUTES)
+    # engine=vllm: the GPUs (as the trainer sees them) its engines take, engine of slot s on devices[s % len]
+    # (rollout/devices.py); empty: every GPU the trainer sees
+    vllm_devices: list = field(default_factory=list)
+    # backend=ray: GPUs each rollout actor asks Ray for; None: 1 with engine=vllm when the trainer sees CUDA, else 0
+    ray_num_gpus: Optional[float] = ranged(None, ge=0, optional=True)
 
 
 @dataclass

@@ -17,7 +17,7 @@ cross-field rules (E = error, W = warning):
 | loss | ``algo.loss.name`` registered (E); ``algo.loss.options`` checked by the loss's registry entry (E); a sequence-level loss with a token-summing ``agg`` (W: GSPO, arXiv 2507.18071) |
 | correction | ``mode`` ≠ none with ``old_logp_source=engine`` (E: the mismatch would be corrected twice); ``low`` < ``high`` (E); truncate with ``high`` < 1 (W) |
 | routing | replay on a dense model (E); R2 with bypass (E: R2 records in the old-log-prob pass bypass skips); R2 with one update per step (W: R3 paper, arXiv 2510.11370) |
-| rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W) |
+| rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W); a ``vllm_`` key with another engine (E); with ``engine=vllm``: ``vllm_devices`` distinct indices >= 0, not with ``backend=ray`` (E), ``vllm_max_model_len`` < ``max_new_tokens`` + 1 (E), ``vllm_routes=hooks`` without ``vllm_eager`` when routes are recorded (E); ``ray_num_gpus`` without ``backend=ray`` (W) |
 | trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached); ``buffer.max_delay`` set with a mode other than ``bounded`` (E: only ``bounded`` reads it), above ``buffer.staleness`` (W: the later batches are dropped, never trained staler than k) |
 | unread keys | a key set away from its default while the key that switches it on is off (:data:`UNREAD_UNLESS`: correction bounds without a correction, the KL kind without a KL, PR2 settings without PR2) (W) |
 | optim | ``betas`` two values in [0, 1) (E) |
@@ -244,6 +244,9 @@ def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
         found.warn("rollout.router_noise > 0 on a dense model has no effect")
     if ro.router_perturb > 0 and model_is_moe is False:
         found.warn("rollout.router_perturb > 0 on a dense model has no effect")
+    if ro.ray_num_gpus is not None and ro.backend != "ray":
+        found.warn(f"rollout.ray_num_gpus={ro.ray_num_gpus} has no effect with rollout.backend={ro.backend}: it is "
+                   "read only with rollout.backend=ray")
     if ro.engine == "vllm" and ro.update_in_flight:
         found.error("rollout.update_in_flight=true with rollout.engine=vllm: vLLM takes new weights between "
                     "generations only; turn update_in_flight off")
@@ -253,6 +256,28 @@ def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
             if getattr(ro, key) != getattr(defaults, key):
                 found.error(f"rollout.{key} sets the vLLM engine, but rollout.engine={ro.engine}: set "
                             "rollout.engine=vllm or leave it out")
+    else:
+        check_vllm(cfg, found, model_is_moe)
+
+
+def check_vllm(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
+    """``rollout.engine=vllm``: the device list, the length it serves, and recording hooks without eager mode
+    (where the config alone says the routes come from hooks; the engine checks the rest before it starts)."""
+    ro, rt = cfg.rollout, cfg.algo.routing
+    devices = list(ro.vllm_devices or [])
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices) or len(set(devices)) < len(devices):
+        found.error(f"rollout.vllm_devices={devices}: expected distinct GPU indices >= 0 (as CUDA_VISIBLE_DEVICES "
+                    "numbers them)")
+    if devices and ro.backend == "ray":
+        found.error("rollout.vllm_devices with rollout.backend=ray: Ray gives each actor its GPU; set "
+                    "rollout.ray_num_gpus instead")
+    if ro.vllm_max_model_len is not None and ro.vllm_max_model_len < ro.max_new_tokens + 1:
+        found.error(f"rollout.vllm_max_model_len={ro.vllm_max_model_len}: shorter than one sequence "
+                    f"(rollout.max_new_tokens + 1 = {ro.max_new_tokens + 1})")
+    routes_needed = model_is_moe is not False and (rt.replay in ("r3", "pr2") or bool(rt.metrics))
+    if ro.vllm_routes == "hooks" and not ro.vllm_eager and routes_needed:
+        found.error("rollout.vllm_routes=hooks with rollout.vllm_eager=false: the recording hooks do not see CUDA "
+                    "graphs or torch.compile'd forwards; set rollout.vllm_eager=true or rollout.vllm_routes=auto")
 
 
 def check_trainer(cfg: Any, found: Findings) -> None:

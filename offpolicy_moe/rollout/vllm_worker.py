@@ -12,9 +12,10 @@ requests, flattened: request ``r`` owns rows ``query_start_loc[r] : query_start_
 runner's ``input_batch.req_ids``, at the ``positions`` the model receives.  The expert ids are the ones the MoE
 kernel itself selected: on the CPU, vLLM's fused-MoE layer picks them in Python (``cpu_fused_moe.select_experts``,
 softmax / grouped top-k / score bias as the model needs), and the recorder wraps that function, so it sees the
-``topk_ids`` the kernel then runs.  Where a kernel selects internally, the recorder takes the top-``K`` of the
-router logits the ``gate`` hook saw (softmax keeps their order, so this is the plain softmax-top-k choice).  After
-the forward the ids are filed under ``(request, position)``: the trace holds what the engine computed while it
+``topk_ids`` the kernel then runs.  Where a kernel selects internally, the recorder chooses from the router logits
+the ``gate`` hook saw by the layer's own rule, read off vLLM's MoE layer (scoring function, correction bias, expert
+groups: :mod:`offpolicy_moe.rollout.expert_choice`); a family whose rule it cannot reproduce is refused in one line
+(at the start where no kernel selection can be watched).  After the forward the ids are filed under ``(request, position)``: the trace holds what the engine computed while it
 sampled, from its own kernels and precision; nothing is recomputed by the trainer.  :func:`take_routes` hands them
 over and forgets them.
 """
@@ -27,8 +28,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from offpolicy_moe.rollout.expert_choice import ExpertRule, choose_experts, moe_layer_settings, rule_of
+
 __all__ = ["ROUTER_NAME", "RouteRecorder", "install_route_recorder", "take_routes", "decode_routes", "load_weights",
-           "router_layers", "expert_kernels"]
+           "router_layers", "moe_layer_ids", "use_kernel_selection", "expert_kernels"]
 
 # the router linear of a decoder layer's MoE block in vLLM's models: layers.<i>.<block>.gate
 ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward|moe)\.gate$")
@@ -58,11 +61,29 @@ class RouteRecorder:
         self._logits: list[Optional[torch.Tensor]] = [None] * len(self.layers)
         self._selected: list[torch.Tensor] = []          # the kernel's own top-k ids, one per MoE layer call
         self.from_kernel = 0                              # forwards whose ids came from the kernel's selection
+        self.kernel_ids = True                            # False: ignore the kernel's ids (tests force the fallback)
+        settings = moe_layer_settings(model)
+        family = type(model).__name__
+        # each MoE layer's own choice from its router logits (the fallback), and the layer it reads its bias from
+        self.rules: list[ExpertRule] = []
+        self._experts: list[Any] = []
+        for i, _ in self.layers:
+            experts, router = settings.get(i, (None, None))
+            self._experts.append(experts)
+            self.rules.append(rule_of(experts, router, family) if experts is not None else
+                              ExpertRule(self.top_k, refused=f"{family}'s MoE layer {i} shows no routed-experts "
+                                                             "settings (top_k, scoring_func) to choose by"))
         self.routes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
                          model.register_forward_hook(self._after, with_kwargs=True)]
         for j, (_, gate) in enumerate(self.layers):
             self._handles.append(gate.register_forward_hook(self._router_hook(j)))
+
+    def remove(self) -> None:
+        """Take the recorder's hooks off the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     @property
     def layer_ids(self) -> list[int]:
@@ -81,9 +102,14 @@ class RouteRecorder:
         self._logits = [None] * len(self.layers)
         self._selected = []
 
+    @property
+    def refused(self) -> str:
+        """Why the fallback cannot reproduce some layer's choice ("" when it can for every layer)."""
+        return next((r.refused for r in self.rules if r.refused), "")
+
     def selected(self, topk_ids: torch.Tensor) -> None:
         """Called with the ids a fused-MoE kernel selected (``[N, K]``), layer by layer within a forward."""
-        if self._step is not None:
+        if self._step is not None and self.kernel_ids:
             self._selected.append(topk_ids.detach().to("cpu", copy=True))
 
     def _router_hook(self, j: int):
@@ -105,7 +131,7 @@ class RouteRecorder:
             missing = [self.layers[j][0] for j, lg in enumerate(self._logits) if lg is None]
             raise RuntimeError(f"route recorder: the routers of layers {missing} did not run in this forward")
         else:
-            ids = torch.stack([lg[:n].float().topk(self.top_k, dim=-1).indices for lg in self._logits], 1)
+            ids = torch.stack([self._choose(j, lg[:n]) for j, lg in enumerate(self._logits)], 1)
         self._selected = []
         ids = ids.to(torch.int16).numpy()                                       # [N, L, K]
         pos = positions.numpy().astype(np.int64)
@@ -114,6 +140,15 @@ class RouteRecorder:
             if b > a:
                 self.routes.setdefault(rid, []).append((pos[a:b], ids[a:b]))
         self._logits = [None] * len(self.layers)
+
+    def _choose(self, j: int, logits: torch.Tensor) -> torch.Tensor:
+        """MoE layer ``j``'s own choice from its router ``logits`` (its bias read now: a weight sync replaces it)."""
+        rule = self.rules[j]
+        if rule.refused:
+            raise RuntimeError(f"route recorder: {rule.refused}; use rollout.engine=hf or a vLLM that returns "
+                               "routed experts")
+        bias = getattr(self._experts[j], "e_score_correction_bias", None) if rule.biased else None
+        return choose_experts(logits, rule, bias)
 
     def take(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """``{request id: (positions [n], expert ids [n, L, K] int16)}`` of everything recorded since the last take
@@ -126,11 +161,15 @@ class RouteRecorder:
 
 
 def _watch_kernel_selection(rec: RouteRecorder) -> bool:
-    """Wrap vLLM's CPU fused-MoE expert selection so that ``rec`` sees the ids the kernel runs; False where this
-    vLLM has no such function (the recorder then reads the router logits)."""
+    """Wrap vLLM's CPU fused-MoE expert selection so that ``rec`` sees the ids the kernel runs; False off the CPU
+    (GPU builds carry the same module, but their kernels never call it) and where this vLLM has no such function
+    (the recorder then chooses from the router logits)."""
     try:
         from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+        from vllm.platforms import current_platform
     except ImportError:
+        return False
+    if not current_platform.is_cpu():
         return False
     own = getattr(cpu_fused_moe, "select_experts", None)
     if own is None:
@@ -146,14 +185,34 @@ def _watch_kernel_selection(rec: RouteRecorder) -> bool:
 
 
 def install_route_recorder(worker: Any, top_k: int) -> list[int]:
-    """Install a :class:`RouteRecorder` on ``worker``'s model runner (once); returns the MoE layer indices."""
+    """Install a :class:`RouteRecorder` on ``worker``'s model runner (once); returns the MoE layer indices.  Where
+    no kernel selection can be watched, a family whose choice the fallback cannot reproduce is refused here, in
+    one line, before any generation."""
     runner = worker.model_runner
     rec = getattr(runner, "_offpolicy_moe_routes", None)
     if rec is None:
         rec = RouteRecorder(runner, top_k)
-        _watch_kernel_selection(rec)
+        if not _watch_kernel_selection(rec) and rec.refused:
+            rec.remove()
+            raise RuntimeError(f"route recorder: {rec.refused}; use rollout.engine=hf or a vLLM that returns "
+                               "routed experts")
         runner._offpolicy_moe_routes = rec
     return rec.layer_ids
+
+
+def use_kernel_selection(worker: Any, on: bool) -> None:
+    """Whether the installed recorder keeps the kernel's own ids (``on``, the default) or always chooses from the
+    router logits (the fallback a kernel that selects internally gets; tests compare the two)."""
+    rec = getattr(worker.model_runner, "_offpolicy_moe_routes", None)
+    if rec is None:
+        raise RuntimeError("route recorder: not installed in this vLLM worker")
+    rec.kernel_ids = bool(on)
+
+
+def moe_layer_ids(worker: Any) -> list[int]:
+    """Decoder-layer index of every MoE layer of ``worker``'s model (no hook installed): what a trace of vLLM's
+    native ``routed_experts`` (all hidden layers) is reduced to."""
+    return [i for i, _ in router_layers(worker.model_runner.get_model())]
 
 
 def kernel_selected_forwards(worker: Any) -> int:

@@ -8,7 +8,9 @@ and sends the :class:`~offpolicy_moe.rollout.batch.RolloutBatch` back (``torch.s
 worker killed mid-send corrupts nothing shared).  With ``rollout.update_in_flight`` the engine loads newer weights
 between decode steps, and every token carries the version that sampled it (``RolloutBatch.token_versions``).
 
-A worker exits when it receives :class:`Shutdown`, when its parent (the trainer) is gone, or after reporting an error.
+A worker first sets the environment its spec carries (its GPU as ``CUDA_VISIBLE_DEVICES``, by the rule of
+:mod:`~offpolicy_moe.rollout.devices`), before anything touches CUDA.  A worker exits when it receives
+:class:`Shutdown`, when its parent (the trainer) is gone, or after reporting an error.
 Sampling that meets non-finite values (NaN logits, non-finite behaviour log-probs) is not an error of the worker:
 it reports :class:`BatchNonFinite` for that order, like any other stage's non-finite value, and serves the next one;
 the trainer applies ``trainer.on_nan``.
@@ -65,6 +67,8 @@ class WorkerSpec:
     weight_timeout_s: float = 600.0
     update_in_flight: bool = False
     probe: Any = None           # a test probe's hand-off (run/probes.py); None in every real run
+    # environment set before anything else (its GPU: CUDA_VISIBLE_DEVICES, rollout/devices.py); None: inherited
+    env: Optional[dict] = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
     :class:`WorkerFailed` before it exits."""
     iteration = -1
     try:
+        os.environ.update(spec.env or {})           # before CUDA is touched: the worker's GPU is its only one
         probes.receive(spec.probe)
         torch.set_num_threads(max(int(spec.threads), 1))
         cfg = spec.cfg

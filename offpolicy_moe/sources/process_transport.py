@@ -18,6 +18,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
+from offpolicy_moe.rollout.devices import worker_environment
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import (BatchDone, BatchNonFinite, Order, Shutdown, WorkerFailed, WorkerSpec,
                                           pid_alive, unpack, worker_main)
@@ -66,13 +67,15 @@ class ProcessTransport:
         self._board.publish(weights, version)
 
     def spawn(self, index: int, restarts: int = 0) -> None:
-        """Start worker process ``index`` (``restarts`` does not change how)."""
+        """Start worker process ``index`` (``restarts`` does not change how), on its own GPU when its engine is
+        vLLM and this machine has GPUs (:func:`~offpolicy_moe.rollout.devices.worker_environment`)."""
         o_recv, o_send = self._ctx.Pipe(duplex=False)
         r_recv, r_send = self._ctx.Pipe(duplex=False)
         ro = self.cfg.rollout
         spec = WorkerSpec(cfg=self.cfg, index=index, rank=self.rank, world=self.world, parent_pid=os.getpid(),
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
-                          update_in_flight=bool(ro.update_in_flight), probe=probes.handoff())
+                          update_in_flight=bool(ro.update_in_flight), probe=probes.handoff(),
+                          env=worker_environment(self.cfg, rank=self.rank, index=index))
         proc = self._ctx.Process(target=worker_main, args=(spec, self._board, o_recv, r_send),
                                  name=f"offpolicy-moe-rollout-{self.rank}-{index}", daemon=True)
         proc.start()

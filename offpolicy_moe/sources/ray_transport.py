@@ -6,7 +6,8 @@ orders, staleness, the old-log-prob pass, the checkpoint (a run may resume on th
 
 * workers are ``rollout.workers`` :class:`~offpolicy_moe.rollout.ray_actor.RolloutActor` s, placed by Ray anywhere
   in the cluster of ``rollout.ray_address`` (else ``RAY_ADDRESS``, else ``ray.init()``'s default: a cluster on this
-  machine), ``rollout.worker_threads`` CPUs each; one that does not start within ``rollout.worker_timeout_s``
+  machine), ``rollout.worker_threads`` CPUs and :func:`~offpolicy_moe.rollout.devices.ray_gpus_per_actor` GPUs
+  each (one with vLLM when the trainer sees CUDA); one that does not start within ``rollout.worker_timeout_s``
   is a :class:`PipelineTimeout`, one that fails to start a :class:`WorkerDied`;
 * weights: each published version is ``ray.put`` once into the object store; a
   :class:`~offpolicy_moe.rollout.ray_actor.WeightRegistry` actor, pinned to the trainer's node, holds the newest
@@ -36,11 +37,12 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 
 from offpolicy_moe.config.validate import ConfigError
+from offpolicy_moe.rollout.devices import ray_gpus_per_actor
 from offpolicy_moe.rollout.ray_actor import RolloutActor, WeightRegistry, encode_weights
 from offpolicy_moe.rollout.worker import BatchDone, Order, WorkerSpec
 from offpolicy_moe.sources.transport import Event, PipelineTimeout, WorkerDied, WorkerLost
 
-__all__ = ["RayTransport", "actor_died", "connect", "ray_address"]
+__all__ = ["RayTransport", "actor_died", "actor_options", "connect", "ray_address"]
 _CONNECT_TIMEOUT_S = 5.0
 _NODE_GRACE_S = 15.0       # how long a dead actor's node is watched for its own death before a restart
 
@@ -85,6 +87,14 @@ def connect(cfg: Any) -> Any:
         raise ConfigError(f"rollout.backend=ray: cannot reach the Ray cluster at {address or 'the default'} "
                           f"({where}): {first}") from None
     return ray
+
+
+def actor_options(cfg: Any, name: str, cuda: Optional[bool] = None) -> dict:
+    """The Ray options of a rollout actor named ``name``: ``rollout.worker_threads`` CPUs, its GPUs
+    (:func:`~offpolicy_moe.rollout.devices.ray_gpus_per_actor`; ``cuda``: whether the trainer sees CUDA, read when
+    None), no restart by Ray (the source restarts it)."""
+    return dict(num_cpus=int(cfg.rollout.worker_threads), num_gpus=ray_gpus_per_actor(cfg, cuda), max_restarts=0,
+                max_task_retries=0, name=name)
 
 
 @dataclass
@@ -160,15 +170,16 @@ class RayTransport:
         spec = WorkerSpec(cfg=self.cfg, index=index, rank=self.rank, world=self.world, parent_pid=os.getpid(),
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
                           update_in_flight=bool(ro.update_in_flight))
-        handle = self.ray.remote(concurrency_groups={"watch": 1})(RolloutActor).options(
-            num_cpus=int(ro.worker_threads), max_restarts=0, max_task_retries=0,
-            name=f"offpolicy-moe-rollout-{os.getpid()}-{self.rank}-{index}-{restarts}").remote(spec, self._registry)
+        options = actor_options(self.cfg, f"offpolicy-moe-rollout-{os.getpid()}-{self.rank}-{index}-{restarts}")
+        handle = self.ray.remote(concurrency_groups={"watch": 1})(RolloutActor).options(**options).remote(
+            spec, self._registry)
         try:
             info = self.ray.get(handle.ready.remote(), timeout=self.timeout)
         except self.ray.exceptions.GetTimeoutError:
             self.ray.kill(handle)
+            gpus = f" and {options['num_gpus']:g} free GPU(s)" if options["num_gpus"] else ""
             raise PipelineTimeout(f"waited {self.timeout:.0f} s (rollout.worker_timeout_s) for Ray rollout actor "
-                                  f"{index} to start (no node with {ro.worker_threads} free CPU(s)?)") from None
+                                  f"{index} to start (no node with {ro.worker_threads} free CPU(s){gpus}?)") from None
         except self.ray.exceptions.RayError as e:
             raise WorkerDied(f"Ray rollout actor {index} failed to start: {_cause(e)}") from None
         actor = _Actor(index=index, handle=handle, info=info)
