@@ -89,3 +89,18 @@ def test_the_engine_killed_mid_run_is_restarted_and_every_step_trains_once(tmp_p
     assert proc.returncode == 0, err[-3000:]
     assert [r["step"] for r in _train_rows(run)] == [1, 2, 3, 4, 5, 6]
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in killed)
+
+
+@pytest.mark.parametrize("mode", [(), ("buffer.mode=async", "buffer.staleness=1"),
+                                  ("buffer.mode=async", "buffer.staleness=1", "rollout.backend=ray")])
+def test_a_config_vllm_cannot_serve_is_refused_before_any_worker_starts(tmp_path, mode):
+    """In every mode the trainer's own checks refuse it in one line: no engine, worker or actor is started (the
+    run ends before its folder gets a metric)."""
+    run = tmp_path / "refused"
+    t0 = time.time()
+    out = _train(run, "model.head_dim=16", "trainer.steps=2", *mode, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [x for x in out.stderr.splitlines() if "head_dim >= 32" in x]
+    assert len(errors) == 1, out.stderr[-2000:]
+    assert not _rows(run)
+    assert time.time() - t0 < 120
