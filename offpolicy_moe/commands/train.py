@@ -66,13 +66,13 @@ def build_config(config: str | None, overrides: list[str], run_dir: str | None =
 def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan], Any]:
     """The checked config of this command, the resume plan with ``--resume`` (nothing is written), and what the
     checks built (``CheckedConfig``; None for ``--print-config`` alone, which only validates)."""
-    from offpolicy_moe.commands.resume import plan_resume
-
     presets = getattr(args, "preset", [])
     if args.force_change and not args.resume:
         raise UsageError("--force-change only applies with --resume")
     plan = None
     if args.resume:
+        from offpolicy_moe.commands.resume import plan_resume   # reads checkpoints (torch): only when resuming
+
         config, overrides = split_config_arg(args.config, args.overrides)
         run_dir = args.run_dir or (build_config(config, overrides, None, presets).run_dir if config else None)
         if run_dir is None:
