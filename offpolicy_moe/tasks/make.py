@@ -34,8 +34,8 @@ def make_task(cfg, **overrides) -> PromptAnswerTask:
             raise ValueError("task.name='dataset:' needs a folder or a file, e.g. task.name=dataset:data/train.jsonl")
         task = DatasetTask(source, cfg, **overrides)
     else:
-        raise ValueError(f"unknown task.name={name!r}; expected 'arithmetic', 'reverse', 'chain', 'dataset:<folder or file>' "
-                         "or 'jsonl:<path>'")
+        raise ValueError(f"unknown task.name={name!r}; expected 'arithmetic', 'reverse', 'chain', "
+                         "'dataset:<folder or file>' or 'jsonl:<path>'")
     task.configure_rewards(getattr(cfg, "rewards", None), on_error=getattr(cfg, "on_reward_error", "stop"),
                            math_timeout_s=getattr(cfg, "math_timeout_s", 5.0))
     return task
