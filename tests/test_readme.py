@@ -19,6 +19,14 @@ def _run(block: str) -> dict:
     return ns
 
 
+MAX_README_CHARS = 15_000
+
+
+def test_readme_stays_short():
+    """Details live in docs/; the README is the front page (its limit in characters, not bytes)."""
+    assert len(README) <= MAX_README_CHARS, f"README.md has {len(README)} characters; move details to docs/"
+
+
 def test_readme_has_python_blocks():
     assert len(_blocks("python")) >= 2
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from offpolicy_moe.config import available_presets, load_config, preset_description, to_dict, to_yaml
-from offpolicy_moe.config.load import algorithms_dir, mechanisms_dir
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("names", nargs="*", metavar="NAME",
@@ -27,6 +24,10 @@ def _diff(a, b, prefix=""):
 
 
 def run(args: argparse.Namespace) -> int:
+    # the config imports OmegaConf: imported when the command runs, so `offpolicy-moe --help` stays fast
+    from offpolicy_moe.config.load import (algorithms_dir, available_presets, load_config, mechanisms_dir,
+                                           preset_description, to_dict, to_yaml)
+
     if not args.names:
         presets = available_presets()
         width = max((len(n) for n in presets), default=0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 
 from offpolicy_moe.commands.errors import RunFailed, UsageError
-from offpolicy_moe.sweep.execute import run_sweep
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +35,9 @@ def parse_seeds(text: str | None) -> list[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the sweep reads configs (OmegaConf): imported when the command runs, so `offpolicy-moe --help` stays fast
+    from offpolicy_moe.sweep.execute import run_sweep
+
     seeds = parse_seeds(args.seeds)
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")

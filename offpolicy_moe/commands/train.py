@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING
 
 from offpolicy_moe.commands.errors import RunFailed, UsageError, warn
 from offpolicy_moe.commands.threads import ThreadChoice, machine_threads
-from offpolicy_moe.config.load import load_config, to_yaml
-from offpolicy_moe.config.schema import TrainConfig
-from offpolicy_moe.config.validate import validate
 from offpolicy_moe.sources import fork_server
 
-if TYPE_CHECKING:     # resume and the engine load torch: imported where used, so `--help` stays fast
+if TYPE_CHECKING:     # resume and the engine load torch, the config OmegaConf: imported where used (`--help` is fast)
     from offpolicy_moe.commands.resume import ResumePlan
+    from offpolicy_moe.config.schema import TrainConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +54,8 @@ def split_config_arg(config: Optional[str], overrides: list[str]) -> tuple[Optio
 
 def build_config(config: str | None, overrides: list[str], run_dir: str | None = None, presets=()) -> TrainConfig:
     """Resolve the config: defaults < presets < YAML < key=value (< --run-dir)."""
+    from offpolicy_moe.config.load import load_config
+
     config, overrides = split_config_arg(config, overrides)
     cfg = load_config(config, overrides, presets=list(presets))
     if run_dir is not None:
@@ -66,13 +66,15 @@ def build_config(config: str | None, overrides: list[str], run_dir: str | None =
 def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan], Any]:
     """The checked config of this command, the resume plan with ``--resume`` (nothing is written), and what the
     checks built (``CheckedConfig``; None for ``--print-config`` alone, which only validates)."""
-    from offpolicy_moe.commands.resume import plan_resume
+    from offpolicy_moe.config.validate import validate
 
     presets = getattr(args, "preset", [])
     if args.force_change and not args.resume:
         raise UsageError("--force-change only applies with --resume")
     plan = None
     if args.resume:
+        from offpolicy_moe.commands.resume import plan_resume   # reads checkpoints (torch): only when resuming
+
         config, overrides = split_config_arg(args.config, args.overrides)
         run_dir = args.run_dir or (build_config(config, overrides, None, presets).run_dir if config else None)
         if run_dir is None:
@@ -105,6 +107,8 @@ def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan]
 def run(args: argparse.Namespace) -> int:
     cfg, plan, checked = resolve(args)
     if args.print_config:
+        from offpolicy_moe.config.load import to_yaml
+
         print(to_yaml(cfg), end="")
     if args.dry_run:
         print(f"config OK: {'+'.join(cfg.preset) or 'defaults'}, {cfg.trainer.steps} steps -> {cfg.run_dir}",

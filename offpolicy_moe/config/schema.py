@@ -6,8 +6,9 @@ so a misspelt key or a wrong type fails before any compute, naming the key.
 
 Each field declares its allowed range or choices next to its default (:func:`~offpolicy_moe.config.ranges.ranged`);
 :func:`offpolicy_moe.config.validate.validate` checks them all, and that every number is finite, generically.
-Vocabularies owned elsewhere are imported from their owner: KL kinds (``losses.kl``), correction modes and levels
-(``losses.correction``), reward kinds (``tasks.rewards``), dtypes (``models.dtypes``).
+Vocabularies owned elsewhere are imported from their owners' torch-free ``vocabulary`` modules: KL kinds and
+correction modes and levels (``losses.vocabulary``), reward kinds and task options (``tasks.vocabulary``), dtypes
+(``models.vocabulary``); importing the schema imports no torch.
 """
 from __future__ import annotations
 
@@ -15,12 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from offpolicy_moe.config.ranges import ranged
-from offpolicy_moe.losses.correction import LEVELS as CORRECTION_LEVELS
-from offpolicy_moe.losses.correction import MODES as CORRECTION_MODES
-from offpolicy_moe.losses.kl import KL_KINDS
-from offpolicy_moe.models.dtypes import DTYPE_NAMES
-from offpolicy_moe.tasks import ANSWER_FORMATS, CHAT_TEMPLATE_MODES, ON_REWARD_ERROR
-from offpolicy_moe.tasks.rewards import REWARD_KINDS
+from offpolicy_moe.losses.vocabulary import CORRECTION_LEVELS, CORRECTION_MODES, KL_KINDS
+from offpolicy_moe.models.vocabulary import DTYPE_NAMES
+from offpolicy_moe.tasks.vocabulary import ANSWER_FORMATS, CHAT_TEMPLATE_MODES, ON_REWARD_ERROR, REWARD_KINDS
 
 # Vocabularies this package's config owns (no other module defines them).
 REPLAY_MODES = ("none", "r2", "r3", "pr2")

@@ -8,7 +8,9 @@ Mixture-of-Experts model; ``None`` infers it from the config (``model.preset``, 
 
 Per-key rules are declared once, next to each schema field (:mod:`offpolicy_moe.config.ranges`): every number of
 every key must be finite (NaN fails every ``<`` test, so it is refused first), then within its declared range, and
-every enumerated key one of its choices (vocabularies imported from their owners). The loss keys, whose dataclass
+every enumerated key one of its choices (vocabularies imported from their owners' torch-free modules; the loss keys
+are checked against the loss catalogue, :mod:`offpolicy_moe.losses.catalogue`, so validation imports no torch
+unless ``model.experts_implementation`` names one of transformers' kernels). The loss keys, whose dataclass
 the losses own, take their ranges from :data:`LOSS_RULES`. Then one function per config section checks the
 cross-field rules (E = error, W = warning):
 
@@ -37,12 +39,13 @@ from typing import Any, Optional
 
 from offpolicy_moe.config.ranges import Rule, declared_rules, field_problems
 from offpolicy_moe.config.schema import LOGGERS, RolloutConfig, TrainConfig
-from offpolicy_moe.losses import (AGG_MODES, get_loss_spec, list_policy_losses, loss_options_problem,
-                                  resolve_loss_options)
-from offpolicy_moe.models.experts import experts_implementations
+import offpolicy_moe.models as models
+from offpolicy_moe.losses.catalogue import (list_policy_losses, loss_interface, loss_options_problem,
+                                            resolve_loss_options)
+from offpolicy_moe.losses.vocabulary import AGG_MODES
 from offpolicy_moe.models.moe_shape import declares_moe
-from offpolicy_moe.models.presets import PRESETS
-from offpolicy_moe.tasks import parse_reward_specs
+from offpolicy_moe.models.vocabulary import EXPERTS_OWN, PRESET_NAMES
+from offpolicy_moe.tasks.reward_specs import parse_reward_specs
 
 # Ranges of the loss keys (their dataclass belongs to the losses; the generic walk applies these).
 LOSS_RULES: dict[str, Rule] = {
@@ -89,7 +92,7 @@ def vocabularies() -> dict[str, tuple]:
     out = {k: r.choices for k, r in declared_rules(TrainConfig).items() if r.choices is not None}
     out.update({k: r.choices for k, r in LOSS_RULES.items() if r.choices is not None})
     out["algo.loss.name"] = tuple(list_policy_losses())
-    out["model.experts_implementation"] = experts_implementations()
+    out["model.experts_implementation"] = models.experts_implementations()
     return out
 
 
@@ -130,7 +133,7 @@ def check_loss(cfg: Any, found: Findings) -> None:
     problem = loss_options_problem(loss.name, loss.options)
     if problem:
         found.error(f"algo.loss.options: {problem}")
-    if get_loss_spec(loss.name).sequence_level and loss.agg not in (None, "seq-mean-token-mean"):
+    if loss_interface(loss.name).sequence_level and loss.agg not in (None, "seq-mean-token-mean"):
         found.warn(f"algo.loss.agg={loss.agg} with algo.loss.name={loss.name} (a sequence-level ratio): token-level "
                    "sums weight each sequence by its length; use seq-mean-token-mean")
 
@@ -167,7 +170,7 @@ def check_proximal(cfg: Any, found: Findings) -> None:
     if algo.old_logp_source != "proximal":
         found.error(f"algo.proximal_logp=loglinear approximates decoupled PPO's proximal log-probs, but "
                     f"algo.old_logp_source={algo.old_logp_source}; set algo.old_logp_source=proximal")
-    elif algo.loss.name in list_policy_losses() and get_loss_spec(algo.loss.name).wants_global_pass(
+    elif algo.loss.name in list_policy_losses() and loss_interface(algo.loss.name).wants_global_pass(
             resolve_loss_options(algo.loss.name, algo.loss.options) if not loss_options_problem(
                 algo.loss.name, algo.loss.options) else {}):
         found.error(f"algo.proximal_logp=loglinear with algo.loss.name={algo.loss.name}: its selection over the "
@@ -353,6 +356,11 @@ def check_optim(cfg: Any, found: Findings) -> None:
         found.error(f"optim.betas: expected two values in [0, 1), got {list(betas)}")
 
 
+def _known_experts(name: str) -> bool:
+    """``auto`` and ``eager`` without importing transformers; any other name is looked up in its kernels."""
+    return name in EXPERTS_OWN or name in models.experts_implementations()
+
+
 def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
     """``model``: a known experts implementation; a built-in preset's shape can be built; ``model.path`` is not a
     placeholder; trained weights are not float16 (the trainer does no loss scaling: the warm start's first step gave a NaN loss)."""
@@ -360,9 +368,9 @@ def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None
     if m.dtype in ("float16", "fp16"):
         found.error("model.dtype=float16: the trainer keeps no loss scale, so float16 training weights underflow "
                     "(NaN at the first step); use bfloat16 or float32 (rollout.dtype=float16 is fine for the engine)")
-    if m.experts_implementation not in experts_implementations():
+    if not _known_experts(m.experts_implementation):
         found.error(f"model.experts_implementation: unknown value {m.experts_implementation!r}; expected one of "
-                    f"{', '.join(experts_implementations())}")
+                    f"{', '.join(models.experts_implementations())}")
     if m.experts_implementation in BF16_ONLY_EXPERTS:
         bad = [f"{k}={v}" for k, v in (("model.dtype", m.dtype), ("rollout.dtype", cfg.rollout.dtype))
                if v not in ("bfloat16", "bf16")]
@@ -371,8 +379,8 @@ def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None
                         f"(the trainer's and the engine's copy), but {' and '.join(bad)}; set both to bfloat16 or "
                         "use another experts implementation")
     if m.path is None:
-        if m.preset not in PRESETS:
-            found.error(f"model.preset: unknown preset {m.preset!r}; expected one of {', '.join(sorted(PRESETS))} "
+        if m.preset not in PRESET_NAMES:
+            found.error(f"model.preset: unknown preset {m.preset!r}; expected one of {', '.join(sorted(PRESET_NAMES))} "
                         "or set model.path")
         if model_is_moe is not False and m.num_experts >= 1 and m.top_k >= 1:
             if m.num_experts < 2:

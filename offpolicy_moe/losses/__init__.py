@@ -18,63 +18,29 @@ Everything is a pure function on tensors ``[B, T]`` (response-aligned, with a re
 
 Metrics are dicts of detached float32 0-d tensors (no host sync); :func:`metrics_to_floats`
 converts a dict with one sync.
-"""
-from ._validate import AGG_MODES, LOG_RATIO_BOUND, ratio_bound, value_checks
-from .advantages import group_advantages
-from .aggregation import aggregate, global_counts
-from .correction import correction_weights, mismatch_metrics
-from .kl import KL_KINDS, kl_penalty
-from .m2po import m2po_adaptive_cap, m2po_loss, m2po_mask
-from .objectives import grpo_loss, gspo_loss, metrics_to_floats, unclipped_loss
-from .registry import (
-    LossSpec,
-    get_loss_spec,
-    get_policy_loss,
-    list_policy_losses,
-    loss_options_problem,
-    policy_loss_options,
-    register_policy_loss,
-    resolve_loss_options,
-    unregister_policy_loss,
-)
-from .cispo import cispo_loss
-from .dppo import dppo_kl_loss, dppo_tv_loss
-from .gmpo import gmpo_loss
-from .sapo import sapo_loss
-from .vespo import vespo_loss
 
-__all__ = [
-    "AGG_MODES",
-    "KL_KINDS",
-    "LOG_RATIO_BOUND",
-    "LossSpec",
-    "aggregate",
-    "cispo_loss",
-    "dppo_kl_loss",
-    "dppo_tv_loss",
-    "gmpo_loss",
-    "sapo_loss",
-    "vespo_loss",
-    "get_loss_spec",
-    "ratio_bound",
-    "resolve_loss_options",
-    "correction_weights",
-    "get_policy_loss",
-    "global_counts",
-    "group_advantages",
-    "grpo_loss",
-    "gspo_loss",
-    "kl_penalty",
-    "list_policy_losses",
-    "loss_options_problem",
-    "m2po_adaptive_cap",
-    "m2po_loss",
-    "m2po_mask",
-    "metrics_to_floats",
-    "mismatch_metrics",
-    "policy_loss_options",
-    "register_policy_loss",
-    "unclipped_loss",
-    "unregister_policy_loss",
-    "value_checks",
-]
+The names are imported from their modules on first use: :mod:`.vocabulary`, :mod:`.option_checks` and
+:mod:`.catalogue` (what a config may name and set) import no torch.
+"""
+from offpolicy_moe.lazy import lazy_exports
+
+_EXPORTS = {
+    "vocabulary": ("AGG_MODES", "KL_KINDS"),
+    "catalogue": ("LossInterface", "list_policy_losses", "loss_interface", "loss_options_problem",
+                  "policy_loss_options", "resolve_loss_options"),
+    "_validate": ("LOG_RATIO_BOUND", "ratio_bound", "value_checks"),
+    "advantages": ("group_advantages",),
+    "aggregation": ("aggregate", "global_counts"),
+    "correction": ("correction_weights", "mismatch_metrics"),
+    "kl": ("kl_penalty",),
+    "m2po": ("m2po_adaptive_cap", "m2po_loss", "m2po_mask"),
+    "objectives": ("grpo_loss", "gspo_loss", "metrics_to_floats", "unclipped_loss"),
+    "registry": ("LossSpec", "get_loss_spec", "get_policy_loss", "register_policy_loss", "unregister_policy_loss"),
+    "cispo": ("cispo_loss",),
+    "dppo": ("dppo_kl_loss", "dppo_tv_loss"),
+    "gmpo": ("gmpo_loss",),
+    "sapo": ("sapo_loss",),
+    "vespo": ("vespo_loss",),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)

@@ -11,8 +11,6 @@ from ._validate import (
     FusedCheck,
     as_bool_mask,
     check_objective_args,
-    check_below_one,
-    check_nonneg,
     clamp_log_ratio,
     compute_dtype,
     mask_is_binary,
@@ -110,13 +108,3 @@ def frac(cond: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def apply_weights(loss_mat: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
     return loss_mat if weights is None else loss_mat * weights
-
-
-def check_clip(name: str, value: float) -> float:
-    """A clip range: ``clip_low`` in [0, 1), any other clip range >= 0; returned as a float."""
-    if name == "clip_low":
-        check_below_one(name, value)
-    else:
-        check_nonneg(name, value)
-    return float(value)
-

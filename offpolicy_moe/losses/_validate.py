@@ -18,6 +18,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from .option_checks import check_choice, check_nonneg, check_positive
+from .vocabulary import AGG_MODES
+
 LOG_RATIO_BOUND = 20.0
 """Every log-ratio is clamped to ``[-b, b]`` before ``exp``, ``b = ratio_bound(dtype) <= LOG_RATIO_BOUND``."""
 
@@ -36,8 +39,6 @@ def ratio_bound(dtype: torch.dtype) -> float:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a loss computes in: float32 for half inputs, else the input's float dtype."""
     return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 _VALUE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("offpolicy_moe_value_checks", default=True)
 
@@ -86,30 +87,6 @@ def check_float(name: str, x: torch.Tensor) -> None:
 def check_agg(mode: str) -> None:
     if mode not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
-
-
-def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; valid values: {', '.join(map(str, choices))}")
-
-
-def check_nonneg(name: str, value: Optional[float]) -> None:
-    if value is None:
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def check_positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
-def check_below_one(name: str, value: Optional[float]) -> None:
-    """A lower clip range ``eps`` must satisfy ``0 <= eps < 1`` so that ``1 - eps`` stays positive."""
-    check_nonneg(name, value)
-    if value is not None and value >= 1:
-        raise ValueError(f"{name} must be < 1 (the lower bound 1 - {name} must stay positive), got {value!r}")
 
 
 def check_count(name: str, value: object) -> None:

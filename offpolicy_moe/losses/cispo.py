@@ -10,24 +10,19 @@ from typing import Optional
 
 import torch
 
-from ._common import Metrics, apply_weights, check_clip, frac, masked_max, masked_mean, prepare
+from ._common import Metrics, apply_weights, frac, masked_max, masked_mean, prepare
 from .aggregation import Count, aggregate
+from .option_checks import check_cispo_options
 from .reference import reference_cispo
-from .registry import register_policy_loss
+from .registry import register_builtin_loss
 
 CISPO_CLIP_HIGH = 4.0
 """Default ``clip_high``: the weight is capped at ``1 + 4 = 5`` (our default; the paper tunes only the upper bound)."""
 
 
-def check_cispo_options(clip_low: Optional[float] = None, clip_high: Optional[float] = None) -> None:
-    """One-line ValueError for a bad CISPO option: ``clip_low`` in [0, 1) or None, ``clip_high`` >= 0."""
-    if clip_low is not None:
-        check_clip("clip_low", clip_low)
-    if clip_high is not None:
-        check_clip("clip_high", clip_high)
 
 
-@register_policy_loss("cispo", clips=True, check_options=check_cispo_options, reference=reference_cispo)
+@register_builtin_loss("cispo", reference=reference_cispo)
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

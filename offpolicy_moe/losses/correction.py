@@ -32,9 +32,10 @@ from ._validate import (
     clamp_log_ratio,
     ratio_bound,
 )
+from .vocabulary import CORRECTION_LEVELS, CORRECTION_MODES
 
-LEVELS = ("token", "sequence", "geometric")
-MODES = ("truncate", "mask", "opsm")
+LEVELS = CORRECTION_LEVELS
+MODES = CORRECTION_MODES
 OPSM_DELTA = 1e-4
 """Default OPSM threshold on the mean per-token KL (Miles' ``--opsm-delta`` default; TRL has none: off)."""
 

@@ -15,25 +15,16 @@ from typing import Optional
 import torch
 
 from ._closed_form import count_valid, finish_lean, prepare_lean, share
-from ._common import Metrics, check_clip
-from ._validate import check_nonneg
+from ._common import Metrics
 from .aggregation import Count
+from .option_checks import check_dppo_options
 from .reference import dppo_keep, reference_dppo_kl, reference_dppo_tv
-from .registry import register_policy_loss
+from .registry import register_builtin_loss
 
 DPPO_DELTA = (0.2, 0.2)
 """Default ``(delta_low, delta_high)``: verl's ``clip_ratio`` default and prime-rl's ``dppo_mask_{low,high}``."""
 
 
-def check_dppo_options(delta_low: Optional[float] = None, delta_high: Optional[float] = None,
-                       ratio_cap: Optional[float] = None) -> None:
-    """One-line ValueError for a bad DPPO option: ``delta_low``, ``delta_high`` >= 0; ``ratio_cap`` >= 1 or None."""
-    check_nonneg("delta_low", delta_low)
-    check_nonneg("delta_high", delta_high)
-    if ratio_cap is not None:
-        check_clip("ratio_cap", ratio_cap)
-        if ratio_cap < 1:
-            raise ValueError(f"ratio_cap must be >= 1 (or None), got {ratio_cap!r}")
 
 
 def _dppo(kind, logp, old_logp, advantages, mask, agg, weights, counts, delta_low, delta_high, ratio_cap):
@@ -66,7 +57,7 @@ def _dppo(kind, logp, old_logp, advantages, mask, agg, weights, counts, delta_lo
     return loss, metrics
 
 
-@register_policy_loss("dppo_tv", clips=True, check_options=check_dppo_options, reference=reference_dppo_tv)
+@register_builtin_loss("dppo_tv", reference=reference_dppo_tv)
 def dppo_tv_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -101,7 +92,7 @@ def dppo_tv_loss(
     return _dppo("tv", logp, old_logp, advantages, mask, agg, weights, counts, delta_low, delta_high, ratio_cap)
 
 
-@register_policy_loss("dppo_kl", clips=True, check_options=check_dppo_options, reference=reference_dppo_kl)
+@register_builtin_loss("dppo_kl", reference=reference_dppo_kl)
 def dppo_kl_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -14,24 +14,19 @@ import torch
 
 from ._closed_form import count_valid, finish_lean, prepare_lean, share
 from ._common import Metrics, masked_mean
-from ._validate import check_nonneg
 from .aggregation import Count
+from .option_checks import check_gmpo_options
 from .reference import reference_gmpo
-from .registry import register_policy_loss
+from .registry import register_builtin_loss
 
 GMPO_CLIP = (0.4, 0.4)
 """Default log-space ``(clip_low, clip_high)``: the paper's ``(exp(-0.4), exp(0.4))`` (verl uses its
 ``clip_ratio`` default 0.2)."""
 
 
-def check_gmpo_options(clip_low: Optional[float] = None, clip_high: Optional[float] = None) -> None:
-    """One-line ValueError for a bad GMPO option: ``clip_low``, ``clip_high`` (log-space) finite and >= 0."""
-    check_nonneg("clip_low", clip_low)
-    check_nonneg("clip_high", clip_high)
 
 
-@register_policy_loss("gmpo", clips=True, sequence_level=True, check_options=check_gmpo_options,
-                      reference=reference_gmpo)
+@register_builtin_loss("gmpo", reference=reference_gmpo)
 def gmpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

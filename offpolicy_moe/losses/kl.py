@@ -21,8 +21,7 @@ from ._validate import (
     compute_dtype,
     ratio_bound,
 )
-
-KL_KINDS = ("k1", "k2", "k3", "k3+")
+from .vocabulary import KL_KINDS
 
 
 def kl_penalty(

@@ -22,7 +22,6 @@ from ._validate import (
     as_bool_mask,
     check_2d,
     check_advantages,
-    check_choice,
     check_positive,
     check_same_shape,
     check_tensor,
@@ -32,8 +31,9 @@ from ._validate import (
     value_checks,
 )
 from .aggregation import Count, aggregate
+from .option_checks import check_m2po_options
 from .reference import reference_m2po
-from .registry import register_policy_loss
+from .registry import register_builtin_loss
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -220,16 +220,6 @@ def m2po_adaptive_cap(
 # ----------------------------------------------------------------------------------------------
 # the loss and its registry entry
 
-VARIANTS = ("mask", "adaptive_clip")
-SCOPES = ("global", "local")
-
-
-def check_m2po_options(tau: float = 0.04, variant: str = "mask", scope: str = "global") -> None:
-    """One-line ValueError for a bad M2PO option: ``tau`` > 0 finite, ``variant`` and ``scope`` known."""
-    check_positive("tau", tau)
-    check_choice("variant", variant, VARIANTS)
-    check_choice("scope", scope, SCOPES)
-
 
 def m2po_global_pass(log_ratios, advantages, masks, options, process_group=None) -> list[dict]:
     """The mini-batch-wide M2PO selection: one :func:`m2po_mask` (or :func:`m2po_adaptive_cap`) over
@@ -242,14 +232,7 @@ def m2po_global_pass(log_ratios, advantages, masks, options, process_group=None)
     return [{"m2po_keep": k} for k in keeps]
 
 
-@register_policy_loss(
-    "m2po",
-    runtime=("process_group", "m2po_keep", "m2po_cap"),
-    global_pass=m2po_global_pass,
-    global_pass_when=lambda options: options.get("scope", "global") == "global",
-    check_options=check_m2po_options,
-    reference=reference_m2po,
-)
+@register_builtin_loss("m2po", global_pass=m2po_global_pass, reference=reference_m2po)
 def m2po_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -20,36 +20,21 @@ from typing import Optional
 import torch
 
 from ._closed_form import count_valid, finish_lean, prepare_lean, share
-from ._common import Metrics, apply_weights, check_clip, frac, masked_max, masked_mean, prepare
+from ._common import Metrics, apply_weights, frac, masked_max, masked_mean, prepare
 from .aggregation import Count, aggregate
+from .option_checks import check_grpo_options, check_gspo_options
 from .reference import reference_grpo, reference_gspo, reference_unclipped
-from .registry import register_policy_loss
+from .registry import register_builtin_loss
 
 GRPO_CLIP = (0.2, 0.2)
 GSPO_CLIP = (3e-4, 4e-4)
 
 
-def check_grpo_options(
-    clip_low: Optional[float] = None, clip_high: Optional[float] = None, dual_clip: Optional[float] = None
-) -> None:
-    """One-line ValueError for a bad GRPO option: ``clip_low`` in [0, 1), ``clip_high`` >= 0, ``dual_clip`` > 1."""
-    if clip_low is not None:
-        check_clip("clip_low", clip_low)
-    if clip_high is not None:
-        check_clip("clip_high", clip_high)
-    if dual_clip is not None and not (
-        isinstance(dual_clip, (int, float)) and not isinstance(dual_clip, bool) and math.isfinite(dual_clip)
-        and dual_clip > 1.0
-    ):
-        raise ValueError(f"dual_clip must be a finite number > 1 (or None), got {dual_clip!r}")
 
 
-def check_gspo_options(clip_low: Optional[float] = None, clip_high: Optional[float] = None) -> None:
-    """One-line ValueError for a bad GSPO option: ``clip_low`` in [0, 1), ``clip_high`` >= 0."""
-    check_grpo_options(clip_low, clip_high)
 
 
-@register_policy_loss("grpo", clips=True, check_options=check_grpo_options, reference=reference_grpo)
+@register_builtin_loss("grpo", reference=reference_grpo)
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -115,8 +100,7 @@ def grpo_loss(
     return loss, metrics
 
 
-@register_policy_loss("gspo", clips=True, sequence_level=True, check_options=check_gspo_options,
-                      reference=reference_gspo)
+@register_builtin_loss("gspo", reference=reference_gspo)
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -186,7 +170,7 @@ def gspo_loss(
     return loss, metrics
 
 
-@register_policy_loss("unclipped", reference=reference_unclipped)
+@register_builtin_loss("unclipped", reference=reference_unclipped)
 def unclipped_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -19,22 +19,27 @@ Calling convention (every registered function must accept it)::
   :mod:`offpolicy_moe.losses.diagnostics` (the same statistics for every loss; a loss's own value wins).
 
 A loss registers itself in its own module with :func:`register_policy_loss`, declaring its
-capabilities in a :class:`LossSpec`: whether it clips the ratio, whether it is sequence-level,
-whether it takes a ``process_group``, and whether it needs a pass over the whole optimizer
-mini-batch before the micro-batches (``global_pass``).  The trainer, the config validator and the
-verl adapter only ask :func:`get_loss_spec` and :func:`resolve_loss_options`; none names a loss.
-The registry is a module-level mapping filled at import time by those registrations.
+capabilities (:class:`~offpolicy_moe.losses.catalogue.LossInterface`): whether it clips the ratio, whether it is
+sequence-level, whether it takes a ``process_group``, and whether it needs a pass over the whole optimizer
+mini-batch before the micro-batches (``global_pass``).  The built-in losses are declared in
+:mod:`~offpolicy_moe.losses.catalogue` (without torch, for the config validator) and register with
+:func:`register_builtin_loss`; a built-in's module is imported the first time its entry is asked for
+(:func:`get_loss_spec`).  The trainer, the config validator and the verl adapter only ask the registry and the
+catalogue; none names a loss.
 """
 from __future__ import annotations
 
-import difflib
 import functools
+import importlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from .catalogue import (BUILTIN_LOSSES, LossInterface, builtin_module, declare, forget, is_declared,
+                        list_policy_losses, loss_options_problem, policy_loss_options, resolve_loss_options,
+                        unknown_loss)
 from .diagnostics import ratio_diagnostics
 
 PolicyLoss = Callable[..., tuple]
@@ -48,51 +53,20 @@ _REGISTRY: dict[str, "LossSpec"] = {}
 
 
 @dataclass(frozen=True)
-class LossSpec:
-    """A registered objective and what it declares about itself.
+class LossSpec(LossInterface):
+    """A registered objective: its interface (:class:`~offpolicy_moe.losses.catalogue.LossInterface`) and what
+    runs it.
 
-    * ``clips``: it bounds the importance ratio (PPO-style clip, CISPO's weight clip);
-    * ``sequence_level``: its ratio is per sequence, so token-sum aggregation length-weights it;
-    * ``runtime``: keyword parameters the CALLER supplies (not user options), e.g. ``process_group``;
-    * ``global_pass``: a selection over the whole mini-batch that must run before the micro-batches
-      (``None`` if the loss has none); ``global_pass_when(options)`` says whether these options ask
-      for it (default: always);
-    * ``check_options``: ``check_options(**options)`` raises a one-line ValueError naming a bad value;
+    * ``fn``: the objective, wrapped by :func:`with_ratio_diagnostics`;
+    * ``global_pass``: the selection over the whole mini-batch that runs before the micro-batches (``None`` if the
+      loss has none);
     * ``reference``: the plain-autograd body of the same loss (:mod:`offpolicy_moe.losses.reference`), the
       paper's formula line by line; it returns the loss only and must agree with ``fn`` in value and gradient.
     """
 
-    name: str
-    fn: PolicyLoss
-    clips: bool = False
-    sequence_level: bool = False
-    runtime: tuple[str, ...] = ()
+    fn: Optional[PolicyLoss] = None
     global_pass: Optional[GlobalPass] = None
-    global_pass_when: Optional[Callable[[Mapping[str, Any]], bool]] = None
-    check_options: Optional[Callable[..., None]] = None
-    option_defaults: Mapping[str, Any] = field(default_factory=dict)
     reference: Optional[Callable[..., torch.Tensor]] = None
-
-    @property
-    def options(self) -> tuple[str, ...]:
-        """Names of the user options (keyword parameters beyond the convention and the runtime ones)."""
-        return tuple(self.option_defaults)
-
-    @property
-    def distributed(self) -> bool:
-        """Whether the loss takes a ``process_group`` (to select or reduce across data-parallel ranks)."""
-        return "process_group" in self.runtime
-
-    @property
-    def needs_global_pass(self) -> bool:
-        """Whether the loss has a mini-batch-wide pass at all (for any options)."""
-        return self.global_pass is not None
-
-    def wants_global_pass(self, options: Mapping[str, Any]) -> bool:
-        """Whether the resolved ``options`` ask for the mini-batch-wide pass before the micro-batches."""
-        if self.global_pass is None:
-            return False
-        return True if self.global_pass_when is None else bool(self.global_pass_when(options))
 
     def run_global_pass(
         self,
@@ -194,47 +168,88 @@ def register_policy_loss(
 ) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator registering ``fn`` under ``name`` with its capabilities (see :class:`LossSpec`).
 
-    Raises ValueError if ``name`` is taken (unless ``overwrite=True``), TypeError if ``fn`` cannot
-    accept the calling convention.  Returns (and registers) ``fn`` wrapped by :func:`with_ratio_diagnostics`, so
-    every registered loss reports ``actor/m2`` and ``actor/ess``; use the returned function as the loss.
+    Raises ValueError if ``name`` is taken (unless ``overwrite=True``; a built-in not loaded yet counts as taken),
+    TypeError if ``fn`` cannot accept the calling convention.  Returns (and registers) ``fn`` wrapped by
+    :func:`with_ratio_diagnostics`, so every registered loss reports ``actor/m2`` and ``actor/ess``; use the
+    returned function as the loss.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy loss name must be a non-empty string, got {name!r}")
 
     def decorate(fn: PolicyLoss) -> PolicyLoss:
-        _check_signature(name, fn)
-        wrapped = with_ratio_diagnostics(fn)
-        old = _REGISTRY.get(name)
-        if old is not None and _unwrapped(old.fn) is _unwrapped(wrapped):
-            wrapped = old.fn                # the same loss registered again: keep its wrapper
-        elif old is not None and not overwrite:
-            raise ValueError(f"policy loss {name!r} is already registered; pass overwrite=True to replace it")
-        _REGISTRY[name] = LossSpec(
-            name=name, fn=wrapped, clips=clips, sequence_level=sequence_level, runtime=tuple(runtime),
-            global_pass=global_pass, global_pass_when=global_pass_when, check_options=check_options,
-            option_defaults=_option_defaults(name, fn, tuple(runtime)), reference=reference,
-        )
-        return wrapped
+        if name not in _REGISTRY and builtin_module(name) and is_declared(name):
+            _load_builtin(name)         # the built-in first, so that `overwrite` decides between the two
+        return _register(name, fn, overwrite=overwrite, clips=clips, sequence_level=sequence_level,
+                         runtime=tuple(runtime), global_pass=global_pass, global_pass_when=global_pass_when,
+                         check_options=check_options, reference=reference)
 
     return decorate
+
+
+def register_builtin_loss(
+    name: str, *, global_pass: Optional[GlobalPass] = None, reference: Optional[Callable[..., torch.Tensor]] = None,
+) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator registering the function of the built-in loss ``name`` with the interface
+    :data:`~offpolicy_moe.losses.catalogue.BUILTIN_LOSSES` declares for it.
+
+    Raises TypeError when the function's options (names, order, defaults) or its global pass differ from the
+    declaration, so that the config validator, which reads the declaration, checks what the function takes."""
+    declared = BUILTIN_LOSSES[name][1]
+
+    def decorate(fn: PolicyLoss) -> PolicyLoss:
+        options = _option_defaults(name, fn, declared.runtime)
+        if list(options.items()) != list(declared.option_defaults.items()):
+            raise TypeError(f"built-in loss {name!r} takes the options {options}, but losses/catalogue.py declares "
+                            f"{dict(declared.option_defaults)}")
+        if (global_pass is not None) != declared.has_global_pass:
+            raise TypeError(f"built-in loss {name!r}: its global pass and losses/catalogue.py's has_global_pass "
+                            "disagree")
+        return _register(name, fn, overwrite=False, clips=declared.clips, sequence_level=declared.sequence_level,
+                         runtime=declared.runtime, global_pass=global_pass,
+                         global_pass_when=declared.global_pass_when, check_options=declared.check_options,
+                         reference=reference)
+
+    return decorate
+
+
+def _register(name: str, fn: PolicyLoss, *, overwrite: bool, runtime: tuple[str, ...],
+              global_pass: Optional[GlobalPass], **declared: Any) -> PolicyLoss:
+    _check_signature(name, fn)
+    wrapped = with_ratio_diagnostics(fn)
+    old = _REGISTRY.get(name)
+    if old is not None and _unwrapped(old.fn) is _unwrapped(wrapped):
+        wrapped = old.fn                # the same loss registered again: keep its wrapper
+    elif old is not None and not overwrite:
+        raise ValueError(f"policy loss {name!r} is already registered; pass overwrite=True to replace it")
+    spec = LossSpec(name=name, fn=wrapped, runtime=runtime, global_pass=global_pass,
+                    has_global_pass=global_pass is not None, option_defaults=_option_defaults(name, fn, runtime),
+                    **declared)
+    _REGISTRY[name] = spec
+    declare(spec)
+    return wrapped
+
+
+def _load_builtin(name: str) -> None:
+    """Import the module of the built-in loss ``name``: it registers the loss as it is imported."""
+    importlib.import_module(f"{__package__}.{builtin_module(name)}")
 
 
 def unregister_policy_loss(name: str) -> None:
     """Remove ``name`` from the registry (ValueError if unknown)."""
     get_loss_spec(name)
     del _REGISTRY[name]
+    forget(name)
 
 
 def get_loss_spec(name: str) -> LossSpec:
-    """The registry entry of ``name``; ValueError listing the registered names (and a close one) otherwise."""
+    """The registry entry of ``name`` (a built-in's module is imported the first time); ValueError listing the
+    known names (and a close one) otherwise."""
+    if is_declared(name) and name not in _REGISTRY and builtin_module(name):
+        _load_builtin(name)
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(
-            f"unknown policy loss {name!r}{hint}; registered losses: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+        raise unknown_loss(name) from None
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
@@ -242,54 +257,9 @@ def get_policy_loss(name: str) -> PolicyLoss:
     return get_loss_spec(name).fn
 
 
-def list_policy_losses() -> list[str]:
-    """Sorted names of all registered objectives."""
-    return sorted(_REGISTRY)
-
-
-def policy_loss_options(name: str) -> tuple[str, ...]:
-    """The objective's own user options (beyond the common convention and its runtime arguments)."""
-    return get_loss_spec(name).options
-
-
-def resolve_loss_options(name: str, options: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-    """Check ``options`` against loss ``name``'s own options and values; return the explicit ones.
-
-    An unknown key raises ``ValueError: loss 'm2po' has no option 'tua' (did you mean 'tau'?);
-    its options: tau, variant, scope``; a bad value raises the loss's own one-line error.  Options
-    set to None mean "the loss's default" and are dropped from the result.
-    """
-    spec = get_loss_spec(name)
-    opts = dict(options or {})
-    for key in opts:
-        if key not in spec.option_defaults:
-            close = difflib.get_close_matches(str(key), list(spec.option_defaults), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            known = ", ".join(spec.options) or "none"
-            raise ValueError(f"loss {name!r} has no option {key!r}{hint}; its options: {known}")
-    given = {k: v for k, v in opts.items() if v is not None}
-    if spec.check_options is not None:
-        try:
-            spec.check_options(**given)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"loss {name!r}: {err}") from None
-    return given
-
-
-def loss_options_problem(name: str, options: Optional[Mapping[str, Any]]) -> Optional[str]:
-    """The one-line problem with ``options`` for loss ``name`` (see :func:`resolve_loss_options`), or None if fine.
-
-    The config validator's entry point: it reports the message under ``algo.loss.options``.
-    """
-    try:
-        resolve_loss_options(name, options)
-    except (ValueError, TypeError) as err:
-        return str(err)
-    return None
-
-
 __all__ = [
     "LossSpec",
+    "register_builtin_loss",
     "loss_options_problem",
     "register_policy_loss",
     "unregister_policy_loss",

@@ -13,19 +13,15 @@ import torch
 
 from ._closed_form import finish_lean, prepare_lean
 from ._common import Metrics
-from ._validate import check_positive
 from .aggregation import Count
+from .option_checks import check_sapo_options
 from .reference import reference_sapo
-from .registry import register_policy_loss
+from .registry import register_builtin_loss
 
 
-def check_sapo_options(tau_pos: float = 1.0, tau_neg: float = 1.05) -> None:
-    """One-line ValueError for a bad SAPO option: ``tau_pos``, ``tau_neg`` finite and > 0."""
-    check_positive("tau_pos", tau_pos)
-    check_positive("tau_neg", tau_neg)
 
 
-@register_policy_loss("sapo", check_options=check_sapo_options, reference=reference_sapo)
+@register_builtin_loss("sapo", reference=reference_sapo)
 def sapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -17,28 +17,18 @@ import torch
 
 from ._closed_form import finish_lean, prepare_lean
 from ._common import Metrics, masked_mean
-from ._validate import check_nonneg, check_positive
 from .aggregation import Count
+from .option_checks import check_vespo_options
 from .reference import reference_vespo, vespo_log_w, vespo_phi
-from .registry import register_policy_loss
+from .registry import register_builtin_loss
 
 VESPO_SHAPE = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
 """Default kernel shapes (TRL 1.16's ``vespo_*`` defaults, from the VESPO code release)."""
 
 
-def check_vespo_options(k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
-                        fold_weights: bool = True) -> None:
-    """One-line ValueError for a bad VESPO option: ``k_*`` finite >= 0, ``lambda_*`` finite > 0,
-    ``fold_weights`` a bool."""
-    check_nonneg("k_pos", k_pos)
-    check_nonneg("k_neg", k_neg)
-    check_positive("lambda_pos", lambda_pos)
-    check_positive("lambda_neg", lambda_neg)
-    if not isinstance(fold_weights, bool):
-        raise ValueError(f"fold_weights must be true or false, got {fold_weights!r}")
 
 
-@register_policy_loss("vespo", check_options=check_vespo_options, reference=reference_vespo)
+@register_builtin_loss("vespo", reference=reference_vespo)
 def vespo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

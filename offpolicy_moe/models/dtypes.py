@@ -5,8 +5,12 @@ from typing import Union
 
 import torch
 
-# Canonical names (what the config validator accepts), then the short spellings the resolver also reads.
-DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+from .vocabulary import DTYPE_NAMES
+
+__all__ = ["DTYPES", "DTYPE_NAMES", "resolve_dtype"]
+
+# The canonical names (DTYPE_NAMES, what the config validator accepts), then the short spellings the resolver also
+# reads.
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                                   "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -25,10 +25,12 @@ from typing import Callable, Optional
 import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
+from .vocabulary import EXPERTS_OWN
+
 __all__ = ["AUTO", "LOOP_MIN_ELEMENTS", "NAME", "auto_experts_forward", "experts_implementations",
            "register_experts_implementation", "resolve_experts_implementation"]
 
-AUTO = "auto"                      # the config value
+AUTO = EXPERTS_OWN[0]              # the config value "auto"
 LOOP_MIN_ELEMENTS = 2 ** 18        # N * K * H from which the per-expert loop beats grouped_mm on the CPU
 NAME = "offpolicy_moe_auto"        # the name registered with transformers
 
@@ -60,7 +62,7 @@ def register_experts_implementation() -> None:
 def experts_implementations() -> tuple[str, ...]:
     """The values ``model.experts_implementation`` takes: ``auto``, ``eager`` and every name transformers'
     ``ExpertsInterface`` knows (``grouped_mm``, ``batched_mm``, ...; our registered :data:`NAME` excluded)."""
-    return (AUTO, "eager", *sorted(k for k in ExpertsInterface._global_mapping if k != NAME))
+    return (*EXPERTS_OWN, *sorted(k for k in ExpertsInterface._global_mapping if k != NAME))
 
 
 def resolve_experts_implementation(name: Optional[str]) -> Optional[str]:

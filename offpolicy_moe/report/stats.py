@@ -31,8 +31,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Optional, Sequence
 
-from scipy import stats as _scipy_stats
-
 CONFIDENCE = 0.95
 SCALES = ("linear", "log")
 EXPECTS = ("higher", "lower", "same")
@@ -171,7 +169,9 @@ def t_quantile(n: int, confidence: float = CONFIDENCE) -> float:
         raise ValueError(f"a t interval needs n >= 2, got n = {n}")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    return float(_scipy_stats.t.ppf(0.5 + confidence / 2, n - 1))
+    from scipy import stats   # about a second to import: only where an interval is computed, not at `--help`
+
+    return float(stats.t.ppf(0.5 + confidence / 2, n - 1))
 
 
 def t_interval(diffs: Sequence[float], confidence: float = CONFIDENCE) -> Optional[Interval]:

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.sources.schedule import lag
 
 __all__ = ["VersionRing", "loaded_weights", "prepare_at_versions", "token_lag"]
 
@@ -89,10 +90,10 @@ def prepare_at_versions(batch: RolloutBatch, ring: VersionRing, *, current: int,
 
 
 def token_lag(step: int, batch: RolloutBatch) -> tuple[float, float]:
-    """Mean and max over the batch's response tokens of ``step - version(token)``."""
+    """Mean and max over the batch's response tokens of their lag at ``step`` (:func:`~.schedule.lag`)."""
     mask = batch.response_mask.bool()
     if batch.token_versions is None or not bool(mask.any()):
-        lag = float(step - batch.version)
-        return lag, lag
-    lags = (step - batch.token_versions[mask]).double()
+        whole = float(lag(step, batch.version))
+        return whole, whole
+    lags = lag(step, batch.token_versions[mask]).double()
     return float(lags.mean()), float(lags.max())

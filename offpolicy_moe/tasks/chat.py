@@ -18,7 +18,7 @@ import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-CHAT_TEMPLATE_MODES = ("auto", "none")
+from .vocabulary import CHAT_TEMPLATE_MODES
 
 
 @dataclass(frozen=True)

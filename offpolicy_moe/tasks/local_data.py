@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-ANSWER_FORMATS = ("plain", "gsm8k")
+from .vocabulary import ANSWER_FORMATS
 JSON_SUFFIXES = (".json", ".jsonl")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 

@@ -21,8 +21,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from .tokenizer import EOS
-
-REWARD_KINDS = ("exact", "partial", "math")
+from .vocabulary import REWARD_KINDS
 
 
 def clean_completion(text: str, eos: str = EOS) -> str:
