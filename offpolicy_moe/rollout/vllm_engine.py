@@ -151,7 +151,8 @@ class StartOptions:
     device: Optional[int] = None                       # the GPU (as this process sees it); None: vLLM's own choice
 
     @classmethod
-    def from_rollout(cls, rollout: Any, model_config: Any, *, seed: int = 0, in_process: bool = False) -> "StartOptions":
+    def from_rollout(cls, rollout: Any, model_config: Any, *, seed: int = 0,
+                     in_process: bool = False) -> "StartOptions":
         """The options of config section ``rollout`` for the model of ``model_config`` (``ValueError`` naming the
         key when its longest sequence cannot be served: :func:`~offpolicy_moe.rollout.vllm_start.max_model_len`)."""
         length = vllm_start.max_model_len(model_config, str(rollout.dtype), int(rollout.vllm_kv_cache_mib) << 20,

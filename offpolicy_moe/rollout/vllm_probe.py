@@ -71,7 +71,8 @@ def tolerance(dtypes: Sequence[torch.dtype], num_layers: int, hidden_size: int, 
 
 
 @torch.no_grad()
-def reference_logprobs(policy: torch.nn.Module, state_dict: dict, token_ids: Sequence[int]) -> tuple[torch.Tensor, float]:
+def reference_logprobs(policy: torch.nn.Module, state_dict: dict,
+                       token_ids: Sequence[int]) -> tuple[torch.Tensor, float]:
     """The log-prob of each token of ``token_ids`` after the first under ``policy`` computed with the tensors of
     ``state_dict`` (the ones being synced), in float32 on the policy's device, and the largest |logit|."""
     device = next(policy.parameters()).device
