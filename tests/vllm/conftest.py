@@ -18,10 +18,23 @@ else:
 
 from offpolicy_moe.config import load_config  # noqa: E402
 from offpolicy_moe.models.loading import build_model  # noqa: E402
+from offpolicy_moe.rollout.engine import make_engine  # noqa: E402
 from offpolicy_moe.tasks import build_char_tokenizer  # noqa: E402
 
 # the embedded model: under rollout.engine=vllm it takes the head size vLLM's CPU attention serves by itself
 VLLM_MODEL: tuple[str, ...] = ()
+
+
+# the short job the engine tests sample: four prompts of the default task, 8 new tokens at temperature 0.7
+PROMPTS = ["3+8+5=", "12+7=", "4+4=", "9+1+2="]
+ANSWERS = ["16", "19", "8", "12"]
+TEMPERATURE = 0.7
+
+
+def short_job_engine(policy: torch.nn.Module, tok, dtype: str):
+    """A vLLM engine of ``policy`` in ``dtype`` for the short job, recording routes (its own engine process)."""
+    cfg = vllm_config(f"rollout.dtype={dtype}", "rollout.max_new_tokens=8", f"rollout.temperature={TEMPERATURE}")
+    return make_engine(policy, tok, cfg.rollout, record_routes=True, seed=0)
 
 
 def vllm_config(*overrides: str):

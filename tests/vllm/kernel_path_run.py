@@ -22,11 +22,7 @@ from offpolicy_moe.models.loading import build_model
 from offpolicy_moe.rollout import vllm_worker
 from offpolicy_moe.rollout.vllm_engine import VLLMEngineError, VLLMRolloutEngine
 from offpolicy_moe.tasks import build_char_tokenizer
-from tests.vllm.conftest import trainer_logp
-
-PROMPTS = ["3+8+5=", "12+7=", "4+4=", "9+1+2="]
-ANSWERS = ["16", "19", "8", "12"]
-TEMPERATURE = 0.7
+from tests.vllm.conftest import ANSWERS, PROMPTS, TEMPERATURE, trainer_logp
 
 
 def replace_experts(worker) -> int:

@@ -13,20 +13,15 @@ from offpolicy_moe.rollout.engine import make_engine
 from offpolicy_moe.rollout.vllm_engine import StartOptions, VLLMEngineError, start_llm
 from offpolicy_moe.routing import RoutingController, replay_guardrails, routing_metrics
 from offpolicy_moe.trainer.old_logp import conditioning_positions
-from tests.vllm.conftest import engine_processes, trainer_logp, vllm_config
+from tests.vllm.conftest import (ANSWERS, PROMPTS, TEMPERATURE, engine_processes, short_job_engine, trainer_logp,
+                                 vllm_config)
 
 pytestmark = pytest.mark.vllm
-
-PROMPTS = ["3+8+5=", "12+7=", "4+4=", "9+1+2="]
-ANSWERS = ["16", "19", "8", "12"]
-TEMPERATURE = 0.7
-
 
 @pytest.fixture(scope="module")
 def engine(policies, tok):
     """An fp32 vLLM engine of policy 0 recording routes (its own engine process), weights of policy 1 synced."""
-    cfg = vllm_config("rollout.dtype=float32", "rollout.max_new_tokens=8", f"rollout.temperature={TEMPERATURE}")
-    eng = make_engine(policies[0], tok, cfg.rollout, record_routes=True, seed=0)
+    eng = short_job_engine(policies[0], tok, "float32")
     eng.sync(policies[1].state_dict(), 1)
     yield eng
     eng.close()

@@ -7,21 +7,14 @@ import pytest
 import torch
 
 from offpolicy_moe.rollout import vllm_engine, vllm_worker
-from offpolicy_moe.rollout.engine import make_engine
-from tests.vllm.conftest import trainer_logp, vllm_config
+from tests.vllm.conftest import ANSWERS, PROMPTS, TEMPERATURE, short_job_engine, trainer_logp
 
 pytestmark = pytest.mark.vllm
-
-PROMPTS = ["3+8+5=", "12+7=", "4+4=", "9+1+2="]
-ANSWERS = ["16", "19", "8", "12"]
-TEMPERATURE = 0.7
-
 
 @pytest.fixture(scope="module")
 def engine(policies, tok):
     """A bfloat16 vLLM engine of policy 0 recording routes (its own engine process)."""
-    cfg = vllm_config("rollout.dtype=bfloat16", "rollout.max_new_tokens=8", f"rollout.temperature={TEMPERATURE}")
-    eng = make_engine(policies[0], tok, cfg.rollout, record_routes=True, seed=0)
+    eng = short_job_engine(policies[0], tok, "bfloat16")
     yield eng
     eng.close()
 
