@@ -20,8 +20,10 @@ kernels, its precision and its sampler, against the trainer's Hugging Face forwa
 * **Device and memory** (a GPU): the engine's device, its share of the device's memory and the longest sequence it
   serves are decided before it starts (:mod:`offpolicy_moe.rollout.devices`, :mod:`offpolicy_moe.rollout.vllm_start`).
 * **Weights by version.**  :meth:`VLLMRolloutEngine.sync` turns the trainer's tensors into checkpoint names
-  (transformers' own reverse of its loading conversions) and loads them in place with vLLM's ``load_weights``
-  in the worker, then checks that every engine parameter was filled.
+  (transformers' own reverse of its loading conversions) in the engine's dtype and loads them in place through
+  vLLM's own reload in the worker (:func:`~offpolicy_moe.rollout.vllm_worker.load_weights`), checks that every
+  engine parameter was reached, then (``rollout.vllm_check_sync``) that the engine's log-probs of a fixed probe
+  match the trainer's on the synced tensors (:mod:`~offpolicy_moe.rollout.vllm_probe`).
 * **Faults.**  A start that cannot succeed is refused in one line before vLLM starts (vLLM missing, a head size
   its CPU attention refuses, a KV cache larger than free memory, an architecture vLLM does not serve, a
   ``max_model_len`` the cache cannot hold, recording hooks with CUDA graphs, a GPU memory share not free); one that
@@ -471,7 +473,11 @@ class VLLMRolloutEngine(RolloutEngine):
         cfg = self._policy.config
         ids = vllm_probe.probe_tokens(int(getattr(cfg, "get_text_config", lambda: cfg)().vocab_size))
         got = self._retrying(lambda: self._probe(ids))
-        ref, scale = vllm_probe.reference_logprobs(self._policy, state_dict, ids)
+        try:
+            ref, scale = vllm_probe.reference_logprobs(self._policy, state_dict, ids)
+        except (RuntimeError, ValueError, TypeError) as exc:      # e.g. a sharded policy functional_call cannot run
+            raise VLLMEngineError(f"rollout.vllm_check_sync: the trainer's model could not score the probe "
+                                  f"({_last_line(exc)}); set rollout.vllm_check_sync=false") from exc
         dtypes = [resolve_dtype(self.opts.dtype)] + [v.dtype for v in state_dict.values() if v.is_floating_point()][:1]
         result = vllm_probe.compare(got, ref, scale, dtypes, cfg)
         self.last_probe = result

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from offpolicy_moe.rollout.vllm_engine import cpu_has_amx
 
@@ -21,20 +22,9 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cpu_flags() -> set[str]:
-    """The instruction-set flags of this CPU (``/proc/cpuinfo``; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-FLAGS = cpu_flags()
-AVX512 = "avx512f" in FLAGS
+# vLLM's own rule for which kernel library it loads (platforms/cpu.py): the AVX-512 build, which has the prepacked
+# grouped-GEMM MoE, where torch reports AVX-512; the AVX2 build otherwise
+AVX512 = bool(torch.cpu._is_avx512_supported())
 AMX = cpu_has_amx()
 NEEDS_FP32 = pytest.mark.skipif(AMX, reason="this CPU has AMX (amx_tile): vLLM 0.27's MoE kernel serves only "
                                              "bfloat16 experts there, so a float32 engine is refused")
