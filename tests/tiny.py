@@ -43,11 +43,12 @@ def free_port() -> int:
 def run_fused_or_not(cfg, fuse: bool):
     """Train ``cfg`` with ``trainer.fuse_old_logp=fuse`` (checking that the trainer fuses exactly then); returns
     the metric rows without ``perf/*`` and the final weights."""
+    from offpolicy_moe.logprobs import Fused
     from offpolicy_moe.trainer.trainer import Trainer
 
     cfg.trainer.fuse_old_logp = fuse
     tr = Trainer(cfg)
-    assert tr.old_logp.can_fuse() is fuse
+    assert isinstance(tr.stage.strategy, Fused) is fuse
     tr.run()
     rows = [json.loads(x) for x in open(Path(cfg.run_dir) / "metrics.jsonl")]
     rows = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]

@@ -25,7 +25,7 @@ import torch
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.rollout.decode_attention import use_single_query_decode
 from offpolicy_moe.rollout.kv_cache import preallocated_cache
-from offpolicy_moe.trainer.logprobs import response_logprobs
+from offpolicy_moe.models.response_logprobs import response_logprobs
 from offpolicy_moe.models import load_policy
 
 

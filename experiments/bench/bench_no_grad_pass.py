@@ -31,8 +31,8 @@ def cell(rows: int, cap: int | None, args) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from offpolicy_moe.rollout.batch import RolloutBatch
-    from offpolicy_moe.trainer.micro_batch import MicroBatching
-    from offpolicy_moe.trainer.forward import RoutedForward
+    from offpolicy_moe.logprobs.micro_batch import MicroBatching
+    from offpolicy_moe.logprobs.forward import RoutedForward
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -4,7 +4,7 @@
 Anchor-size model (4 layers, hidden 128, 8 experts top-2), 16 prompts of 7 tokens x G samples of T tokens, fp32, one
 thread.  Ways are interleaved within each repeat; the figure is the median process CPU time of ``response_logprobs``
 + ``backward`` (CPU time: time stolen by other tenants of a shared machine does not inflate it).  "auto / plain"
-<= 1 at every length is the claim of :mod:`offpolicy_moe.trainer.forward_plan`.  Packing is skipped where its dense
+<= 1 at every length is the claim of :mod:`offpolicy_moe.models.forward_plan`.  Packing is skipped where its dense
 mask would exceed ``--max-mask`` entries.
 
     python experiments/bench/bench_share_prompt.py --lengths 8 32 64 128 256 --groups 4 8 16 --repeats 5
@@ -20,8 +20,8 @@ import time
 import torch
 
 from offpolicy_moe.config.schema import ModelConfig
-from offpolicy_moe.trainer.logprobs import plan_shared_forward, response_logprobs
-from offpolicy_moe.trainer.packing import plan_group_packing
+from offpolicy_moe.models.response_logprobs import plan_shared_forward, response_logprobs
+from offpolicy_moe.models.prompt_packing import plan_group_packing
 from offpolicy_moe.models import load_policy
 
 WAYS = ("plain", "auto", "pack", "cache")

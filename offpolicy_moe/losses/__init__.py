@@ -28,7 +28,7 @@ _EXPORTS = {
     "vocabulary": ("AGG_MODES", "KL_KINDS"),
     "catalogue": ("LossInterface", "list_policy_losses", "loss_interface", "loss_options_problem",
                   "policy_loss_options", "resolve_loss_options"),
-    "_validate": ("LOG_RATIO_BOUND", "ratio_bound", "value_checks"),
+    "_validate": ("LOG_RATIO_BOUND", "NonFiniteInput", "ratio_bound", "value_checks"),
     "advantages": ("group_advantages",),
     "aggregation": ("aggregate", "global_counts"),
     "correction": ("correction_weights", "mismatch_metrics"),

@@ -99,6 +99,11 @@ def check_count(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
+class NonFiniteInput(ValueError):
+    """A loss input holds NaN or Inf at a valid (mask=1) position: the loss library's refusal, by type (callers
+    that route non-finite values catch this class, never a message)."""
+
+
 class FusedCheck:
     """Collects data-dependent checks as 0-d bool tensors and resolves them with ONE host sync.
 
@@ -108,29 +113,30 @@ class FusedCheck:
     """
 
     def __init__(self) -> None:
-        self._items: list[tuple[str, torch.Tensor]] = []
+        self._items: list[tuple[str, torch.Tensor, type]] = []
 
     def finite(self, message: str, x: Optional[torch.Tensor]) -> None:
         """Require ``x`` (if given and non-empty) to hold no NaN/Inf; ``message`` is the error."""
         if x is None or x.numel() == 0:
             return
         lo, hi = torch.aminmax(x.detach())
-        self._items.append((message, torch.isfinite(lo) & torch.isfinite(hi)))
+        self._items.append((message, torch.isfinite(lo) & torch.isfinite(hi), NonFiniteInput))
 
     def holds(self, message: str, ok: torch.Tensor) -> None:
         """Require the 0-d bool tensor ``ok`` to be True."""
-        self._items.append((message, ok.reshape(())))
+        self._items.append((message, ok.reshape(()), ValueError))
 
     def run(self) -> None:
-        """One sync; raise ValueError with the first failing item's message."""
+        """One sync; raise the first failing item's error: :class:`NonFiniteInput` for :meth:`finite`, ``ValueError``
+        for :meth:`holds`."""
         if not self._items:
             return
-        oks = torch.stack([ok.to(self._items[0][1].device) for _, ok in self._items])
+        oks = torch.stack([ok.to(self._items[0][1].device) for _, ok, _ in self._items])
         if bool(oks.all()):
             return
-        for (message, _), ok in zip(self._items, oks.tolist()):
+        for (message, _, kind), ok in zip(self._items, oks.tolist()):
             if not ok:
-                raise ValueError(message)
+                raise kind(message)
 
 
 def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,6 @@ positions, right-padded after the end-of-sequence token):
 * ``old_logp``        ``[B, T]``   the trainer's log-prob under the generating weights θ_v (None until computed)
 * ``routes``          the engine's route trace (``RouteTrace``, ``[B, P+T, L_moe, K]``) or None
 * ``group_ids``       ``[B]`` which prompt (group) a sequence answers; ``answers``/``completions`` as text
-* ``old_logp_fused``  True when ``old_logp`` is taken from the (single, on-policy) update forward instead of a
-                      separate recompute pass (the weights are the same θ_v, so the values are the same)
 * ``version``         the policy version (number of trained steps) of the weights that generated the batch
 * ``generated_at``    the trainer iteration that generated the batch (used to check no batch is lost or reused)
 * ``token_versions``  ``[B, T]`` the policy version that sampled each response token (None: all ``version``);
@@ -94,7 +92,6 @@ class RolloutBatch:
     trainer_routes_ok: Optional[torch.Tensor] = None
     pr2_features: Any = None
     extras: dict = field(default_factory=dict)   # float metrics measured at generation time
-    old_logp_fused: bool = False       # on-policy, one update: old_logp = the update forward's detached logp
     token_versions: Optional[torch.Tensor] = None   # [B, T] version that sampled each token (None: all `version`)
     kept_tokens: Optional[KeptTokens] = None        # [B, T] kept sets of top-k / top-p (None: no truncation)
 
@@ -137,7 +134,7 @@ class RolloutBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
         changes = {f.name: _select(getattr(self, f.name), idx)
                    for f in fields(self)
-                   if f.name not in ("prompt_len", "version", "generated_at", "extras", "old_logp_fused")}
+                   if f.name not in ("prompt_len", "version", "generated_at", "extras")}
         return replace(self, **changes)
 
     def split(self, n: int) -> list["RolloutBatch"]:
@@ -158,8 +155,8 @@ class RolloutBatch:
     @classmethod
     def from_state_dict(cls, state: dict) -> "RolloutBatch":
         state = dict(state)
-        if "old_logp_deferred" in state:     # the field's name before the trainer split
-            state["old_logp_fused"] = state.pop("old_logp_deferred")
+        for gone in ("old_logp_fused", "old_logp_deferred"):     # flags of states written by earlier versions
+            state.pop(gone, None)
         kept = state.pop("kept_tokens", None)     # absent in states written before kept sets existed
         return cls(**{k: _from_state(v) for k, v in state.items()},
                    kept_tokens=KeptTokens.from_state_dict(kept) if kept is not None else None)

@@ -40,6 +40,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogit
                           TopPLogitsWarper)
 
 from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.rollout.decode_attention import use_single_query_decode
 from offpolicy_moe.rollout.kv_cache import preallocated_cache
 from offpolicy_moe.models.layout import accepts_kwarg, cache_kwarg
@@ -118,6 +119,22 @@ def _held_logprobs(held: list) -> torch.Tensor:
     return token_logprobs(scores, drawn)
 
 
+def probabilities_finite(scores: torch.Tensor) -> bool:
+    """True when ``softmax(scores)`` holds no NaN or Inf (``-inf`` scores are allowed: truncated tokens)."""
+    return bool(torch.isfinite(scores.float().softmax(dim=-1)).all())
+
+
+def draw(scores: torch.Tensor) -> torch.Tensor:
+    """``[B]`` one token per row, ``x ~ softmax(scores)`` (``torch.multinomial``); scores whose probabilities are not
+    finite raise :class:`~offpolicy_moe.run.nonfinite.NonFiniteError` (stage ``generation``)."""
+    try:
+        return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+    except RuntimeError as exc:
+        if probabilities_finite(scores):
+            raise
+        raise NonFiniteError("generation", f"sampling probabilities ({str(exc).strip().splitlines()[0]})") from exc
+
+
 class StepLogprobs(LogitsProcessor):
     """The last logits processor of a ``generate`` call: it holds the current step's processed scores and, at the
     next step (whose ``input_ids`` end with the token drawn from them), takes that token's log-prob
@@ -140,6 +157,10 @@ class StepLogprobs(LogitsProcessor):
             self.kept_steps.append(step_support(scores))
             self.vocab_size = int(scores.shape[-1])
         return scores
+
+    def held_scores_finite(self) -> bool:
+        """True unless the current step's scores give non-finite sampling probabilities."""
+        return self._held is None or probabilities_finite(self._held)
 
     def finish(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """``[B, T']`` log-probs of ``sequences[:, prompt_len:]`` (the ``T'`` drawn tokens)."""
@@ -378,7 +399,7 @@ class HFRolloutEngine(RolloutEngine):
                 last = last.new_zeros((B, last.shape[-1])).index_copy_(0, fed, last)
             scores = self._process_scores(last)
             # every row draws (finished ones too, then padded): the random stream does not depend on compaction
-            nxt = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+            nxt = draw(scores)
             if self.truncates:      # the kept set of the rows that draw a real token (finished ones are padded)
                 kept_steps.append(step_support(scores, unfinished))
             nxt = torch.where(unfinished, nxt, pad)
@@ -441,7 +462,13 @@ class HFRolloutEngine(RolloutEngine):
                 sequences, logp, kept = self._sample_loop(ids, am, rec, group_size)
             else:
                 step_lp = StepLogprobs(record_kept=self.truncates)
-                out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs(step_lp))
+                try:
+                    out = self.model.generate(input_ids=ids, attention_mask=am, **self._generation_kwargs(step_lp))
+                except RuntimeError as exc:    # the sampler refused the scores it was given: were they finite?
+                    if step_lp.held_scores_finite():
+                        raise
+                    raise NonFiniteError("generation",
+                                         f"sampling probabilities ({str(exc).strip().splitlines()[0]})") from exc
                 sequences = out.sequences
                 logp = step_lp.finish(sequences, ids.shape[1])
                 kept = None

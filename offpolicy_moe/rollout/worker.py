@@ -32,7 +32,7 @@ from offpolicy_moe.rollout.engine import REPLAY_ENGINE
 from offpolicy_moe.rollout.engine import RolloutEngine, make_engine
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.run import probes
-from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
+from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite
 from offpolicy_moe.tasks import apply_chat_template, make_task
 
 __all__ = ["Order", "Shutdown", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "worker_main", "pack",
@@ -158,11 +158,8 @@ def checked_generation(engine: Any, task: Any, rollout: Any, *, iteration: int, 
     with probes.poisoned("generation", iteration + 1, getattr(engine, "model", None)):
         try:
             batch = generate_iteration(engine, task, rollout, iteration=iteration, seed=seed, rank=rank, world=world)
-        except (ValueError, RuntimeError) as exc:
-            err = as_nonfinite(exc, "generation", "sampling probabilities")
-            if err is None:
-                raise
-            raise NonFiniteError(err.stage, err.what, iteration=iteration) from exc
+        except NonFiniteError as exc:
+            raise NonFiniteError(exc.stage, exc.what, iteration=iteration) from exc
     if not all_finite(batch.behav_logp, batch.response_mask):
         raise NonFiniteError("generation", "behaviour log-probs of the sampled tokens", iteration=iteration)
     return batch

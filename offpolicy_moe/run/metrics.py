@@ -58,7 +58,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
     # performance
     "perf/gen_tokens_per_s": "generated response tokens per second (this iteration's generation)",
     "perf/update_tokens_per_s": "tokens (prompt + response) per second through the update forward/backward",
-    "perf/forward_plain": "1 when the last update forward ran the plain [B, S] rows (trainer/forward_plan.py)",
+    "perf/forward_plain": "1 when the last update forward ran the plain [B, S] rows (models/forward_plan.py)",
     "perf/forward_pack": "1 when it ran packed [prompt | r_1 | ... | r_c] rows",
     "perf/forward_cache": "1 when it ran a prompt pass whose KV cache the response pass shared",
     "perf/forward_est_speedup": "the cost model's estimate of plain cost / chosen cost for that forward",

@@ -11,9 +11,9 @@ the trainer hands it to one :class:`NanCounter`:
 * ``skip``: the batch (or the one optimizer update) is dropped and counted (``actor/nan_skipped``, ``nan/<stage>``);
   after ``trainer.max_nan_skips`` skips in a row without a clean step in between the run stops as ``diverged``.
 
-The loss library refuses non-finite inputs with a ``ValueError`` and torch's sampler refuses non-finite
-probabilities with a ``RuntimeError``; :func:`is_nonfinite_error` recognises both (their wording is pinned by
-tests/faults/test_nonfinite_policy.py), so the trainer routes them instead of crashing with a traceback.
+The loss library refuses a non-finite input with :class:`~offpolicy_moe.losses.NonFiniteInput` and the engine's
+sampler raises :class:`NonFiniteError` itself; :func:`nonfinite_as` is the one place that turns the former into the
+latter, by type.
 """
 from __future__ import annotations
 
@@ -24,18 +24,15 @@ import contextlib
 
 import torch
 
-__all__ = ["STAGES", "SKIPPABLE", "NonFiniteError", "NanCounter", "is_nonfinite_error", "as_nonfinite", "all_finite",
-           "watch_logits"]
+from offpolicy_moe.losses import NonFiniteInput
+
+__all__ = ["STAGES", "SKIPPABLE", "NonFiniteError", "NanCounter", "nonfinite_as", "all_finite", "watch_logits"]
 
 #: the stages of a step, in order (``nan/<stage>`` counts each); ``sft`` is the warm start before step 1
 STAGES = ("sft", "generation", "old_logp", "reference", "metrics", "loss", "gradients", "optimizer", "evaluation")
 
 #: the stages a skip can happen in (the warm start always stops: there is no earlier finite state to fall back to)
 SKIPPABLE = STAGES[1:]
-
-#: the loss library's refusal of a non-finite input (losses/_validate.py) and torch's sampler's refusal of
-#: non-finite probabilities (torch.multinomial)
-_MESSAGES = ("contains NaN or Inf", "probability tensor contains either `inf`, `nan` or element < 0")
 
 
 class NonFiniteError(RuntimeError):
@@ -76,22 +73,14 @@ def _rebuild(stage: str, what: str, step: Optional[int], iteration: Optional[int
     return NonFiniteError(stage, what, step=step, iteration=iteration, note=note)
 
 
-def is_nonfinite_error(exc: BaseException) -> bool:
-    """True for a :class:`NonFiniteError`, the loss library's refusal of a NaN/Inf input (``ValueError``) and
-    torch's refusal to sample from non-finite probabilities (``RuntimeError``)."""
-    if isinstance(exc, NonFiniteError):
-        return True
-    return isinstance(exc, (ValueError, RuntimeError)) and any(m in str(exc) for m in _MESSAGES)
-
-
-def as_nonfinite(exc: BaseException, stage: str, what: str) -> Optional[NonFiniteError]:
-    """``exc`` as a :class:`NonFiniteError` of ``stage`` (a NonFiniteError keeps its own stage), or None when it
-    is not a non-finite refusal (:func:`is_nonfinite_error`)."""
-    if isinstance(exc, NonFiniteError):
-        return exc
-    if not is_nonfinite_error(exc):
-        return None
-    return NonFiniteError(stage, f"{what} ({str(exc).strip().splitlines()[0]})")
+@contextlib.contextmanager
+def nonfinite_as(stage: str, what: str) -> Iterator[None]:
+    """Inside the block the loss library's :class:`~offpolicy_moe.losses.NonFiniteInput` becomes a
+    :class:`NonFiniteError` of ``stage`` naming ``what`` (a :class:`NonFiniteError` passes unchanged)."""
+    try:
+        yield
+    except NonFiniteInput as exc:
+        raise NonFiniteError(stage, f"{what} ({str(exc).strip().splitlines()[0]})") from exc
 
 
 def all_finite(x: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None) -> bool:

@@ -9,17 +9,18 @@ orders, weights and results (worker processes on this machine, or Ray actors wit
 * starts ``rollout.workers`` workers on its first :meth:`~AsyncBatchSource.next`, with the weights last published;
 * hands out iterations in order as the bound allows (:func:`~offpolicy_moe.sources.schedule.issue_limit`),
   each to the worker with the fewest orders in flight, with the iteration's deterministic seed;
-* receives batches, drops those that would exceed the bound (``buffer.on_stale=drop``; counted, re-issued), lets
-  the caller prepare each kept batch at once (old log-probs under the generating weights), and releases iteration
-  ``t`` to trainer step ``t``;
+* receives batches, drops those that would exceed the bound (``buffer.on_stale=drop``; counted, re-issued), hands
+  each kept batch to the preparation stage at once (old log-probs under the generating weights, which the stage
+  keeps for the last ``k + 1`` published versions), and releases iteration ``t`` to trainer step ``t``;
 * answers a worker's death (its transport names the worker and the cause): restarts it and re-issues its orders
   (``rollout.on_worker_death=restart``, at most ``_MAX_RESTARTS`` times a slot) or raises :class:`WorkerDied`
   (``stop``); when a Ray actor's node left the cluster, ``rollout.ray_on_node_loss`` decides instead: go on with
   the remaining workers (``continue``) or stop.  A wait longer than ``rollout.worker_timeout_s`` without news
   raises :class:`PipelineTimeout` naming what it waited for;
-* routes non-finite values to the trainer's policy (``on_nonfinite``): a worker whose sampling met NaN/Inf reports
-  it (it does not die), and a batch whose old-log-prob pass meets NaN/Inf is not kept; the policy raises (the run
-  stops) or the iteration is dropped and issued again (same prompts, same seed).
+* returns non-finite batches as errors: a worker whose sampling met NaN/Inf reports it (it does not die), and a
+  batch whose preparation meets NaN/Inf is not kept; the iteration is issued again (same prompts, same seed) and
+  :meth:`~AsyncBatchSource.next` returns the error, to which the loop applies ``trainer.on_nan``.  Under
+  ``rollout.backend=ray`` the error is raised instead (the run stops as diverged).
 
 A checkpoint holds the cursor (next iteration to train on), the batches received and prepared but not trained on
 (with their per-token versions) and the counters; its format does not depend on the transport, so a run may
@@ -31,7 +32,7 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -41,11 +42,11 @@ from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
 from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.run.nonfinite import NonFiniteError
-from offpolicy_moe.sources.base import BatchSource
+from offpolicy_moe.logprobs.stage import PreparedBatch
+from offpolicy_moe.sources.base import BatchSource, Preparation
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.schedule import Dispatcher
 from offpolicy_moe.sources.transport import PipelineTimeout, WorkerDied, WorkerLost, WorkerTransport
-from offpolicy_moe.sources.versions import VersionRing, prepare_at_versions
 
 __all__ = ["AsyncBatchSource", "WorkerDied", "PipelineTimeout", "check_async_config", "make_transport"]
 _MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
@@ -80,9 +81,8 @@ def make_transport(cfg: Any, *, rank: int = 0, world: int = 1) -> WorkerTranspor
 
 class AsyncBatchSource(BatchSource):
     """Rollout workers generating ahead of the trainer within ``buffer.staleness`` versions (see module
-    docstring).  ``model``: the trainer's bare policy (old log-probs of older versions are taken with their weights
-    loaded into it); ``prepare(batch)``: the trainer's old-logp pass; ``on_nonfinite(err)``: the trainer's
-    non-finite policy (raises, or returns True: drop the batch; without it the error is raised); ``transport``:
+    docstring).  ``model``: the trainer's bare policy (refused when sharded); ``stage``: the preparation of each
+    received batch (it keeps the published versions' weights); ``transport``:
     what runs the workers (default: :func:`make_transport` of the config, which connects to a Ray cluster at
     once with ``rollout.backend=ray``).  The workers start with the first weights published
     (``rollout.early_start``: while the trainer evaluates step 0), else on the first :meth:`next`, with the
@@ -90,8 +90,7 @@ class AsyncBatchSource(BatchSource):
 
     mode = "async"
 
-    def __init__(self, cfg: Any, *, model: torch.nn.Module, prepare: Callable[[RolloutBatch], None],
-                 rank: int = 0, world: int = 1, on_nonfinite: Optional[Callable[..., bool]] = None,
+    def __init__(self, cfg: Any, *, model: torch.nn.Module, stage: Preparation, rank: int = 0, world: int = 1,
                  transport: Optional[WorkerTransport] = None):
         check_async_config(cfg)
         if is_sharded(model):
@@ -100,8 +99,9 @@ class AsyncBatchSource(BatchSource):
                               "buffer.mode=fixed/bounded")
         b, ro = cfg.buffer, cfg.rollout
         self.cfg, self.rank, self.world = cfg, int(rank), int(world)
-        self.model, self._prepare_pass = model, prepare
-        self.on_nonfinite = on_nonfinite
+        self.stage = stage
+        self.raise_nonfinite = ro.backend == "ray"
+        self.errors: list[NonFiniteError] = []      # non-finite batches not yet returned (their iterations re-issued)
         self.k = int(b.staleness)
         self.policy = b.on_stale
         self.n_workers = int(ro.workers)
@@ -111,7 +111,6 @@ class AsyncBatchSource(BatchSource):
         self.timeout = float(ro.worker_timeout_s)
         self.dispatch = Dispatcher(staleness=self.k, policy=self.policy, ahead=self.ahead,
                                    total=int(cfg.trainer.steps), workers=self.n_workers)
-        self.ring = VersionRing(keep=self.k + 1)
         self.publish_every = int(ro.publish_every)
         self.version = 0                # the trainer's newest version (its model holds it)
         self.published = 0              # the newest version the workers may take
@@ -163,23 +162,26 @@ class AsyncBatchSource(BatchSource):
             raise ValueError(f"checkpointed buffer has staleness={state.get('k')} mode={state.get('mode')!r}, "
                              f"but the config asks for staleness={self.k} mode='async'")
         self.ready = {int(i): RolloutBatch.from_state_dict(b) for i, b in state["ready"].items()}
-        self.dispatch.restore(state["cursor"], list(self.ready))
-        self.dispatch.dropped, self.restarts = state["dropped"], state["restarts"]
+        self.dispatch.restore(state["cursor"], list(self.ready), dropped=state["dropped"])
+        self.restarts = state["restarts"]
         self.published = int(state["published"])
 
-    def next(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """The prepared batch of iteration ``step`` (starting the workers on the first call) and where the time
-        went since the previous call (``async/*``: waits, weight publishing, the workers' generation)."""
+    def next(self, step: int) -> tuple[PreparedBatch, dict[str, float]]:
+        """The prepared batch of iteration ``step`` (starting the workers on the first call), or the error of a
+        non-finite batch received meanwhile, and where the time went since the previous call (``async/*``: waits,
+        weight publishing, the workers' generation)."""
         if not self._started:
             self._start(step)
         batch, waited = self.take(step)
+        if batch is None:
+            return PreparedBatch(None, self.errors.pop(0)), {}
         delta = {k: self.timing[k] - self._before[k] for k in self.timing}
         self._before = dict(self.timing)
-        return batch, {"async/trainer_wait_s": waited, "async/weight_sync_s": delta["weight_sync_s"],
-                       "perf/time_old_logp_s": delta["prepare_s"], "async/worker_wait_s": delta["worker_wait_s"],
-                       "async/worker_generate_s": delta["worker_generate_s"],
-                       "async/worker_cpu_s": delta["worker_cpu_s"], "async/worker_restarts": float(self.restarts),
-                       "async/trained_tokens": float(batch.num_tokens())}
+        return PreparedBatch(batch), {
+            "async/trainer_wait_s": waited, "async/weight_sync_s": delta["weight_sync_s"],
+            "perf/time_old_logp_s": delta["prepare_s"], "async/worker_wait_s": delta["worker_wait_s"],
+            "async/worker_generate_s": delta["worker_generate_s"], "async/worker_cpu_s": delta["worker_cpu_s"],
+            "async/worker_restarts": float(self.restarts), "async/trained_tokens": float(batch.num_tokens())}
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int,
                 predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
@@ -189,7 +191,7 @@ class AsyncBatchSource(BatchSource):
         self.version = int(version)
         if not (force or version % self.publish_every == 0):
             return
-        self.ring.add(version, weights)
+        self.stage.keep(version, weights)
         self.published = int(version)
         if self._started:
             self.timing["weight_sync_s"] += self.transport.publish(weights, version)
@@ -197,16 +199,13 @@ class AsyncBatchSource(BatchSource):
         elif self.early_start:
             self._start(self.cursor)
 
-    def _prepare(self, batch: RolloutBatch) -> None:
-        prepare_at_versions(batch, self.ring, current=self.version, model=self.model, prepare=self._prepare_pass)
-
     # ------------------------------------------------------------------ workers
     def _start(self, step: int) -> None:
         """Start the workers with the newest published weights and hand out the first orders."""
         if step != self.cursor:
             raise RuntimeError(f"async pipeline: trainer step {step} but the pipeline's next iteration is "
                                f"{self.cursor} (a checkpoint from another buffer mode?)")
-        self.transport.start(self.ring[self.published], self.published)
+        self.transport.start(self.stage.weights(self.published), self.published)
         self._started = True
         for i in range(self.n_workers):
             self.transport.spawn(i, 0)
@@ -224,17 +223,18 @@ class AsyncBatchSource(BatchSource):
                                                 min_version=a.min_version, attempt=a.attempt))
 
     # ------------------------------------------------------------------ receiving
-    def take(self, step: int) -> tuple[RolloutBatch, float]:
+    def take(self, step: int) -> tuple[Optional[RolloutBatch], float]:
         """The prepared batch of iteration ``step`` and the seconds the trainer waited for it (not counting the
-        time it spent preparing batches that arrived meanwhile, ``timing["prepare_s"]``).  Deaths and errors that
-        came meanwhile are handled first, even when the batch is ready already."""
+        time it spent preparing batches that arrived meanwhile, ``timing["prepare_s"]``); None when a non-finite
+        batch's error is waiting in :attr:`errors`.  Deaths and errors that came meanwhile are handled first, even
+        when the batch is ready already."""
         if step != self.cursor:
             raise RuntimeError(f"async pipeline: the trainer asks for iteration {step}, the next one is "
                                f"{self.cursor}")
         t0, prep0 = time.perf_counter(), self.timing["prepare_s"]
         last = t0
         self._receive(timeout=0)
-        while step not in self.ready:
+        while step not in self.ready and not self.errors:
             if self._receive(timeout=min(1.0, self.timeout)):
                 last = time.perf_counter()
             elif time.perf_counter() - last > self.timeout:
@@ -242,6 +242,8 @@ class AsyncBatchSource(BatchSource):
                                       f"iteration {step} from {self._holder(step)}")
         waited = time.perf_counter() - t0 - (self.timing["prepare_s"] - prep0)
         self.timing["trainer_wait_s"] += waited
+        if self.errors:
+            return None, waited
         self.dispatch.release(step)
         return self.ready.pop(step), waited
 
@@ -277,29 +279,28 @@ class AsyncBatchSource(BatchSource):
         """A worker's batch: kept and prepared, or dropped (stale, or a superseded answer)."""
         for key in ("wait", "sync", "generate", "cpu"):
             self.timing[f"worker_{key}_s"] += float(msg.timings[f"{key}_s"])
-        batch = RolloutBatch.from_state_dict(msg.state)
-        batch.extras = {}
+        batch = RolloutBatch.from_state_dict({**msg.state, "extras": {}})
         oldest = int(batch.token_versions[batch.response_mask.bool()].min()) \
             if batch.token_versions is not None and bool(batch.response_mask.any()) else batch.version
         if not self.dispatch.accept(msg.index, msg.iteration, msg.attempt, oldest):
             self._issue(self.published)      # a dropped batch's iteration goes out again
             return
         t0 = time.perf_counter()
-        try:
-            self._prepare(batch)
-        except NonFiniteError as exc:
+        prepared = self.stage.prepare(batch, current=self.version)
+        self.timing["prepare_s"] += time.perf_counter() - t0
+        if prepared.error is not None:
+            exc = prepared.error
             self._nonfinite(exc if exc.iteration is not None else exc.located(msg.iteration + 1, msg.iteration))
             return
-        finally:
-            self.timing["prepare_s"] += time.perf_counter() - t0
-        self.ready[msg.iteration] = batch
+        self.ready[msg.iteration] = prepared.batch
 
     def _nonfinite(self, err: NonFiniteError) -> None:
-        """The trainer's policy on a non-finite batch of iteration ``err.iteration`` (trained at step iteration + 1):
-        it raises, or the iteration is issued again."""
+        """A non-finite batch of iteration ``err.iteration`` (trained at step iteration + 1): kept for :meth:`next`
+        to return (raised under Ray), and the iteration is issued again."""
         err = err.located(err.iteration + 1)
-        if self.on_nonfinite is None or not self.on_nonfinite(err):
+        if self.raise_nonfinite:
             raise err
+        self.errors.append(err)
         self.dispatch.requeue([err.iteration])     # the dispatcher's own re-issue (as for a dropped stale batch)
         self._issue(self.published)
 

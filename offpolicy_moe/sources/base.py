@@ -3,26 +3,45 @@
 :meth:`~offpolicy_moe.trainer.trainer.Trainer.loop` is the only training loop.  At step ``t`` it asks its
 :class:`BatchSource` for the batch to train on, trains, and publishes the new weights as version ``t + 1``::
 
-    batch, metrics = source.next(t)       # prepared: old log-probs taken under the weights that generated it
+    prepared, metrics = source.next(t)    # a PreparedBatch: the batch with its old log-probs, or an error
     ...update...
     source.publish(weights, t + 1)
 
-Whether that batch was generated just now by the trainer's own engine (:class:`~.sync.SyncBatchSource`), ``k``
-steps ago through a delay line, or by worker processes running ahead (:class:`~.asynchronous.AsyncBatchSource`)
-is the source's business; so are the staleness bound and what a checkpoint must hold to resume without losing or
-repeating a batch (:meth:`BatchSource.state_dict`).  The loop writes the ``offpolicy/*`` metrics once, from the
-batch's per-token versions.
+A source generates (in this process, through a delay line, or in workers running ahead), hands each batch to the
+:class:`Preparation` it was built with (old log-probs under the weights that generated it), and returns what that
+gives: a :class:`PreparedBatch`.  A non-finite batch comes back as a value (its ``error``); the loop applies
+``trainer.on_nan`` to it and asks again.  A source never calls into the trainer.  The staleness bound and what a
+checkpoint must hold to resume without losing or repeating a batch (:meth:`BatchSource.state_dict`) are the
+source's business.
 """
 from __future__ import annotations
 
 import abc
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Protocol
 
 import torch
 
+from offpolicy_moe.logprobs.stage import PreparedBatch
 from offpolicy_moe.rollout.batch import RolloutBatch
 
-__all__ = ["BatchSource", "SourceStopped"]
+__all__ = ["BatchSource", "SourceStopped", "Preparation"]
+
+
+class Preparation(Protocol):
+    """What a source hands its batches to (:class:`~offpolicy_moe.logprobs.stage.PreparationStage`)."""
+
+    def prepare(self, batch: RolloutBatch, *, current: int) -> PreparedBatch:
+        """``batch`` with its old log-probs, under the weights of the versions that sampled it (``current``: the
+        version the trainer's live model holds)."""
+
+    def agree(self, prepared: PreparedBatch) -> PreparedBatch:
+        """``prepared`` as every trainer process sees it (one process's error is everyone's); a collective call."""
+
+    def keep(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Remember ``weights`` as ``version`` for batches it samples after the trainer moved on."""
+
+    def weights(self, version: int) -> Mapping[str, torch.Tensor]:
+        """The weights kept as ``version``."""
 
 
 class SourceStopped(RuntimeError):
@@ -37,9 +56,9 @@ class BatchSource(abc.ABC):
     iteration: int = 0
 
     @abc.abstractmethod
-    def next(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """The prepared batch trained step ``step`` consumes, and the source's metrics of getting it (time spent
-        generating, preparing, waiting; ``perf/*``, ``async/*``)."""
+    def next(self, step: int) -> tuple[PreparedBatch, dict[str, float]]:
+        """The prepared batch trained step ``step`` consumes (or a non-finite batch's error: the loop applies
+        ``trainer.on_nan`` and asks again), and the source's metrics of getting it (``perf/*``, ``async/*``)."""
 
     #: the newest version generation has (``rollout.publish_every`` > 1: the last multiple of it)
     published: int = 0

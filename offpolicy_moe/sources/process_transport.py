@@ -34,7 +34,12 @@ class _Proc:
     proc: Any
     orders: Any                   # trainer -> worker connection
     results: Any                  # worker -> trainer connection
-    error: str = ""
+    error: str = ""               # the last line of the traceback the worker reported before exiting
+
+    def failed(self, traceback_text: str) -> None:
+        """The worker reported ``traceback_text`` before exiting."""
+        text = traceback_text.strip()
+        self.error = text.splitlines()[-1] if text else "unknown error"
 
 
 def exit_reason(code: Optional[int]) -> str:
@@ -109,8 +114,7 @@ class ProcessTransport:
             except (EOFError, OSError):
                 continue                    # the process is gone: its sentinel reports it
             if isinstance(msg, WorkerFailed):
-                text = msg.traceback_text.strip()
-                p.error = text.splitlines()[-1] if text else "unknown error"
+                p.failed(msg.traceback_text)
             elif isinstance(msg, (BatchDone, BatchNonFinite)):
                 yield msg
         for obj in got:

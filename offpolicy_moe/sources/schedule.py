@@ -130,9 +130,11 @@ class Dispatcher:
             raise RuntimeError(f"async pipeline: the trainer asks for iteration {step}, the next one is {self.cursor}")
         self.cursor = step + 1
 
-    def restore(self, cursor: int, received: list[int]) -> None:
-        """Resume at ``cursor`` with iterations ``received`` already in hand: the rest are issued again."""
+    def restore(self, cursor: int, received: list[int], dropped: int = 0) -> None:
+        """Resume at ``cursor`` with iterations ``received`` already in hand (the rest are issued again) and
+        ``dropped`` stale batches counted so far."""
         self.cursor = int(cursor)
+        self.dropped = int(dropped)
         self.next_issue = max([self.cursor - 1, *received]) + 1
         self.requeue([i for i in range(self.cursor, self.next_issue) if i not in received])
 

@@ -2,22 +2,20 @@
 staleness buffer.
 
 Each :meth:`SyncBatchSource.next` runs generation iterations until the buffer releases a batch: generate
-iteration ``i`` with the rollout engine (the process's share of its prompts, seeded by ``(seed, i, rank)``), take
-its old log-probs (``prepare``: the trainer's old-logp pass, under the weights that generated it, which are the
-trainer's own at that moment), push it into the :class:`~offpolicy_moe.sources.buffer.StalenessBuffer`, and pop
-the batch to train on: the one of iteration ``i - k`` (``fixed``), or the earliest-generated one that has arrived
-within the bound (``bounded``).  During the first ``k`` iterations of a fixed delay nothing is released, so the
-first ``next`` generates ``k + 1`` iterations.
+iteration ``i`` with the rollout engine (the process's share of its prompts, seeded by ``(seed, i, rank)``), hand
+it to the preparation stage (old log-probs under the weights that generated it), push it into the
+:class:`~offpolicy_moe.sources.buffer.StalenessBuffer`, and pop the batch to train on: the one of iteration
+``i - k`` (``fixed``), or the earliest-generated one that has arrived within the bound (``bounded``).  During the
+first ``k`` iterations of a fixed delay nothing is released, so the first ``next`` generates ``k + 1`` iterations.
 
-A batch whose generation (sampling from non-finite logits, non-finite behaviour log-probs) or preparation (old
-log-probs, measurements) meets a NaN/Inf goes to the trainer's policy (``on_nonfinite``): it raises (the run stops)
-or the batch is dropped before it enters the buffer and the next iteration is generated in its place, so the
-delay line keeps its exact staleness; each dropped iteration extends the iteration budget by one.
+A batch whose generation or preparation meets a NaN/Inf (agreed over processes) never enters the buffer: ``next``
+returns its error and the next call generates the following iteration in its place, so the delay line keeps its
+exact staleness; each dropped iteration extends the iteration budget by one.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -26,31 +24,27 @@ from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.worker import checked_generation
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.buffer import StalenessBuffer, iteration_budget
-from offpolicy_moe.sources.base import BatchSource
+from offpolicy_moe.logprobs.stage import PreparedBatch
+from offpolicy_moe.sources.base import BatchSource, Preparation
 
 __all__ = ["SyncBatchSource"]
 
 
 class SyncBatchSource(BatchSource):
-    """Generation by ``engine`` in this process, released through a staleness buffer (module docstring).
+    """Generation by ``engine`` in this process, prepared by ``stage``, released through a staleness buffer (module
+    docstring); ``rank`` / ``world``: this process generates prompts ``rank, rank + world, ...`` of each
+    iteration."""
 
-    ``prepare(batch)`` sets ``batch.old_logp`` and the batch's measurements; ``rank`` / ``world``: this process
-    generates prompts ``rank, rank + world, ...`` of each iteration.  ``on_nonfinite(err, collective=True)``: the
-    trainer's non-finite policy, called once per generated iteration on every process (``err`` None when the batch
-    is finite here); it raises, or returns True when the batch is to be dropped.  Without it a non-finite batch
-    raises its :class:`~offpolicy_moe.run.nonfinite.NonFiniteError`."""
-
-    def __init__(self, cfg: Any, *, engine: Any, task: Any, prepare: Callable[[RolloutBatch], None],
-                 rank: int = 0, world: int = 1, on_nonfinite: Optional[Callable[..., bool]] = None):
+    def __init__(self, cfg: Any, *, engine: Any, task: Any, stage: Preparation, rank: int = 0, world: int = 1):
         b = cfg.buffer
-        self.cfg, self.engine, self.task, self.prepare = cfg, engine, task, prepare
-        self.on_nonfinite = on_nonfinite
+        self.cfg, self.engine, self.task, self.stage = cfg, engine, task, stage
         self.nan_dropped = 0        # iterations dropped for non-finite values (each extends the budget by one)
         self.rank, self.world = int(rank), int(world)
         self.buffer = StalenessBuffer(b.staleness, b.mode, max_delay=b.max_delay, seed=cfg.seed)
         self.max_iterations = iteration_budget(cfg.trainer.steps, b.staleness, b.mode)
         self.publish_every = int(cfg.rollout.publish_every)
         self.iteration = 0
+        self.version = 0            # the version the trainer's model holds
         self.published = 0          # the version the engine holds
         self._released = False      # a batch was handed out and its iteration is not yet completed (publish)
 
@@ -68,10 +62,10 @@ class SyncBatchSource(BatchSource):
                                   seed=iteration_seed(self.cfg.seed, iteration, self.rank), rank=self.rank,
                                   world=self.world)
 
-    def next(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Generate and prepare iterations until the buffer releases the batch of step ``step``.  A bounded buffer
-        that drops every batch raises once the run's iteration budget is spent (``check_buffer_feasible`` refuses
-        such configurations before the run)."""
+    def next(self, step: int) -> tuple[PreparedBatch, dict[str, float]]:
+        """Generate and prepare iterations until the buffer releases the batch of step ``step``, or one of them is
+        non-finite (its error is returned).  A bounded buffer that drops every batch raises once the run's iteration
+        budget is spent (``check_buffer_feasible`` refuses such configurations before the run)."""
         t_gen = t_old = 0.0
         tokens = 0
         while True:
@@ -79,34 +73,28 @@ class SyncBatchSource(BatchSource):
                 raise RuntimeError(f"bounded buffer starved: {self.iteration} iterations produced only {step} "
                                    "trained steps (every batch dropped?)")
             t0 = t1 = time.perf_counter()
-            err = None
             try:
                 batch = self.generate(self.iteration)
-                t1 = time.perf_counter()
-                self.prepare(batch)
             except NonFiniteError as exc:
-                err = exc.located(step + 1, self.iteration)
+                prepared = PreparedBatch(None, exc)
+            else:
+                t1 = time.perf_counter()
+                prepared = self.stage.prepare(batch, current=self.version)
+            prepared = self.stage.agree(prepared)      # every process, every iteration
             t_gen, t_old = t_gen + (t1 - t0), t_old + (time.perf_counter() - t1)
-            if self._drop(err):
+            if prepared.error is not None:
+                err = prepared.error.located(step + 1, self.iteration)
                 self.nan_dropped += 1
                 self.iteration += 1
-                continue
-            tokens += batch.num_tokens()
-            self.buffer.push(batch, self.iteration)
+                return PreparedBatch(None, err), {}
+            tokens += prepared.batch.num_tokens()
+            self.buffer.push(prepared.batch, self.iteration)
             consumed, _ = self.buffer.pop(self.iteration, step)
             if consumed is not None:
                 self._released = True
-                return consumed, {"perf/time_generate_s": t_gen, "perf/time_old_logp_s": t_old,
-                                  "perf/gen_tokens_per_s": tokens / max(t_gen, 1e-9)}
+                return PreparedBatch(consumed), {"perf/time_generate_s": t_gen, "perf/time_old_logp_s": t_old,
+                                                 "perf/gen_tokens_per_s": tokens / max(t_gen, 1e-9)}
             self.iteration += 1         # warm-up (fixed) or nothing arrived yet (bounded): only generated
-
-    def _drop(self, err: Optional[NonFiniteError]) -> bool:
-        """The trainer's policy on this iteration's batch (every process asks, finite or not); True: drop it."""
-        if self.on_nonfinite is None:
-            if err is not None:
-                raise err
-            return False
-        return bool(self.on_nonfinite(err, collective=True))
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int,
                 predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
@@ -116,8 +104,10 @@ class SyncBatchSource(BatchSource):
         if self._released:
             self.iteration += 1
             self._released = False
+        self.version = int(version)
         if force or version % self.publish_every == 0:
             self.engine.sync(weights, version, predictors)
+            self.stage.keep(version, weights)
             self.published = int(version)
 
     def state_dict(self) -> dict:

@@ -1,27 +1,47 @@
-"""How the trainer's parts are built from the config: the routing controller, the optimizer with its learning-rate
-schedule, the synchronous source's rollout engine, the batch source of ``buffer.mode``, the frozen reference
-policy of the KL penalty and the run's one old-log-prob strategy (the only reader of ``algo.old_logp_source``)."""
+"""A run's parts, built from the config in one place (:func:`build_run`).
+
+This is where a run's choices are made: the loss (:func:`~offpolicy_moe.trainer.update.loss_setup` of
+``algo.loss``), where its old log-probs come from (:func:`old_logp_strategy`, the only reader of
+``algo.old_logp_source``), the batch source of ``buffer.mode`` and the preparation stage it hands batches to, the
+routing controller, the optimizer and its schedule, the rollout engine, and the frozen reference of the KL
+penalty."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
 
+import numpy as np
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
 
 from offpolicy_moe.config.validate import ConfigError
+from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE, make_engine
-from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.routing import PR2Predictors, RoutingController, pr2_param_group
+from offpolicy_moe.run.full_state import is_sharded
+from offpolicy_moe.run.nonfinite import NanCounter
+from offpolicy_moe.run.run_dir import RunDir
+from offpolicy_moe.sources import fork_server
 from offpolicy_moe.sources.asynchronous import AsyncBatchSource
 from offpolicy_moe.sources.base import BatchSource
 from offpolicy_moe.sources.sync import SyncBatchSource
-from offpolicy_moe.trainer.old_logp import OldLogpPass
-from offpolicy_moe.trainer.old_logp_strategy import (AtConsumption, FromEngine, Fused, Loglinear, OldLogpStrategy,
-                                                     Recomputed)
+from offpolicy_moe.tasks import apply_chat_template, make_task
+from offpolicy_moe.trainer.checks import CheckedConfig, check_config
+from offpolicy_moe.logprobs.forward import RoutedForward
+from offpolicy_moe.logprobs.micro_batch import MicroBatching, max_over_processes
+from offpolicy_moe.logprobs import (AtConsumption, FromEngine, Fused, Loglinear, OldLogpPass, OldLogpStrategy,
+                                            PreparationStage, Recomputed)
 from offpolicy_moe.trainer.optim import adamw, lr_schedule
+from offpolicy_moe.trainer.run_checkpoints import RunCheckpoints
+from offpolicy_moe.trainer.update import PolicyUpdate, TrainedPolicy, loss_setup
 
-__all__ = ["routing_controller", "build_optimizer", "build_engine", "build_source", "frozen_reference",
-           "fuses_old_logp", "old_logp_strategy"]
+__all__ = ["build_run", "RunParts", "routing_controller", "build_optimizer", "build_engine", "build_source",
+           "frozen_reference", "fuses_old_logp", "old_logp_strategy", "past_versions_kept", "seed_everything"]
 
 
 def routing_controller(model: torch.nn.Module, cfg: Any, *, is_moe: bool,
@@ -66,18 +86,13 @@ def build_engine(model: torch.nn.Module, tok: Any, cfg: Any, predictors: Optiona
                        seed=cfg.seed)
 
 
-def build_source(cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, prepare: Callable,
-                 on_nonfinite: Callable, rank: int, world: int) -> BatchSource:
+def build_source(cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, stage: PreparationStage, rank: int,
+                 world: int) -> BatchSource:
     """The batch source of ``buffer.mode``: workers for ``async`` (Ray actors with ``rollout.backend=ray``), this
-    process's ``engine`` otherwise; ``prepare`` takes a batch's old log-probs, ``on_nonfinite`` applies
-    ``trainer.on_nan`` to a non-finite batch."""
+    process's ``engine`` otherwise; each hands its batches to ``stage``."""
     if cfg.buffer.mode == "async":
-        # (with rollout.backend=ray a non-finite batch raises out of the source: the run stops as diverged under
-        # either policy)
-        return AsyncBatchSource(cfg, model=model, prepare=prepare, rank=rank, world=world,
-                                on_nonfinite=None if cfg.rollout.backend == "ray" else on_nonfinite)
-    return SyncBatchSource(cfg, engine=engine, task=task, prepare=prepare, rank=rank, world=world,
-                           on_nonfinite=on_nonfinite)
+        return AsyncBatchSource(cfg, model=model, stage=stage, rank=rank, world=world)
+    return SyncBatchSource(cfg, engine=engine, task=task, stage=stage, rank=rank, world=world)
 
 
 def frozen_reference(model: torch.nn.Module, state: Optional[dict] = None) -> torch.nn.Module:
@@ -109,18 +124,140 @@ def fuses_old_logp(cfg: Any, *, measure_routing: bool, needs_global_pass: bool) 
             and not needs_global_pass)
 
 
-def old_logp_strategy(cfg: Any, passes: OldLogpPass, *, needs_global_pass: bool,
-                      device: Any) -> OldLogpStrategy:
-    """The run's old-log-prob strategy (:mod:`~offpolicy_moe.trainer.old_logp_strategy`), from
+def old_logp_strategy(cfg: Any, passes: OldLogpPass, *, needs_global_pass: bool, device: Any,
+                      model: Optional[torch.nn.Module] = None) -> OldLogpStrategy:
+    """The run's old-log-prob strategy (:mod:`~offpolicy_moe.logprobs.strategies`), from
     ``algo.old_logp_source`` and ``algo.proximal_logp``: the engine's, the loglinear proximal estimate, a recompute
-    at consumption, fused with the update (:func:`fuses_old_logp`) or the pass after generation."""
+    at consumption (on ``model``), fused with the update (:func:`fuses_old_logp`) or the pass after generation."""
     src, corr = cfg.algo.old_logp_source, cfg.algo.correction
     if src == "engine":
-        return FromEngine(passes, corr, device)
+        return FromEngine(passes, corr, device, model)
     if src == "proximal" and cfg.algo.proximal_logp == "loglinear":
-        return Loglinear(passes, corr, device, cfg.trainer.updates_per_step)
+        return Loglinear(passes, corr, device, model, cfg.trainer.updates_per_step)
     if src == "proximal":
-        return AtConsumption(passes, corr, device)
+        return AtConsumption(passes, corr, device, model)
     if fuses_old_logp(cfg, measure_routing=passes.measure_routing, needs_global_pass=needs_global_pass):
-        return Fused(passes, corr, device)
-    return Recomputed(passes, corr, device)
+        return Fused(passes, corr, device, model)
+    return Recomputed(passes, corr, device, model)
+
+
+def past_versions_kept(cfg: Any) -> int:
+    """How many published versions the preparation stage keeps: ``k + 1`` for workers that sample ahead
+    (``buffer.mode=async``), the one generation holds when it lags behind the trainer (``rollout.publish_every``
+    > 1), else none."""
+    if cfg.buffer.mode == "async":
+        return int(cfg.buffer.staleness) + 1
+    return 1 if int(cfg.rollout.publish_every) > 1 else 0
+
+
+@dataclass
+class RunParts:
+    """Everything :func:`build_run` makes for one run; the :class:`~offpolicy_moe.trainer.trainer.Trainer` holds
+    them and runs the loop."""
+
+    cfg: Any
+    run_dir: RunDir
+    accelerator: Accelerator
+    task: Any
+    tok: Any
+    chat: Any
+    is_moe: bool
+    controller: Optional[RoutingController]
+    predictors: Optional[PR2Predictors]
+    optimizer: Any
+    scheduler: Any
+    model: torch.nn.Module           # as the accelerator prepared it (DDP / FSDP wrapper)
+    unwrapped: torch.nn.Module       # the bare policy
+    engine: Any                      # the synchronous source's rollout engine (None for workers)
+    forward: RoutedForward
+    stage: PreparationStage
+    policy_update: PolicyUpdate
+    source: BatchSource
+    run_checkpoints: RunCheckpoints
+    nan: NanCounter
+
+
+def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig] = None) -> RunParts:
+    """Every part of a run, from a :class:`~offpolicy_moe.config.schema.TrainConfig`: the run folder (its lock held),
+    the accelerator, task and policy, routing, optimizer, rollout engine, the routed forward, the loss and the
+    old-log-prob strategy (chosen here and nowhere else), the preparation stage, the policy update and the batch
+    source.  ``checked``: what :func:`~offpolicy_moe.trainer.checks.check_config` returned (the checks run here
+    without it)."""
+    tc, rt = cfg.trainer, cfg.algo.routing
+    run_dir = RunDir(cfg.run_dir, min_free_mb=tc.min_free_mb, resume=resume,
+                     is_main=int(os.environ.get("RANK", "0")) == 0)      # the global rank's main process locks it
+    set_determinism(tc)
+    if checked is None:
+        checked = check_config(cfg)
+        for w in checked.warnings:
+            print(f"offpolicy-moe: warning: {w}", file=sys.stderr)
+    fork_server.start_early(cfg)        # local workers' imports run beside the model load
+    accelerator = make_accelerator()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    seed_everything(cfg.seed)
+    task = checked.task if checked.task is not None else make_task(cfg.task)
+    model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+    chat = apply_chat_template(task, tok, cfg.task.chat_template)
+    moe = bool(is_moe(model))
+    if not moe and rt.replay != "none":
+        raise ValueError(f"algo.routing.replay={rt.replay!r} needs a Mixture-of-Experts model, but "
+                         f"{type(model).__name__} has no MoE layer (model.preset={cfg.model.preset!r})")
+    measure_routing = moe and bool(rt.metrics)
+    model.train()
+    controller = routing_controller(model, cfg, is_moe=moe, measure_routing=measure_routing)
+    predictors = PR2Predictors.from_controller(controller) if rt.replay == "pr2" else None
+    optimizer, scheduler = build_optimizer(model, predictors, cfg)
+    if predictors is not None:
+        predictors.to(accelerator.device)
+    # the synchronous source's engine: its own copy of the bare model, before FSDP can shard it
+    engine = (build_engine(model, tok, cfg, predictors, is_moe=moe, measure_routing=measure_routing,
+                           device=accelerator.device) if cfg.buffer.mode != "async" else None)
+    wrapped, optimizer = accelerator.prepare(model, optimizer)
+    bare = accelerator.unwrap_model(wrapped)
+    forward = RoutedForward(device=accelerator.device, controller=controller, replay=rt.replay,
+                            share_prompt=tc.share_prompt, temperature=cfg.rollout.temperature,
+                            group_size=cfg.rollout.group_size,
+                            micro_batching=MicroBatching.from_trainer(
+                                tc, max_over_processes(accelerator.device) if world > 1 else None))
+    loss = loss_setup(cfg.algo.loss, world)
+    passes = OldLogpPass(forward, cfg, is_moe=moe, measure_routing=measure_routing)
+    strategy = old_logp_strategy(cfg, passes, needs_global_pass=loss.spec.needs_global_pass,
+                                 device=accelerator.device, model=bare)
+    stage = PreparationStage(strategy, model=bare, forward=forward, accelerator=accelerator,
+                             keep=past_versions_kept(cfg))
+    policy = TrainedPolicy(wrapped, bare, optimizer, scheduler, predictors)
+    policy_update = PolicyUpdate(cfg, loss=loss, forward=forward, old_logps=strategy, policy=policy,
+                                 accelerator=accelerator, task=task)
+    source = build_source(cfg, engine=engine, task=task, model=bare, stage=stage, rank=rank, world=world)
+    run_checkpoints = RunCheckpoints(accelerator=accelerator, run_dir=run_dir, model=bare, keep=tc.keep_checkpoints)
+    return RunParts(cfg=cfg, run_dir=run_dir, accelerator=accelerator, task=task, tok=tok, chat=chat, is_moe=moe,
+                    controller=controller, predictors=predictors, optimizer=optimizer, scheduler=scheduler,
+                    model=wrapped, unwrapped=bare, engine=engine, forward=forward, stage=stage,
+                    policy_update=policy_update, source=source, run_checkpoints=run_checkpoints,
+                    nan=NanCounter(tc.on_nan, tc.max_nan_skips))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def set_determinism(tc: Any) -> None:
+    """``trainer.threads`` and, on CUDA with ``trainer.deterministic``, deterministic kernels (CPU kernels are
+    deterministic at a fixed thread count)."""
+    if tc.threads and tc.threads > 0:
+        torch.set_num_threads(int(tc.threads))
+    if tc.deterministic and torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def make_accelerator() -> Accelerator:
+    """The run's Accelerator.  Several CPU processes (torchrun / accelerate launch set ``WORLD_SIZE``) run as
+    ``MULTI_CPU`` only with ``ACCELERATE_USE_CPU`` (``cpu=True`` would force a single process)."""
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    return Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])

@@ -5,8 +5,8 @@ A :class:`Callback` is told about the run; it never steers it: the trainer decid
 bit as it would be without it.  A callback may raise :class:`~offpolicy_moe.trainer.trainer.TrainingStopped` from
 :meth:`Callback.on_step_end` to stop the run after that step's checkpoint.
 
-Note for ``on_batch``: a batch whose ``old_logp`` is fused into the update (``batch.old_logp_fused``) has
-``old_logp = None`` until the update has run.
+Note for ``on_batch``: a batch whose old log-probs come from the update forward itself (fused, loglinear) has
+``old_logp = None``.
 """
 from __future__ import annotations
 

@@ -8,9 +8,19 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.sources.base import BatchSource
-from offpolicy_moe.sources.versions import token_lag
+from offpolicy_moe.sources.schedule import lag
 
-__all__ = ["offpolicy_metrics", "mean_over_processes"]
+__all__ = ["offpolicy_metrics", "mean_over_processes", "token_lag"]
+
+
+def token_lag(step: int, batch: RolloutBatch) -> tuple[float, float]:
+    """Mean and max over the batch's response tokens of their lag at ``step`` (:func:`~offpolicy_moe.sources.schedule.lag`)."""
+    mask = batch.response_mask.bool()
+    if batch.token_versions is None or not bool(mask.any()):
+        whole = float(lag(step, batch.version))
+        return whole, whole
+    lags = lag(step, batch.token_versions[mask]).double()
+    return float(lags.mean()), float(lags.max())
 
 
 def offpolicy_metrics(step: int, batch: RolloutBatch, source: BatchSource, updates_per_step: int, tokens: float,

@@ -12,7 +12,7 @@ The update is driven in parts by the training loop, which owns the step's transa
 (rewards, advantages, dynamic sampling), :meth:`PolicyUpdate.prepare` (old log-probs at consumption, reference
 log-probs), one :meth:`PolicyUpdate.optimizer_update` per mini-batch, and :meth:`PolicyUpdate.finish` (the step's
 metrics).  A non-finite value in any part is raised as one :class:`~offpolicy_moe.run.nonfinite.NonFiniteError`
-naming its stage, agreed over processes (:class:`~offpolicy_moe.trainer.finite_agreement.FiniteAgreement`): the
+naming its stage, agreed over processes (:class:`~offpolicy_moe.logprobs.finite_agreement.FiniteAgreement`): the
 old log-probs at consumption (``old_logp``) and the reference log-probs (``reference``) from ``prepare``, which
 makes the whole batch unusable; the loss (or the loss library's refusal of a NaN log-prob), the gradient norm
 (``gradients``) and the parameters after ``optimizer.step()`` (``optimizer``) from ``optimizer_update``, which makes
@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.run import probes
-from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, as_nonfinite
-from offpolicy_moe.trainer.finite_agreement import FiniteAgreement
-from offpolicy_moe.trainer.forward import RoutedForward
+from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, nonfinite_as
+from offpolicy_moe.logprobs.finite_agreement import FiniteAgreement
+from offpolicy_moe.logprobs.forward import RoutedForward
 from offpolicy_moe.trainer.grads import average_predictor_grads, grad_norm, zero_missing_grads
 from offpolicy_moe.trainer.micro_loss import MicroBatchTensors, MicroLoss, micro_batch_loss, options_from
-from offpolicy_moe.trainer.old_logp_strategy import BatchOldLogp, OldLogpStrategy
+from offpolicy_moe.logprobs.strategies import BatchOldLogp, OldLogpStrategy
 from offpolicy_moe.trainer.step_guard import max_abs
 from offpolicy_moe.losses import (LossSpec, get_loss_spec, global_counts, group_advantages, metrics_to_floats,
                                   resolve_loss_options)
@@ -156,8 +156,8 @@ class UpdateWork:
     skip_zero: bool = False
     mini_metrics: list = field(default_factory=list)
     grad_norms: list = field(default_factory=list)
-    skipped_rows: int = 0
-    dropped: int = 0                # optimizer updates dropped as non-finite
+    skipped_rows: list = field(default_factory=list)    # rows left out, per optimizer update
+    dropped: list = field(default_factory=list)         # optimizer updates dropped as non-finite
 
 
 class PolicyUpdate:
@@ -236,25 +236,24 @@ class PolicyUpdate:
             metrics.update(ds)              # batch None: every group's rewards were equal, nothing to learn from
         return UpdateWork(batch, adv, metrics, step)
 
-    def prepare(self, work: UpdateWork) -> None:
+    def prepare(self, work: UpdateWork) -> UpdateWork:
         """The routes the update's forwards replay, the old log-probs (the strategy's one ``take``) and the
         reference log-probs of ``work``'s batch, and its cut into mini-batches.  Raises :class:`NonFiniteError`
         (stage ``old_logp`` or ``reference``, agreed over processes) when the batch cannot be trained on; the
-        metrics taken until then are in ``work.metrics``."""
+        metrics taken until then are in ``work.metrics``; returns the work with them."""
         batch = work.batch
-        work.routes = self.forward.routes_for_update(batch)
-        old = self.old_logps.take(batch, step=work.step, routes=work.routes, adv=work.adv)   # the one call
+        routes = self.forward.routes_for_update(batch)
+        old = self.old_logps.take(batch, step=work.step, routes=routes, adv=work.adv)   # the one call
         work.metrics.update(old.metrics)
         self.finite.raise_agreed(old.error, "old_logp", "old log-probs at consumption")
-        err = None
+        err = ref_lp = None
         try:
-            work.ref_lp = self.ref_logp(batch, work.routes)
+            ref_lp = self.ref_logp(batch, routes)
         except NonFiniteError as exc:
             err = exc
         self.finite.raise_agreed(err, "reference", "reference log-probs")
-        work.old = old
-        work.skip_zero = self.skips_zero_advantage(old)
-        work.cuts = self.forward.micro_batching.cut(batch.size, int(batch.input_ids.shape[1]))
+        return replace(work, routes=routes, old=old, ref_lp=ref_lp, skip_zero=self.skips_zero_advantage(old),
+                       cuts=self.forward.micro_batching.cut(batch.size, int(batch.input_ids.shape[1])))
 
     def optimizer_updates(self, work: UpdateWork) -> int:
         """How many optimizer updates :meth:`prepare` cut ``work``'s batch into."""
@@ -269,16 +268,14 @@ class PolicyUpdate:
         off_policy = not (batch.version == work.step and index == 0)
         mb = self._cut(batch, work.cuts[index], work.routes, pr2_on=off_policy,
                        adv=work.adv if work.skip_zero else None)
-        mb.index = index
-        work.skipped_rows += mb.skipped_rows
-        mb.off_policy = off_policy
-        mb.global_sel = self.global_selection(mb, work.adv)
+        mb = replace(mb, index=index, off_policy=off_policy, global_sel=self.global_selection(mb, work.adv, work.old))
+        work.skipped_rows.append(mb.skipped_rows)
         work.grad_norms.append(self.minibatch_step(mb, work.adv, work.old, work.ref_lp, work.mini_metrics))
 
     def dropped_update(self, work: UpdateWork) -> None:
         """After an optimizer update dropped as non-finite (and undone by the caller): the schedule still takes its
         step, the gradients are dropped."""
-        work.dropped += 1
+        work.dropped.append(len(work.grad_norms))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -290,9 +287,9 @@ class PolicyUpdate:
         if work.grad_norms:
             mini_metrics.append({"actor/grad_norm": torch.stack([g.float() for g in work.grad_norms]).mean()})
         metrics.update(mean_metrics(mini_metrics))
-        metrics.update(work.old.finish(clean=work.dropped == 0))
+        metrics.update(work.old.finish(clean=not work.dropped))
         metrics["actor/zero_adv_share"] = float((adv == 0).float().mean()) if adv.numel() else 0.0
-        metrics["actor/rows_skipped_share"] = work.skipped_rows / max(batch.size, 1)
+        metrics["actor/rows_skipped_share"] = sum(work.skipped_rows) / max(batch.size, 1)
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics.update(nan_metrics)
         metrics["actor/updates"] = float(self.updates)
@@ -334,15 +331,15 @@ class PolicyUpdate:
                         "_tokens": 0.0, **nan_metrics})
         return metrics
 
-    def global_selection(self, mb: _MiniBatch, adv: torch.Tensor) -> list[dict]:
+    def global_selection(self, mb: _MiniBatch, adv: torch.Tensor, old: BatchOldLogp) -> list[dict]:
         """The loss's selection over the WHOLE mini-batch (M2PO's token mask or adaptive cap), from one no-grad
         pass over its micro-batches; empty when the loss needs none or the loss call sees the whole mini-batch
         anyway (one micro-batch, one process)."""
         if not self.spec.global_pass or (len(mb.parts) <= 1 and self.world == 1):
             return [{} for _ in mb.parts]
         with torch.no_grad():
-            lrs = [self.forward.logp(self.bare_model, p, r) - p.old_logp.to(self.device)
-                   for p, r in zip(mb.parts, mb.routes)]
+            lrs = [self.forward.logp(self.bare_model, p, r) - old.rows(m)
+                   for p, r, m in zip(mb.parts, mb.routes, mb.rows)]
         advs = [adv.index_select(0, m).to(self.device) for m in mb.rows]
         masks = [p.response_mask.to(self.device) for p in mb.parts]
         opts = {k: v for k, v in self.spec.options.items() if k != "process_group"}
@@ -419,11 +416,9 @@ class PolicyUpdate:
                                        replayed_ids=feats.gather_trace(routes)) if pr2 else None)
         what = "loss"
         try:
-            res = micro_batch_loss(tensors, self.loss_options, pr2_term, len(mb.parts))
-        except (ValueError, RuntimeError) as exc:
-            err = as_nonfinite(exc, "loss", "loss input")
-            if err is None:
-                raise
+            with nonfinite_as("loss", "loss input"):
+                res = micro_batch_loss(tensors, self.loss_options, pr2_term, len(mb.parts))
+        except NonFiniteError as err:
             # the loss library refused a NaN/Inf input (e.g. the update forward's log-probs): a non-finite loss,
             # decided below with the other processes (they must agree before any backward)
             nan = torch.full((), float("nan"), device=dev)

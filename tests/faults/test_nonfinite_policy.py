@@ -8,22 +8,42 @@ import torch
 from offpolicy_moe import cli
 from offpolicy_moe.losses import mismatch_metrics
 from offpolicy_moe.run.checkpoint import latest_checkpoint, load_checkpoint
-from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, as_nonfinite, is_nonfinite_error
+from offpolicy_moe.losses import NonFiniteInput
+from offpolicy_moe.run.nonfinite import NanCounter, NonFiniteError, nonfinite_as
 from tests.tiny import TINY
 
 
-def test_the_refusals_it_routes_are_recognised_by_their_real_messages():
-    # the loss library's input check and torch's sampler: if either rewords its refusal, this fails
+def test_the_refusals_it_routes_are_recognised_by_type_not_by_message():
+    # the loss library's input check raises its own type; only that type (and NonFiniteError) is converted
     nan = torch.tensor([[float("nan"), 0.0]])
-    with pytest.raises(ValueError) as loss_refusal:
+    with pytest.raises(NonFiniteInput) as loss_refusal:
         mismatch_metrics(nan, torch.zeros(1, 2), torch.ones(1, 2))
-    with pytest.raises(RuntimeError) as sampler_refusal:
-        torch.multinomial(torch.tensor([[float("nan"), 1.0]]), 1)
-    assert is_nonfinite_error(loss_refusal.value) and is_nonfinite_error(sampler_refusal.value)
-    assert not is_nonfinite_error(ValueError("shape mismatch: logp has shape (2,)"))
-    assert as_nonfinite(KeyError("x"), "loss", "loss") is None
-    err = as_nonfinite(loss_refusal.value, "metrics", "log-probs")
-    assert (err.stage, err.step) == ("metrics", None)
+    assert isinstance(loss_refusal.value, ValueError)          # callers catching ValueError still do
+    with pytest.raises(NonFiniteError) as converted:
+        with nonfinite_as("metrics", "log-probs"):
+            mismatch_metrics(nan, torch.zeros(1, 2), torch.ones(1, 2))
+    assert (converted.value.stage, converted.value.step) == ("metrics", None)
+    assert str(converted.value).startswith("non-finite log-probs (train_logp contains NaN or Inf")
+    # a ValueError with the same words is not a non-finite refusal: it passes unchanged
+    with pytest.raises(ValueError, match="contains NaN or Inf") as other:
+        with nonfinite_as("loss", "loss"):
+            raise ValueError("logp contains NaN or Inf")
+    assert not isinstance(other.value, NonFiniteError)
+    with pytest.raises(NonFiniteError, match="stage loss"):      # a NonFiniteError keeps its own stage
+        with nonfinite_as("metrics", "x"):
+            raise NonFiniteError("loss", "loss")
+
+
+def test_the_sampler_raises_a_nonfinite_error_only_for_nonfinite_probabilities():
+    from offpolicy_moe.rollout.engine import draw
+    with pytest.raises(NonFiniteError, match=r"stage generation"):
+        draw(torch.tensor([[float("nan"), 1.0]]))
+    with pytest.raises(NonFiniteError):
+        draw(torch.tensor([[float("inf"), 1.0]]))
+    assert draw(torch.tensor([[float("-inf"), 0.0]])).tolist() == [1]      # a truncated token is not an error
+    with pytest.raises(RuntimeError) as other:                              # a wrong shape is not a NaN
+        draw(torch.zeros(2, 3, 4, 5))
+    assert not isinstance(other.value, NonFiniteError)
 
 
 def test_message_names_stage_step_and_iteration_on_one_line():

@@ -9,7 +9,7 @@ import copy
 import torch
 
 from offpolicy_moe.models.layout import CACHE_KWARGS, cache_kwarg
-from offpolicy_moe.trainer.logprobs import _can_share
+from offpolicy_moe.models.response_logprobs import _can_share
 from offpolicy_moe.rollout.worker import build_engine
 from offpolicy_moe.trainer.trainer import Trainer
 from tests.tiny import tiny_config

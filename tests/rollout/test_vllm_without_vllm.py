@@ -16,7 +16,7 @@ from offpolicy_moe.rollout import vllm_worker
 from offpolicy_moe.rollout.engine import make_engine
 from offpolicy_moe.rollout.vllm_engine import VLLMEngineError
 from offpolicy_moe.tasks import build_char_tokenizer
-from offpolicy_moe.trainer.old_logp import conditioning_positions
+from offpolicy_moe.logprobs import conditioning_positions
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

@@ -6,6 +6,7 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.sources.asynchronous import AsyncBatchSource, check_async_config
+from tests.sources.seam import KeepAsIs
 from tests.tiny import tiny_config
 
 
@@ -21,7 +22,7 @@ def _batch(iteration: int, version: int) -> RolloutBatch:
 
 def _source(tmp_path, world=1, *overrides) -> AsyncBatchSource:
     cfg = tiny_config(tmp_path / "run", "buffer.mode=async", "buffer.staleness=2", "trainer.steps=10", *overrides)
-    return AsyncBatchSource(cfg, model=torch.nn.Linear(1, 1), prepare=lambda batch: None, rank=0, world=world)
+    return AsyncBatchSource(cfg, model=torch.nn.Linear(1, 1), stage=KeepAsIs(), rank=0, world=world)
 
 
 def test_the_checkpoint_keeps_received_batches_with_their_versions(tmp_path):
@@ -51,7 +52,7 @@ def test_with_several_trainer_processes_received_batches_are_generated_again(tmp
 def test_a_checkpoint_of_another_staleness_is_refused(tmp_path):
     state = _source(tmp_path).state_dict()
     other = AsyncBatchSource(tiny_config(tmp_path / "o", "buffer.mode=async", "buffer.staleness=1"),
-                             model=torch.nn.Linear(1, 1), prepare=lambda batch: None)
+                             model=torch.nn.Linear(1, 1), stage=KeepAsIs())
     with pytest.raises(ValueError, match="staleness=2 mode='async', but the config asks for staleness=1"):
         other.load_state_dict(state)
 

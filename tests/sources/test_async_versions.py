@@ -1,13 +1,16 @@
 """Per-token policy versions: weights updated in flight inside the engine's sampling loop, and old log-probs taken
-under the version that sampled each token (offpolicy_moe.sources.versions.prepare_at_versions)."""
+under the version that sampled each token (the preparation stage, offpolicy_moe.logprobs.stage)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from offpolicy_moe.sources.versions import VersionRing, loaded_weights, prepare_at_versions, token_lag
+from offpolicy_moe.logprobs.stage import PreparationStage
+from offpolicy_moe.logprobs.versions import VersionRing
+from offpolicy_moe.trainer.step_metrics import token_lag
 from offpolicy_moe.rollout.worker import build_engine, generate_iteration
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.trainer.trainer import Trainer
@@ -85,21 +88,30 @@ def test_old_logp_of_each_token_comes_from_its_own_version(parts):
     engine.between_tokens = _switch_at(2, v1, 1)
     batch = _gen(cfg, trainer, engine, it=2)
     refs = {}
-    for v, state in ((0, v0), (1, v1)):
-        b = copy.deepcopy(batch)
-        with loaded_weights(trainer.unwrapped, state):
-            trainer.prepare(b)
-        refs[v] = b.old_logp
+    for v, state in ((0, v0), (1, v1)):           # each version's pass on a trainer that holds it
+        holder = Trainer(tiny_config(cfg.run_dir + f"_v{v}", "rollout.max_new_tokens=4", "rollout.dtype=float32",
+                                     "algo.correction.mode=truncate"))
+        holder.unwrapped.load_state_dict(state)
+        whole = dataclasses.replace(batch, token_versions=None)          # every token at the version held
+        refs[v] = holder.stage.prepare(whole, current=whole.version).batch.old_logp
     assert not torch.equal(refs[0], refs[1])
-    ring = VersionRing(keep=2)
-    ring.add(0, v0)
-    ring.add(1, v1)
     own = {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}
-    # current=2: neither version is the trainer's current one
-    prepare_at_versions(batch, ring, current=2, model=trainer.unwrapped, prepare=trainer.prepare)
+    stage = PreparationStage(trainer.stage.strategy, model=trainer.unwrapped, forward=trainer.forward,
+                             accelerator=trainer.accelerator, keep=2)
+    stage.keep(0, v0)
+    stage.keep(1, v1)
+    # current=2: neither version is the one the trainer's live model holds
+    prepared = stage.prepare(batch, current=2)
     expect = torch.where(batch.token_versions == 1, refs[1], refs[0])
-    assert torch.equal(batch.old_logp, expect)
-    assert all(torch.equal(v, own[k]) for k, v in trainer.unwrapped.state_dict().items())   # weights restored
+    assert torch.equal(prepared.batch.old_logp, expect) and batch.old_logp is None    # a new batch: the input kept
+    assert all(torch.equal(v, own[k]) for k, v in trainer.unwrapped.state_dict().items())   # live model untouched
+
+
+def test_a_stage_without_past_versions_refuses_an_older_batch_in_one_line(parts):
+    cfg, trainer, v0, _ = parts
+    batch = _gen(cfg, trainer, _engine(cfg, trainer, v0, 0), it=3)
+    with pytest.raises(RuntimeError, match="keeps no past versions"):
+        trainer.stage.prepare(batch, current=1)
 
 
 def test_version_ring_forgets_old_versions_and_names_them():

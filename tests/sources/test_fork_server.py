@@ -82,12 +82,13 @@ def test_train_starts_the_server_before_its_checks_and_never_on_a_dry_run(monkey
 
 
 def test_a_trainer_built_from_python_starts_the_server_after_its_checks_before_its_model(monkeypatch, tmp_path):
+    import offpolicy_moe.trainer.build as build_mod
     import offpolicy_moe.trainer.trainer as trainer_mod
     from tests.tiny import tiny_config
 
     order = []
-    real_load = trainer_mod.load_policy
+    real_load = build_mod.load_policy
     monkeypatch.setattr(fork_server, "start_early", lambda cfg: order.append(("start", cfg.buffer.mode)))
-    monkeypatch.setattr(trainer_mod, "load_policy", lambda *a, **k: order.append(("model", None)) or real_load(*a, **k))
+    monkeypatch.setattr(build_mod, "load_policy", lambda *a, **k: order.append(("model", None)) or real_load(*a, **k))
     trainer_mod.Trainer(tiny_config(tmp_path / "run", "buffer.mode=async", "buffer.staleness=1", "rollout.workers=1"))
     assert order == [("start", "async"), ("model", None)]

@@ -19,6 +19,7 @@ from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.asynchronous import _MAX_RESTARTS, AsyncBatchSource, make_transport
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.transport import Event, PipelineTimeout, WorkerDied, WorkerLost
+from tests.sources.seam import KeepAsIs
 from tests.tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,13 +97,13 @@ def _source(tmp_path, *overrides) -> tuple[AsyncBatchSource, FakeTransport, torc
     cfg = tiny_config(tmp_path / "run", "buffer.mode=async", "buffer.staleness=0", "trainer.steps=6",
                       "rollout.worker_timeout_s=5", *overrides)
     model, fake = torch.nn.Linear(1, 1), FakeTransport()
-    src = AsyncBatchSource(cfg, model=model, prepare=lambda batch: None, transport=fake)
+    src = AsyncBatchSource(cfg, model=model, stage=KeepAsIs(), transport=fake)
     src.publish(model.state_dict(), 0, force=True)
     return src, fake, model
 
 
 def _step(src: AsyncBatchSource, model: torch.nn.Module, step: int) -> RolloutBatch:
-    batch, _ = src.next(step)
+    batch = src.next(step)[0].batch
     src.publish(model.state_dict(), step + 1)
     return batch
 
@@ -111,7 +112,8 @@ def test_a_lost_worker_is_restarted_and_its_iteration_reissued_with_the_same_see
     src, fake, model = _source(tmp_path)
     assert _step(src, model, 0).generated_at == 0
     fake.kill(0)                                      # it holds iteration 1 (issued at the publish of version 1)
-    batch, metrics = src.next(1)
+    prepared, metrics = src.next(1)
+    batch = prepared.batch
     assert batch.generated_at == 1 and batch.version == 1
     assert fake.spawned == [(0, 0), (0, 1)] and src.restarts == 1 and metrics["async/worker_restarts"] == 1.0
     sent = [o for _, o in fake.orders if o.iteration == 1]
@@ -129,7 +131,7 @@ def test_a_superseded_answer_of_a_lost_worker_is_not_trained_on(tmp_path):
     late = fake.pending.pop(0)                          # iteration 1, attempt 0
     fake.kill(0)
     fake.pending.append(late)
-    batch, _ = src.next(1)
+    batch = src.next(1)[0].batch
     assert batch.generated_at == 1 and [o.attempt for _, o in fake.orders if o.iteration == 1] == [0, 1]
     assert len(src) == 0 and src.cursor == 2
 
@@ -186,16 +188,17 @@ def test_a_silent_worker_makes_a_timeout_naming_it(tmp_path):
         src.next(1)
 
 
-def test_a_worker_non_finite_report_applies_the_trainers_policy(tmp_path):
+def test_a_worker_non_finite_report_comes_back_as_a_value_and_is_issued_again(tmp_path):
     src, fake, model = _source(tmp_path)
-    seen = []
-    src.on_nonfinite = lambda err: seen.append(err) or True        # trainer.on_nan=skip: issue it again
     _step(src, model, 0)
     fake.pending = [BatchNonFinite(0, 1, 0, "generation", "sampling probabilities")]
-    batch, _ = src.next(1)
-    assert batch.generated_at == 1 and seen[0].iteration == 1
+    prepared, metrics = src.next(1)
+    assert prepared.batch is None and metrics == {}
+    assert (prepared.error.stage, prepared.error.iteration, prepared.error.step) == ("generation", 1, 2)
+    batch = src.next(1)[0].batch                  # the loop applied trainer.on_nan=skip and asks again
+    assert batch.generated_at == 1
     assert [o.attempt for _, o in fake.orders if o.iteration == 1] == [0, 1]
-    src.on_nonfinite = None
+    src.raise_nonfinite = True                    # what rollout.backend=ray sets: the run stops as diverged
     src.publish(model.state_dict(), 2)
     fake.pending = [BatchNonFinite(0, 2, 0, "generation", "sampling probabilities")]
     with pytest.raises(NonFiniteError, match=r"sampling probabilities \(rollout worker 0\)"):
@@ -225,8 +228,9 @@ def test_ray_is_not_imported_without_the_ray_backend(tmp_path):
         from tests.tiny import tiny_config
         import offpolicy_moe, offpolicy_moe.trainer.build
         from offpolicy_moe.sources.asynchronous import AsyncBatchSource
+        from tests.sources.seam import KeepAsIs
         cfg = tiny_config({str(tmp_path / 'run')!r}, "buffer.mode=async")
-        AsyncBatchSource(cfg, model=torch.nn.Linear(1, 1), prepare=lambda b: None)
+        AsyncBatchSource(cfg, model=torch.nn.Linear(1, 1), stage=KeepAsIs())
         loaded = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
         assert not loaded, loaded
         assert "offpolicy_moe.sources.ray_transport" not in sys.modules

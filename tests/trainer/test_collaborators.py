@@ -54,7 +54,7 @@ class _Recorder(Callback):
         self.fused, self.steps = [], []
 
     def on_batch(self, trainer, batch):
-        self.fused.append(batch.old_logp_fused)
+        self.fused.append(batch.old_logp is None)     # fused: the update forward gives them
 
     def on_step_end(self, trainer, step, metrics):
         self.steps.append(step)

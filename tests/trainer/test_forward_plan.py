@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_shared_prompt import _batch, _count_tokens, _grads, _model  # noqa: E402
 
-from offpolicy_moe.trainer.forward_plan import (MODES, ForwardCostModel, ForwardPlan, choose_forward,  # noqa: E402
+from offpolicy_moe.models.forward_plan import (MODES, ForwardCostModel, ForwardPlan, choose_forward,  # noqa: E402
                                                forward_costs)
 
 ANCHOR = SimpleNamespace(hidden_size=128, num_attention_heads=8, head_dim=16, num_key_value_heads=4,
@@ -97,8 +97,8 @@ def test_mask_budget_and_bad_input():
 
 @pytest.mark.parametrize("way", ["plain", "pack1", "pack2", "pack3", "pack4", "cache", "auto"])
 def test_every_choice_gives_the_plain_log_probs_and_gradients(way):
-    from offpolicy_moe.trainer.logprobs import response_logprobs
-    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.response_logprobs import response_logprobs
+    from offpolicy_moe.models.prompt_packing import plan_group_packing
 
     torch.manual_seed(0)
     model, _ = _model()
@@ -125,8 +125,8 @@ def test_every_choice_gives_the_plain_log_probs_and_gradients(way):
 def test_auto_feeds_what_the_plan_says():
     """``share_prompt=True`` runs exactly the forward :func:`plan_shared_forward` picked: packed rows of ``c``
     samples for short responses, the plain ``[B, S]`` batch for long ones; ``samples_per_row`` is honoured."""
-    from offpolicy_moe.trainer.logprobs import plan_shared_forward, response_logprobs
-    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.response_logprobs import plan_shared_forward, response_logprobs
+    from offpolicy_moe.models.prompt_packing import plan_group_packing
 
     model, _ = _model()
     for T in (3, 60):

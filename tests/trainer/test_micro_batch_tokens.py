@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy_moe.trainer.micro_batch import micro_batch_count
+from offpolicy_moe.logprobs.micro_batch import micro_batch_count
 from offpolicy_moe.trainer.launch import train
 from tests.trainer.test_trainer import final_weights, read_metrics, strip_perf
 

@@ -91,7 +91,7 @@ def _fixed_batches(tmp_path):
     tr = Trainer(_cfg(tmp_path / "gen", ALGOS["grpo_tis"]))
     init = {k: v.detach().clone() for k, v in tr.unwrapped.state_dict().items()}
     batch = tr.source.generate(0)
-    tr.prepare(batch)
+    batch = tr.stage.prepare(batch, current=tr.step).batch
     assert batch.routes is not None and batch.old_logp is not None
     # rewards that vary within groups (an untrained model earns none): every other sequence "answers" its own text
     batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(batch.answers, batch.completions))]
@@ -102,7 +102,7 @@ def _fixed_batches(tmp_path):
     tr2.unwrapped.load_state_dict(init)
     tr2.publish(0)
     pr2_batch = tr2.source.generate(0)
-    tr2.prepare(pr2_batch)
+    pr2_batch = tr2.stage.prepare(pr2_batch, current=tr2.step).batch
     pr2_batch.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(pr2_batch.answers,
                                                                                 pr2_batch.completions))]
     assert pr2_batch.pr2_features is not None and pr2_batch.pr2_features.num_tokens > 0

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy_moe.trainer.micro_batch import MicroBatching, max_over_processes, micro_batch_count, update_cut
+from offpolicy_moe.logprobs.micro_batch import MicroBatching, max_over_processes, micro_batch_count, update_cut
 from offpolicy_moe.trainer.trainer import Trainer
 from tests.tiny import run_fused_or_not, tiny_config
 

@@ -70,7 +70,7 @@ def test_prompt_groups_matches_brute_force():
 @pytest.mark.parametrize("mode", ["pack", "cache"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_shared_forward_equals_plain_values_and_gradients(mode, temperature):
-    from offpolicy_moe.trainer.logprobs import response_logprobs
+    from offpolicy_moe.models.response_logprobs import response_logprobs
 
     torch.manual_seed(0)
     model, _ = _model()
@@ -103,7 +103,7 @@ def _count_tokens(model):
 
 
 def test_shared_forward_feeds_each_prompt_once():
-    from offpolicy_moe.trainer.logprobs import response_logprobs
+    from offpolicy_moe.models.response_logprobs import response_logprobs
 
     model, _ = _model()
     ids, am, ram = _batch(U=5, G=4, P=6, T=5)
@@ -130,8 +130,8 @@ def test_shared_forward_feeds_each_prompt_once():
 
 
 def test_shared_forward_falls_back_when_it_cannot_apply():
-    from offpolicy_moe.trainer.logprobs import response_logprobs
-    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.response_logprobs import response_logprobs
+    from offpolicy_moe.models.prompt_packing import plan_group_packing
 
     model, _ = _model()
     ids, am, ram = _batch(U=5, G=4)
@@ -165,8 +165,8 @@ def test_shared_forward_falls_back_when_it_cannot_apply():
 
 def test_two_groups_with_one_prompt_are_packed_as_two_rows():
     """Groups that happen to draw the same prompt must not make one row twice as long (that widens every row)."""
-    from offpolicy_moe.trainer.logprobs import response_logprobs
-    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.response_logprobs import response_logprobs
+    from offpolicy_moe.models.prompt_packing import plan_group_packing
 
     ids, am, ram = _batch(U=5, G=4, P=6, T=5)
     plan = plan_group_packing(ids, am, 6)
@@ -186,7 +186,7 @@ def test_two_groups_with_one_prompt_are_packed_as_two_rows():
 
 
 def test_pack_trace_matches_brute_force_and_refuses_disagreeing_prompts():
-    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.prompt_packing import plan_group_packing
     from offpolicy_moe.routing import RouteTrace
 
     ids, am, _ = _batch(U=5, G=4, P=6, T=5)
@@ -236,7 +236,7 @@ def test_trainer_update_with_and_without_shared_prompt(tmp_path):
         tr = Trainer(tiny_config(tmp_path / f"s{share}", *common, f"trainer.share_prompt={str(share).lower()}"))
         tr.unwrapped.load_state_dict(init)
         b = batch.index_select(torch.arange(batch.size))
-        tr.prepare(b)
+        b = tr.stage.prepare(b, current=tr.step).batch
         tr.update(b)
         out[share] = {k: v.detach().clone() for k, v in tr.unwrapped.named_parameters()}
     moved = max((out[False][k] - init[k]).abs().max().item() for k in out[False])
@@ -256,7 +256,7 @@ def test_trainer_update_with_and_without_shared_prompt(tmp_path):
         b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
         seen, h = _count_tokens(tr.unwrapped)
         try:
-            tr.prepare(b)
+            b = tr.stage.prepare(b, current=tr.step).batch
             tr.update(b)
         finally:
             h.remove()
@@ -312,7 +312,7 @@ def test_recorded_routes_of_a_packed_forward_equal_a_plain_recording(tmp_path):
     """R2 records the trainer's own routes in the old-log-prob pass and routing/* compares them with the engine's:
     packed, the recording is unpacked to the plain layout and equals the plain forward's recording on every fed
     position (the last response position, never fed, holds the sentinel, as in the engine's traces)."""
-    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.prompt_packing import plan_group_packing
 
     torch.set_num_threads(1)
     common = ["preset=[grpo,r2]", "rollout.dtype=bfloat16", "algo.routing.metrics=true", "rollout.max_new_tokens=4",
@@ -323,7 +323,7 @@ def test_recorded_routes_of_a_packed_forward_equal_a_plain_recording(tmp_path):
         b = tr.source.generate(0)
         seen, h = _count_tokens(tr.unwrapped)
         try:
-            tr.prepare(b)
+            b = tr.stage.prepare(b, current=tr.step).batch
         finally:
             h.remove()
         got[share] = (b, seen)
@@ -351,7 +351,7 @@ def test_packing_only_for_full_attention_with_4d_masks():
     """Sliding-window / chunked layers build windowed masks from plain positions: not packed (cache way instead)."""
     from types import SimpleNamespace
 
-    from offpolicy_moe.trainer.packing import takes_4d_mask
+    from offpolicy_moe.models.prompt_packing import takes_4d_mask
 
     def m(**cfg):
         return SimpleNamespace(config=SimpleNamespace(**cfg))
@@ -374,8 +374,8 @@ def test_packed_replay_equals_plain_replay_on_other_families(family):
     """R3 on a packed batch (trace re-laid out) gives the plain replayed forward's log-probs and gradients."""
     from tests.routing.routing_models import make_model
 
-    from offpolicy_moe.trainer.logprobs import response_logprobs
-    from offpolicy_moe.trainer.packing import plan_group_packing, takes_4d_mask
+    from offpolicy_moe.models.response_logprobs import response_logprobs
+    from offpolicy_moe.models.prompt_packing import plan_group_packing, takes_4d_mask
     from offpolicy_moe.routing import RoutingController
 
     model = make_model(family)
@@ -423,7 +423,7 @@ def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
             tr.forward.ref_controller = None
         b = tr.source.generate(0)
         b.answers = [c if i % 2 == 0 else a for i, (a, c) in enumerate(zip(b.answers, b.completions))]
-        tr.prepare(b)
+        b = tr.stage.prepare(b, current=tr.step).batch
         kl[replay_ref] = tr.update(b)["actor/kl_ref"]
         tr.logger.close()
     assert kl[True] == 0.0
@@ -432,8 +432,8 @@ def test_reference_model_replays_the_same_routes_as_the_actor(tmp_path):
 
 def test_bad_layouts_are_refused_by_name():
     """A trace, logits or packing that do not match the planned batch, and bad recorder row indices: clear errors."""
-    from offpolicy_moe.trainer.logprobs import response_logprobs
-    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.response_logprobs import response_logprobs
+    from offpolicy_moe.models.prompt_packing import plan_group_packing
     from offpolicy_moe.routing import RouteTrace, RoutingController
 
     ids, am, ram = _batch(U=5, G=4, P=6, T=5)
@@ -467,7 +467,7 @@ def test_bad_layouts_are_refused_by_name():
 def test_packed_logprobs_equal_the_laid_out_logits(temperature):
     """``GroupPacking.response_logprobs`` (log-probs over the packed positions) against the log-probs of the
     logits laid out like the plain batch (``response_logits``): same values and gradients."""
-    from offpolicy_moe.trainer.packing import plan_group_packing
+    from offpolicy_moe.models.prompt_packing import plan_group_packing
     from offpolicy_moe.models.token_logprobs import token_logprobs
 
     ids, am, _ = _batch(U=5, G=4, P=6, T=5)

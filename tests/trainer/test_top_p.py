@@ -16,9 +16,9 @@ import torch
 
 from offpolicy_moe.models.kept_tokens import KeptTokens
 from offpolicy_moe.models.token_logprobs import token_logprobs
-from offpolicy_moe.trainer.forward import RoutedForward
-from offpolicy_moe.trainer.logprobs import response_logprobs
-from offpolicy_moe.trainer.micro_batch import MicroBatching
+from offpolicy_moe.logprobs.forward import RoutedForward
+from offpolicy_moe.models.response_logprobs import response_logprobs
+from offpolicy_moe.logprobs.micro_batch import MicroBatching
 from tests.tiny import rollout_engine, tiny_policy
 
 PROMPTS = ["1+2=", "7+8=", "3+3=", "9+0="]
@@ -65,7 +65,7 @@ def test_engine_and_trainer_logprobs_agree_under_truncation(tiny, sampler, setti
 
 def test_a_packed_forward_was_really_packed(tiny):
     """The ``pack`` way above is not a silent fall-back to the plain forward: on this batch the planner packs."""
-    from offpolicy_moe.trainer.logprobs import plan_shared_forward
+    from offpolicy_moe.models.response_logprobs import plan_shared_forward
 
     model, tok = tiny
     batch = rollout_engine(model, tok, dtype="float32", max_new_tokens=6, top_p=0.9).generate(

@@ -294,7 +294,7 @@ def test_unusable_run_dir_fails_at_start(make_cfg, tmp_path, where, monkeypatch)
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the run folder was checked")
 
-    monkeypatch.setattr("offpolicy_moe.trainer.trainer.load_policy", no_model)
+    monkeypatch.setattr("offpolicy_moe.trainer.build.load_policy", no_model)
     with pytest.raises(RunDirError, match="run folder"):   # before any model is built
         Trainer(cfg)
 

@@ -135,9 +135,8 @@ def _weights(tr) -> dict:
 def test_the_update_raises_and_never_applies_the_policy(trainer, stage):
     tr, pu = trainer, trainer.policy_update
     assert not hasattr(pu, "nan") and not hasattr(pu.finite, "nan")     # the counter is the loop's alone
-    batch, _ = tr.source.next(0)
-    work = pu.start(batch, step=0, iteration=tr.iteration)
-    pu.prepare(work)
+    batch = tr.source.next(0)[0].batch
+    work = pu.prepare(pu.start(batch, step=0, iteration=tr.iteration))
     fault_injection.arm(stage, 1)
     with pytest.raises(NonFiniteError, match=f"stage {stage}"):
         pu.optimizer_update(work, 0)
@@ -147,7 +146,7 @@ def test_the_update_raises_and_never_applies_the_policy(trainer, stage):
 @pytest.mark.parametrize("stage", ["loss", "gradients", "optimizer"])
 def test_the_loop_skips_a_nonfinite_optimizer_update_with_the_weights_rolled_back(trainer, stage):
     tr = trainer
-    batch, _ = tr.source.next(0)
+    batch = tr.source.next(0)[0].batch
     before = _weights(tr)
     tr.transaction.begin()
     fault_injection.arm(stage, 1)
@@ -162,7 +161,7 @@ def test_the_loop_skips_a_nonfinite_optimizer_update_with_the_weights_rolled_bac
 def test_skip_drops_only_the_nonfinite_optimizer_update_of_a_step(trainer):
     # the first of two optimizer updates leaves NaN parameters: it alone is rolled back, the second one applies
     tr = trainer
-    batch, _ = tr.source.next(0)
+    batch = tr.source.next(0)[0].batch
     before = _weights(tr)
     tr.transaction.begin()
     fault_injection.arm("optimizer", 1, times=1)
@@ -179,7 +178,7 @@ def test_under_stop_the_error_reaches_the_loop_which_rolls_the_step_back(trainer
     tr = trainer
     tr.transaction.begin()
     nan_before, source_before = tr.nan.state_dict(), tr.source.state_dict()
-    batch, _ = tr.source.next(0)
+    batch = tr.source.next(0)[0].batch
     before = _weights(tr)
     fault_injection.arm("optimizer", 1)
     with pytest.raises(NonFiniteError, match="trainer.on_nan=stop"):

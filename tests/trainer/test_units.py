@@ -9,7 +9,7 @@ import torch
 
 from tests.tiny import rollout_engine
 from offpolicy_moe.run.loggers import JsonlLogger, WandbLogger, clean_metrics
-from offpolicy_moe.trainer.logprobs import response_logprobs
+from offpolicy_moe.models.response_logprobs import response_logprobs
 from offpolicy_moe.rollout.engine import HFRolloutEngine, resolve_dtype
 
 

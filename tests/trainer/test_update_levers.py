@@ -11,7 +11,7 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.tasks import RewardScores
 from offpolicy_moe.trainer.trainer import Trainer
-from offpolicy_moe.trainer.old_logp_strategy import loglinear_proximal
+from offpolicy_moe.logprobs import loglinear_proximal
 from offpolicy_moe.trainer.update import drop_constant_groups
 from tests.tiny import tiny_config
 

@@ -12,7 +12,7 @@ import torch
 import offpolicy_moe
 from offpolicy_moe.losses import aggregate, get_loss_spec, kl_penalty, resolve_loss_options
 from offpolicy_moe.run import fault_injection, probes
-from offpolicy_moe.trainer import old_logp_strategy as strategies
+from offpolicy_moe.logprobs import strategies
 from offpolicy_moe.trainer.build import old_logp_strategy
 from offpolicy_moe.trainer.micro_loss import LossOptions, MicroBatchTensors, micro_batch_loss
 from tests.tiny import tiny_config

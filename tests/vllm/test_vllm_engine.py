@@ -12,7 +12,7 @@ import torch
 from offpolicy_moe.rollout.engine import make_engine
 from offpolicy_moe.rollout.vllm_engine import StartOptions, VLLMEngineError, start_llm
 from offpolicy_moe.routing import RoutingController, replay_guardrails, routing_metrics
-from offpolicy_moe.trainer.old_logp import conditioning_positions
+from offpolicy_moe.logprobs import conditioning_positions
 from tests.vllm.conftest import (ANSWERS, PROMPTS, TEMPERATURE, engine_processes, short_job_engine, trainer_logp,
                                  vllm_config)
 

@@ -13,10 +13,10 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
-from offpolicy_moe.trainer.micro_batch import MicroBatching
-from offpolicy_moe.trainer.forward_plan import MODES as FORWARD_MODES
-from offpolicy_moe.trainer.forward_plan import ForwardPlan
-from offpolicy_moe.trainer.logprobs import plan_shared_forward, response_logprobs
+from offpolicy_moe.logprobs.micro_batch import MicroBatching
+from offpolicy_moe.models.forward_plan import MODES as FORWARD_MODES
+from offpolicy_moe.models.forward_plan import ForwardPlan
+from offpolicy_moe.models.response_logprobs import plan_shared_forward, response_logprobs
 from offpolicy_moe.routing import RoutingController, cat_traces
 
 __all__ = ["RoutedForward", "eval_mode"]
@@ -58,6 +58,7 @@ class RoutedForward:
         self.temperature = float(temperature)
         self.ref_model: Optional[torch.nn.Module] = None
         self.ref_controller: Optional[RoutingController] = None
+        self._copies: dict[int, tuple[torch.nn.Module, Optional[RoutingController]]] = {}
         self.last_plan = ForwardPlan("plain")   # the way the last forward ran (perf/forward_* metrics)
 
     def set_reference(self, ref_model: Optional[torch.nn.Module]) -> None:
@@ -68,10 +69,20 @@ class RoutedForward:
         if ref_model is not None and self.controller is not None:
             self.ref_controller = RoutingController(ref_model)
 
+    def attach(self, model: torch.nn.Module) -> Optional[RoutingController]:
+        """Give ``model`` (a copy of the actor: the reference, past versions' weights) its own routing controller
+        when the actor has one, so its forwards replay and record routes like the actor's."""
+        controller = RoutingController(model) if self.controller is not None else None
+        self._copies[id(model)] = (model, controller)
+        return controller
+
     def controller_for(self, model: torch.nn.Module) -> Optional[RoutingController]:
-        """The routing controller hooking ``model`` (the reference model has its own)."""
+        """The routing controller hooking ``model`` (each attached copy has its own)."""
         if self.ref_model is not None and model is self.ref_model:
             return self.ref_controller
+        copy = self._copies.get(id(model))
+        if copy is not None and copy[0] is model:
+            return copy[1]
         return self.controller
 
     def routes_for_update(self, batch: RolloutBatch) -> Any:
@@ -88,14 +99,14 @@ class RoutedForward:
         the routes the forward used (``record=True`` or ``"used"``) or the router's own top-k under the replay
         (``record="own"``): ``(logp, RouteTrace [B, S])``.
 
-        With ``share_prompt`` each group's prompt is run once (:mod:`offpolicy_moe.trainer.packing`, or a shared KV
+        With ``share_prompt`` each group's prompt is run once (:mod:`offpolicy_moe.models.prompt_packing`, or a shared KV
         cache).  Replayed traces are re-laid out like the packed batch and recorded ones back like the plain batch;
         router-logit capture (PR2) needs the plain ``[B, S]`` forward, so nothing is shared while a routing context
         opened by the caller is active.
 
         When the engine truncated its sampling distribution (top-k / top-p) the batch's kept sets
         (``batch.kept_tokens``) are replayed like its routes: every log-prob is over the engine's kept ids,
-        renormalised (:func:`~offpolicy_moe.trainer.logprobs.response_logprobs`)."""
+        renormalised (:func:`~offpolicy_moe.models.response_logprobs.response_logprobs`)."""
         dev = self.device
         ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         if routes is not None and hasattr(routes, "to"):

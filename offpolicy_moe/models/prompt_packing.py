@@ -185,7 +185,7 @@ def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     them from the rows present: a micro-batch holding part of a group then packs rows of the same width as the
     whole group, so its log-probs are bit for bit those of the uncut batch (the width changes the float rounding of
     attention).  The cost model chooses it too
-    (:func:`offpolicy_moe.trainer.forward_plan.forward_costs`)."""
+    (:func:`offpolicy_moe.models.forward_plan.forward_costs`)."""
     if samples_per_row is not None and samples_per_row < 1:
         raise ValueError(f"samples_per_row must be >= 1, got {samples_per_row}")
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from offpolicy_moe.run.faults import is_finite
-from offpolicy_moe.run.nonfinite import STAGES, NonFiniteError, as_nonfinite
+from offpolicy_moe.run.nonfinite import STAGES, NonFiniteError
 
 __all__ = ["FiniteAgreement", "agree_on_stage"]
 

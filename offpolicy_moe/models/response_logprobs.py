@@ -18,7 +18,7 @@ sample.  Two ways to compute them once per distinct prompt (values equal to the 
 rounding, gradients included):
 
 * packing (preferred): one forward over ``[prompt | r_1 | ... | r_G]`` rows with a block attention mask
-  (:mod:`offpolicy_moe.trainer.packing`); works under route replay (the trace is re-laid out) and activation
+  (:mod:`offpolicy_moe.models.prompt_packing`); works under route replay (the trace is re-laid out) and activation
   checkpointing; needs an attention implementation that takes a 4-D mask and short enough responses;
 * a KV cache: a prompt pass (with gradients) fills a cache, its rows are repeated to the B sequences, and a
   response pass runs against it (two forwards; any attention implementation; not under checkpointing, which keeps
@@ -26,7 +26,7 @@ rounding, gradients included):
 
 Both feed only ``T - 1`` response tokens (nothing is predicted from the last one), and both are skipped when fewer
 than half of the rows repeat a prompt.  Packing's attention grows with the square of the packed row, so neither
-always pays: ``share_prompt=True``/``"auto"`` lets a cost model (:mod:`offpolicy_moe.trainer.forward_plan`) pick
+always pays: ``share_prompt=True``/``"auto"`` lets a cost model (:mod:`offpolicy_moe.models.forward_plan`) pick
 plain, packed or cached per batch from the prompt length, response length and group sizes
 (:func:`plan_shared_forward`).
 """
@@ -38,10 +38,10 @@ import torch
 
 from transformers import DynamicCache
 
-from offpolicy_moe.trainer.forward_plan import MODES, ForwardPlan, plan_forward
+from offpolicy_moe.models.forward_plan import MODES, ForwardPlan, plan_forward
 from offpolicy_moe.models.kept_tokens import KeptTokens
 from offpolicy_moe.models.layout import accepts_kwarg, cache_kwarg, position_ids_from_mask, prompt_groups
-from offpolicy_moe.trainer.packing import (DEFAULT_MAX_MASK_ELEMENTS, GroupPacking, plan_group_packing,
+from offpolicy_moe.models.prompt_packing import (DEFAULT_MAX_MASK_ELEMENTS, GroupPacking, plan_group_packing,
                                           takes_4d_mask)
 from offpolicy_moe.models.token_logprobs import token_logprobs
 
@@ -101,7 +101,7 @@ def plan_shared_forward(model: torch.nn.Module, input_ids: torch.Tensor, attenti
 
     ``share_prompt``: False → plain; ``"pack"``/``"cache"`` → that way whenever it applies (packing with the group
     size that feeds fewest tokens); True/``"auto"`` → the cost model's pick among the ways that apply
-    (:func:`offpolicy_moe.trainer.forward_plan.choose_forward`).  A way applies when at least half of the rows
+    (:func:`offpolicy_moe.models.forward_plan.choose_forward`).  A way applies when at least half of the rows
     repeat a prompt, it is in ``allowed``, and the model supports it (packing: a 4-D mask; the cache: a KV cache
     and no activation checkpointing).
 
@@ -148,7 +148,7 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
 
     ``share_prompt`` (``True``/``"auto"``): run each distinct prompt once when at least half of the rows repeat a
     prompt and the cost model estimates it cheaper than the plain forward — packed with its responses in one
-    forward (:mod:`offpolicy_moe.trainer.packing`) or a prompt pass whose KV cache the response pass reuses
+    forward (:mod:`offpolicy_moe.models.prompt_packing`) or a prompt pass whose KV cache the response pass reuses
     (module docstring), see :func:`plan_shared_forward`; ``"pack"`` / ``"cache"`` try only that way before the
     plain forward.  ``packing``: a layout planned by the caller (who re-laid out a replay trace the same way).  The
     values are the plain forward's up to float rounding.

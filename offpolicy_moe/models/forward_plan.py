@@ -1,6 +1,6 @@
 """Which trainer forward runs a batch: plain rows, packed groups, or a shared prompt KV cache — by a cost model.
 
-The three forwards give the same log-probs and gradients up to float rounding (:mod:`offpolicy_moe.trainer.logprobs`)
+The three forwards give the same log-probs and gradients up to float rounding (:mod:`offpolicy_moe.models.response_logprobs`)
 but cost very different amounts.  For ``B`` rows of prompt length ``P`` and ``T`` response positions
 (``R = T - 1`` fed), in ``U`` distinct prompts of ``n_u`` samples each:
 

@@ -1,0 +1,105 @@
+"""The preparation stage: a generated batch in, a :class:`PreparedBatch` out.
+
+Built once in :func:`~offpolicy_moe.trainer.build.build_run` and handed to the batch source (a layer above this
+one: the source calls down into the stage, never back into the trainer), the stage is the
+run's old-log-prob strategy, its passes and the ring of past versions' weights.  For each version that sampled the
+batch's tokens it runs the strategy's passes under that version's weights (the live model when it holds that
+version, else a scratch copy loaded from the ring), so ``old_logp[b, t] = log pi_{v(b,t)}(x_t)``; the whole
+measurement (routing metrics, R2 routes) comes from the oldest version's pass.  A NaN or Inf becomes the returned
+batch's ``error``; nothing is raised to the source and nothing is called back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional
+
+import torch
+
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.run import probes
+from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, nonfinite_as
+from offpolicy_moe.logprobs.finite_agreement import agree_on_stage
+from offpolicy_moe.logprobs.forward import RoutedForward
+from offpolicy_moe.logprobs.strategies import AfterGeneration, OldLogpStrategy
+from offpolicy_moe.logprobs.versions import PastWeights, VersionRing, versions_of
+
+__all__ = ["PreparationStage", "PreparedBatch"]
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """One generated batch after preparation: the batch with its old log-probs, R2 routes and measurements, or
+    ``error``, the :class:`~offpolicy_moe.run.nonfinite.NonFiniteError` that spoiled it (then ``batch`` is None)."""
+
+    batch: Optional[RolloutBatch]
+    error: Optional[NonFiniteError] = None
+
+    def __post_init__(self) -> None:
+        if (self.batch is None) == (self.error is None):
+            raise ValueError("a PreparedBatch holds either a batch or an error")
+
+
+class PreparationStage:
+    """``strategy`` applied to generated batches on ``model`` (the trainer's bare policy, only read) through
+    ``forward``; ``keep`` past versions in the ring (0: every batch is prepared at the version the model holds);
+    ``accelerator`` makes :meth:`agree` collective over the trainer's processes."""
+
+    def __init__(self, strategy: OldLogpStrategy, *, model: torch.nn.Module, forward: RoutedForward,
+                 accelerator: Any, keep: int = 0):
+        self.strategy = strategy
+        self.model = model
+        self.accelerator = accelerator
+        self.ring = VersionRing(keep) if keep > 0 else None
+        self.past = PastWeights(model, forward)
+
+    def prepare(self, batch: RolloutBatch, *, current: int) -> PreparedBatch:
+        """``batch`` with its old log-probs and measurements, or its non-finite error (stage ``old_logp`` where the
+        old log-probs are taken now, ``metrics`` where they are only measured)."""
+        old = trainer_routes = None
+        extras: dict[str, float] = {}
+        try:
+            for j, version in enumerate(versions_of(batch)):
+                model = self.model if version == current else self._past(version)
+                taken = self._pass(model, batch)
+                if j == 0:
+                    old, trainer_routes, extras = taken.old_logp, taken.trainer_routes, taken.extras
+                elif old is not None and taken.old_logp is not None:
+                    old = torch.where(batch.token_versions == version, taken.old_logp, old)
+        except NonFiniteError as err:
+            return PreparedBatch(None, err)
+        routes = trainer_routes if trainer_routes is not None else batch.trainer_routes
+        return PreparedBatch(replace(batch, old_logp=old, trainer_routes=routes, extras=extras))
+
+    def _pass(self, model: torch.nn.Module, batch: RolloutBatch) -> AfterGeneration:
+        stage = self.strategy.stage_after_generation(batch)
+        what = "trainer log-probs" if stage == "old_logp" else "log-probs of the measurements"
+        with nonfinite_as(stage, what), probes.poisoned(stage, batch.generated_at + 1, model):
+            taken = self.strategy.after_generation(model, batch)
+        if taken.old_logp is not None and not all_finite(taken.old_logp, batch.response_mask):
+            raise NonFiniteError("old_logp", "old log-probs")
+        return taken
+
+    def _past(self, version: int) -> torch.nn.Module:
+        if self.ring is None:
+            raise RuntimeError(f"a batch sampled by policy version {version} reached a preparation stage that keeps "
+                               "no past versions (buffer.mode=async and rollout.publish_every > 1 keep them)")
+        return self.past.model_at(version, self.ring)
+
+    def agree(self, prepared: PreparedBatch) -> PreparedBatch:
+        """``prepared`` as every process sees it: with several processes, the latest stage any process found
+        non-finite spoils the batch everywhere (one all-reduce, which every process makes)."""
+        if self.accelerator.num_processes == 1:
+            return prepared
+        err = agree_on_stage(prepared.error, self.accelerator)
+        return prepared if err is None or prepared.error is not None else PreparedBatch(None, err)
+
+    def keep(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Remember ``weights`` (copied to the CPU) as ``version``."""
+        if self.ring is not None:
+            self.ring.add(version, weights)
+
+    def weights(self, version: int) -> Mapping[str, torch.Tensor]:
+        """The weights kept as ``version``."""
+        if self.ring is None:
+            raise RuntimeError("this preparation stage keeps no past versions")
+        return self.ring[version]
