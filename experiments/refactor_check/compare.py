@@ -5,7 +5,9 @@ resume, TIS/MIS/OPSM, KL, proximal, PR2, dynamic sampling, async, Ray, ...) in f
 package of OLD_TREE first on the path and once with NEW_TREE's (two checkouts, e.g. ``git worktree add``), and
 compares every metric row (timings left out), the run summary, every checkpoint (model, optimizer, modules,
 state) and the final weights with ``torch.equal``.  Prints IDENTICAL or what differs per case; exit 1 if any
-differs.  ``--cache DIR`` (first argument) keeps OLD_TREE's results there and reuses them.  The Ray case needs Ray.
+differs.  ``--cache DIR`` keeps OLD_TREE's results there and reuses them.  ``--removed-key NAME`` (repeatable)
+leaves out a key that the change removed from the checkpointed state on purpose (the verdict names it).  The Ray
+case needs Ray.
 """
 import json, os, subprocess, sys, tempfile
 from pathlib import Path
@@ -18,6 +20,8 @@ parser.add_argument("old", help="the tree before the change (a checkout)")
 parser.add_argument("new", help="the tree after the change")
 parser.add_argument("cases", nargs="*", help="case names (default: every case of runner.py)")
 parser.add_argument("--cache", type=Path, default=None, help="keep (and reuse) the old tree's results here")
+parser.add_argument("--removed-key", action="append", default=[],
+                    help="a key the change removed from checkpointed state on purpose: left out of the old side")
 opts = parser.parse_args()
 cache_dir, old, new = opts.cache, opts.old, opts.new
 py = sys.executable
@@ -27,6 +31,14 @@ def run(tree, case, out):
     r = subprocess.run([py, RUNNER, case, str(out)], env=env, cwd=tree, capture_output=True, text=True)
     if r.returncode: print(r.stdout[-2000:], r.stderr[-3000:])
     return r.returncode
+
+def without(x, keys):
+    """``x`` with every dict entry named in ``keys`` left out, at any depth."""
+    if isinstance(x, dict):
+        return {k: without(v, keys) for k, v in x.items() if k not in keys}
+    if isinstance(x, (list, tuple)):
+        return type(x)(without(v, keys) for v in x)
+    return x
 
 def eq(a, b, path=""):
     if isinstance(a, torch.Tensor):
@@ -68,11 +80,15 @@ for c in cases:
         print(f"{c}: RUNNER FAILED old={ra} new={rb}"); fails += 1; continue
     ma, mb = [json.loads((work / t / safe / "metrics.json").read_text()) for t in ("old", "new")]
     wa, wb = [torch.load(work / t / safe / "w.pt", weights_only=False) for t in ("old", "new")]
+    removed = set(opts.removed_key)
+    if removed:          # only the old side may hold them: the new side must not
+        wa = without(wa, removed)
     r1, r2 = eq(ma, mb), eq(wa, wb)
     ok = r1 is True and r2 is True
     fails += not ok
     n_ck = len(wa["ckpts"]); status = ma["summary"]["status"]
-    print(f"{c}: {'IDENTICAL' if ok else 'DIFFERENT'} (rows {len(ma['rows'])}, checkpoints {n_ck}, status {status})"
+    note = f", old side without {sorted(removed)}" if removed else ""
+    print(f"{c}: {'IDENTICAL' if ok else 'DIFFERENT'} (rows {len(ma['rows'])}, checkpoints {n_ck}, status {status}{note})"
           + ("" if ok else f" {(r1 if r1 is not True else [])[:5]} {(r2 if r2 is not True else [])[:5]}"), flush=True)
 print(f"{len(cases) - fails}/{len(cases)} identical; work dir {work}")
 sys.exit(1 if fails else 0)

@@ -37,13 +37,10 @@ def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 class RoutedForward:
     """Log-probs of :class:`RolloutBatch` responses with the configured routing.
 
-    ``controller`` hooks the actor (``None`` for a dense model or when routing is off); a reference model registered
-    with :meth:`set_reference` gets its own controller, so it replays the same routes as the actor.  ``replay`` is
-    ``algo.routing.replay``; ``share_prompt`` is ``trainer.share_prompt``; ``temperature`` is ``rollout.temperature``;
-    ``group_size`` (``rollout.group_size``) is the width of a packed row, so a forward on part of a group (a
-    micro-batch) packs rows as wide as the whole group's and gives bit for bit the same log-probs.
-    ``micro_batching`` is the update's cut; :meth:`logp_pieces` runs a no-grad pass over a whole batch on the same
-    pieces.
+    ``controller`` hooks the actor (``None`` for a dense model or when routing is off); each copy of the actor
+    (the reference, past versions' weights) gets its own, so it replays the same routes.  ``group_size`` is the
+    width of a packed row, so a forward on part of a group (a micro-batch) packs rows as wide as the whole group's
+    and gives bit for bit the same log-probs; :meth:`logp_pieces` runs a no-grad pass on the update's pieces.
     """
 
     def __init__(self, *, device: torch.device, controller: Optional[RoutingController], replay: str,

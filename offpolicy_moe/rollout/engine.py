@@ -96,6 +96,15 @@ class RolloutEngine(abc.ABC):
                  iteration: int = 0) -> RolloutBatch:
         """Sample ``group_size`` responses per prompt; return a :class:`RolloutBatch` at ``self.version``."""
 
+    def forget_version(self) -> None:
+        """The weights held are no known version: the next sync of any version loads."""
+        self.version = -1
+
+    def call_between_tokens(self, hook: Optional[Any]) -> None:
+        """``hook(engine)`` runs between decode steps, where it may sync newer weights (updates in flight);
+        None: weights change between whole generations only."""
+        self.between_tokens = hook
+
     @abc.abstractmethod
     def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
         """Load new policy weights (and PR2 predictor weights) and set the version."""

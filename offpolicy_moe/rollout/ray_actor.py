@@ -96,11 +96,11 @@ class RolloutActor:
         self.task = make_task(cfg.task)
         model, tok = load_policy(cfg.model, seed=cfg.seed, task=self.task)
         self.engine = build_engine(cfg, model, tok)
-        self.engine.version = -1                  # nothing loaded yet: the first order pulls the newest weights
+        self.engine.forget_version()              # nothing loaded yet: the first order pulls the newest weights
         self._last_end: Optional[float] = None
         self._last_poll = 0.0
         if spec.update_in_flight:
-            self.engine.between_tokens = self._poll
+            self.engine.call_between_tokens(self._poll)
 
     def watch(self) -> None:
         """Never returns while the actor lives (called in its own concurrency group, beside the orders): the

@@ -87,5 +87,5 @@ class WeightBoard:
             engine.sync(self.slots[slot], version)
             if int(self._seq[slot]) == seq:
                 return True
-            engine.version = -1               # a torn copy: not this version, read again
+            engine.forget_version()           # a torn copy: not this version, read again
         raise RuntimeError(f"weight board: no consistent copy of the weights in {_MAX_READ_TRIES} reads")

@@ -21,7 +21,7 @@ import io
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -146,9 +146,8 @@ def generate_iteration(engine: Any, task: Any, rollout: Any, *, iteration: int, 
         raise ValueError(f"rollout.prompts_per_step={rollout.prompts_per_step} < number of processes {world}")
     batch = engine.generate([rows[j]["prompt"] for j in mine], [rows[j]["answer"] for j in mine],
                             group_size=rollout.group_size, seed=seed, iteration=iteration)
-    batch.group_ids = (iteration * rollout.prompts_per_step
-                       + torch.tensor(mine, dtype=torch.long).repeat_interleave(rollout.group_size))
-    return batch
+    return replace(batch, group_ids=iteration * rollout.prompts_per_step
+                   + torch.tensor(mine, dtype=torch.long).repeat_interleave(rollout.group_size))
 
 
 def checked_generation(engine: Any, task: Any, rollout: Any, *, iteration: int, seed: int, rank: int = 0,
@@ -206,9 +205,9 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
         model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
         apply_chat_template(task, tok, cfg.task.chat_template)      # the prompts the trainer's engine would see
         engine = build_engine(cfg, model, tok)
-        engine.version = -1                       # nothing loaded yet: the first order loads the board
+        engine.forget_version()                   # nothing loaded yet: the first order loads the board
         if spec.update_in_flight:
-            engine.between_tokens = board.load_into
+            engine.call_between_tokens(board.load_into)
         results.send_bytes(pack(WorkerReady(spec.index, os.getpid())))
         while True:
             t0 = time.perf_counter()

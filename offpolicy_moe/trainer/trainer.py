@@ -150,15 +150,11 @@ class Trainer:
             return False, None
 
     def update(self, batch: RolloutBatch, *, keep_start: bool = False) -> dict[str, float]:
-        """Step 4: train on one consumed batch (this process's share of it); returns the step's metrics
-        (``_tokens``: attention tokens processed).  Callable on any :class:`RolloutBatch` whose ``old_logp`` is set
-        (or ``algo.old_logp_source=proximal``), e.g. a fixed batch loaded from disk.  ``keep_start``: keep the
-        state of before the update for :meth:`StepTransaction.rollback_update` (the loop evaluates the new weights
-        before publishing them).
-
-        The update (:class:`PolicyUpdate`) raises what is non-finite; here each of its parts runs under the step's
-        transaction: a batch whose old or reference log-probs are non-finite is dropped, an optimizer update with
-        a non-finite loss, gradient norm or parameters is rolled back and dropped (``skip``)."""
+        """Train on one consumed batch (this process's share of it, e.g. a fixed batch loaded from disk); returns
+        the step's metrics.  ``keep_start``: keep the state of before the update, to roll back to when the new
+        weights' evaluation is non-finite.  Each part of the update runs under the step's transaction: a batch whose
+        old or reference log-probs are non-finite is dropped, an optimizer update with a non-finite loss, gradient
+        norm or parameters is rolled back and dropped (``skip``)."""
         txn, pu = self.transaction, self.policy_update
         txn.begin_update(keep_start=keep_start, updates_per_step=self.cfg.trainer.updates_per_step)
         work = pu.start(batch, step=self.step, iteration=self.iteration)

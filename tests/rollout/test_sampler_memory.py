@@ -38,7 +38,7 @@ def test_sampler_keeps_one_step_of_scores():
         peak[0] = max(peak[0], sum(r() is not None for r in alive))
 
     eng._process_scores = spy
-    eng.between_tokens = between_tokens
+    eng.call_between_tokens(between_tokens)
     eng.scores_held_elements = 1          # as with a real vocabulary: one step's scores reach the threshold
     batch = eng.generate([r["prompt"] for r in rows], [r["answer"] for r in rows], group_size=3, seed=1)
     assert len(alive) >= 5

@@ -53,7 +53,7 @@ def test_versions_per_token_across_an_update_in_flight(parts):
     cfg, trainer, v0, v1 = parts
     plain = _gen(cfg, trainer, _engine(cfg, trainer, v0, 0))
     engine = _engine(cfg, trainer, v0, 0)
-    engine.between_tokens = _switch_at(2, v1, 1)        # before the 2nd decode forward: tokens 0, 1 by v0, then v1
+    engine.call_between_tokens(_switch_at(2, v1, 1))        # before the 2nd decode forward: tokens 0, 1 by v0, then v1
     mixed = _gen(cfg, trainer, engine)
     T = mixed.response_len
     assert T >= 3
@@ -76,7 +76,7 @@ def test_an_update_to_the_same_weights_changes_nothing_but_the_labels(parts):
     cfg, trainer, v0, _ = parts
     plain = _gen(cfg, trainer, _engine(cfg, trainer, v0, 0), it=1)
     engine = _engine(cfg, trainer, v0, 0)
-    engine.between_tokens = _switch_at(1, v0, 1)
+    engine.call_between_tokens(_switch_at(1, v0, 1))
     same = _gen(cfg, trainer, engine, it=1)
     assert torch.equal(same.input_ids, plain.input_ids) and torch.equal(same.behav_logp, plain.behav_logp)
     assert same.token_versions[:, 0].unique().tolist() == [0] and same.token_versions[:, 1:].unique().tolist() == [1]
@@ -85,7 +85,7 @@ def test_an_update_to_the_same_weights_changes_nothing_but_the_labels(parts):
 def test_old_logp_of_each_token_comes_from_its_own_version(parts):
     cfg, trainer, v0, v1 = parts
     engine = _engine(cfg, trainer, v0, 0)
-    engine.between_tokens = _switch_at(2, v1, 1)
+    engine.call_between_tokens(_switch_at(2, v1, 1))
     batch = _gen(cfg, trainer, engine, it=2)
     refs = {}
     for v, state in ((0, v0), (1, v1)):           # each version's pass on a trainer that holds it
