@@ -1,19 +1,9 @@
-"""The one error path of every ``offpolicy-moe`` command.
+"""The one error path of every ``offpolicy-moe`` command: ``offpolicy-moe <command>: error: <one line>`` on stderr.
 
-Two classes of failure, the same for every command:
-
-* a **user mistake** (a bad option, config key or value, an unknown metric or axis, a run folder that cannot be
-  used, a resume that would change the run): ``offpolicy-moe <command>: error: <one line>`` on stderr, exit code
-  :data:`USER_ERROR` (2), raised before any folder is created or any compute starts;
-* a **run that started and failed** (a diverged run: a NaN/Inf under ``trainer.on_nan=stop`` or too many skips
-  in a row; an unreadable checkpoint, a failed sweep run): ``offpolicy-moe <command>: error: <one line>``, exit code :data:`RUN_FAILED` (1).
-
-An interrupt (Ctrl-C) exits with :data:`INTERRUPTED` (130) and one line. Anything else is a bug and keeps its
-traceback.
-
-Warnings, of the command (:func:`warn`) or of the library (``warnings.warn`` anywhere in the run), are printed by
-:class:`WarningLines` as ``offpolicy-moe <command>: warning: <one line>``: no source line, no module path, each
-message once per run.
+Exit code :data:`USER_ERROR` (2) for a user mistake, raised before any folder is created or any compute starts;
+:data:`RUN_FAILED` (1) for a run that started and failed (diverged, an unreadable checkpoint, a failed sweep run);
+:data:`INTERRUPTED` (130) for Ctrl-C.  Anything else is a bug and keeps its traceback.  Warnings are printed once
+per run as ``offpolicy-moe <command>: warning: <one line>`` (:class:`WarningLines`).
 """
 from __future__ import annotations
 

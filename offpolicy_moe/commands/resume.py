@@ -1,17 +1,12 @@
 """What ``train --resume`` may do to a run folder, decided before any model is built.
 
-* The run's own ``config.yaml`` is the base: ``train --run-dir R --resume`` needs no YAML. A YAML and
-  ``key=value`` overrides may be given; the resolved config is then compared with the saved one, key by key.
-* Keys that only extend or observe a run (:data:`EXTEND_KEYS`, :data:`EXTEND_PREFIXES`: the step budget, logging,
-  evaluation and checkpoint cadence, threads) may change freely.
-* Any other change (algorithm, loss options, learning rate, group size, seed, model, task, ...) changes what the run
-  means: it is refused with the keys named, unless forced (``--force-change``).
-* There must be something to resume: the folder exists, holds ``config.yaml`` and a complete checkpoint, and the
-  step budget is above the checkpoint's step. Otherwise :class:`ResumeError` says which, never a silent restart.
+The run's own ``config.yaml`` is the base; a YAML and ``key=value`` overrides may be given, and the resolved config
+is compared with the saved one, key by key.  Keys that only extend or observe a run (:data:`EXTEND_KEYS`,
+:data:`EXTEND_PREFIXES`) may change freely; any other change is refused with the keys named unless forced
+(``--force-change``).  Nothing to resume is a :class:`ResumeError`, never a silent restart.
 
-Every invocation of ``train`` on a run folder is one *segment*, appended to ``<run>/segments.jsonl`` when it ends
-(:func:`record_segment`): its wall time, the steps it covered, and the keys it changed (with ``forced: true`` when
-they needed ``--force-change``). ``summary.json``'s ``wall_time_s`` is the sum over all segments.
+Every invocation of ``train`` on a run folder is one *segment*, appended to ``<run>/segments.jsonl``
+(:func:`record_segment`); ``summary.json``'s ``wall_time_s`` is the sum over all segments.
 """
 from __future__ import annotations
 
@@ -82,12 +77,9 @@ def checkpoint_step(path: Path) -> int:
 
 def plan_resume(run_dir: str | os.PathLike, config: Optional[str], overrides: Sequence[str] = (),
                 presets: Sequence[str] = (), force_change: bool = False) -> ResumePlan:
-    """Check that ``run_dir`` can be resumed with this config; the config it resumes with.
-
-    ``config`` None: the run's own ``config.yaml`` plus ``overrides``. Raises :class:`ResumeError` naming the
-    problem: no such folder, no saved config, no checkpoint, a step budget already reached, or meaning-changing keys
-    without ``force_change``. Config mistakes raise :class:`~offpolicy_moe.config.validate.ConfigError`.
-    """
+    """The config ``run_dir`` resumes with (``config`` None: the run's own ``config.yaml`` plus ``overrides``).
+    :class:`ResumeError` names the problem: no such folder, no saved config, no checkpoint, a step budget already
+    reached, or meaning-changing keys without ``force_change``."""
     rd = Path(run_dir)
     if not rd.is_dir():
         raise ResumeError(f"--resume: run folder '{rd}' does not exist; nothing to resume (drop --resume to start "
@@ -136,11 +128,8 @@ def prior_wall_time(run_dir: str | os.PathLike) -> float:
 
 def record_segment(run_dir: str | os.PathLike, summary: dict, *, prior_wall_s: float, started: float,
                    plan: Optional[ResumePlan], threads: dict) -> dict:
-    """Append this invocation to ``segments.jsonl`` and make ``summary.json``'s ``wall_time_s`` cover every segment.
-
-    ``summary`` is what the trainer returned (its ``wall_time_s`` is this segment's); the updated summary is written
-    back atomically and returned.
-    """
+    """Append this invocation to ``segments.jsonl`` and make ``summary.json``'s ``wall_time_s`` cover every segment
+    (``summary``'s own is this segment's); the updated summary is written back atomically and returned."""
     rd = Path(run_dir)
     segments = read_segments(rd)
     seg_wall = float(summary.get("wall_time_s") or 0.0)

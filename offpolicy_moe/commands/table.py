@@ -1,9 +1,5 @@
-"""``offpolicy-moe table SWEEP_DIR --rows AXIS --cols AXIS --metric NAME``: mean ± std (n) over seeds.
-
-``--baseline LABEL`` adds to every other row the paired difference (by seed) from the row ``LABEL`` with its 95% t
-interval; without ``--metric`` the experiment's ``report:`` tables are rendered, then its claims table;
-``--claims`` renders only the claims table.
-"""
+"""``offpolicy-moe table SWEEP_DIR --rows AXIS --cols AXIS --metric NAME``: mean ± std (n) over seeds; without
+``--metric`` the experiment's ``report:`` tables, then its claims table (``--claims``: only that)."""
 from __future__ import annotations
 
 import argparse

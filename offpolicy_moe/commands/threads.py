@@ -1,17 +1,11 @@
 """``trainer.threads: 0`` (auto): how many CPU threads one training process uses.
 
-Measured with ``experiments/bench/bench_threads.py`` (the README's ``train`` example, 20 steps, whole command) on a 2-core
-x86-64 VM shared with other jobs (1-minute load average 2.2-3.6), 2026-11-22: 1 thread took 12.8 s and 8.8 s against
-73.8 s and 11.8 s for 2 threads; with one extra busy process, 11.4 s and 28.5 s against 36.5 s and 179.3 s. The
-small models this project trains on a CPU are bound by per-operator dispatch, not by arithmetic, so
-a second thread buys little and costs a lot as soon as a core is contended. So:
-
-* at most :data:`SMALL_MACHINE_CORES` cores: 1 thread per process;
-* more cores: the cores not already busy (``os.cpu_count() - loadavg(1 min)``), shared among the processes of the
-  run, at least 1.
-
-An explicit ``trainer.threads=N`` (N >= 1) is used as given; under auto, ``OMP_NUM_THREADS`` (set by the user, or
-by ``offpolicy-moe sweep --threads`` for each of its runs) wins over the rule above.
+The small models this project trains on a CPU are bound by per-operator dispatch, not by arithmetic, so a second
+thread buys little and costs a lot as soon as a core is contended (``experiments/bench/bench_threads.py`` on a
+2-core VM shared with other jobs: 1 thread took 12.8 s and 8.8 s against 73.8 s and 11.8 s for 2 threads).  So:
+at most :data:`SMALL_MACHINE_CORES` cores, 1 thread per process; more cores, the cores not already busy shared among
+the run's processes (:func:`choose_threads`).  An explicit ``trainer.threads=N`` is used as given; under auto,
+``OMP_NUM_THREADS`` wins.
 """
 from __future__ import annotations
 
@@ -39,11 +33,9 @@ class ThreadChoice:
 
 def choose_threads(setting: int, cores: int, load1: float, processes: int = 1,
                    env_threads: Optional[str] = None) -> ThreadChoice:
-    """Threads per process for ``trainer.threads=setting`` (0 = auto) on ``cores`` cores at 1-minute load ``load1``.
-
-    auto: ``env_threads`` (``$OMP_NUM_THREADS``) when it is a positive integer; else 1 when
-    ``cores <= SMALL_MACHINE_CORES``; else ``max(1, floor((cores - load1) / processes))``.
-    """
+    """Threads per process for ``trainer.threads=setting`` (0 = auto) on ``cores`` cores at 1-minute load ``load1``:
+    ``env_threads`` when it is a positive integer; else 1 when ``cores <= SMALL_MACHINE_CORES``; else
+    ``max(1, floor((cores - load1) / processes))``."""
     if setting and setting > 0:
         return ThreadChoice(int(setting), str(setting), "trainer.threads")
     if env_threads is not None and env_threads.strip().isdigit() and int(env_threads) > 0:

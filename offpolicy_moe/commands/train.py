@@ -138,10 +138,8 @@ def run(args: argparse.Namespace) -> int:
 
 def train_segment(cfg: TrainConfig, plan: Optional[ResumePlan], choice: ThreadChoice, *, quiet: bool,
                   main_process: bool, checked: Any = None) -> dict:
-    """Train (or resume) ``cfg`` with ``choice.threads`` threads; record the segment; the cumulative summary.
-
-    The segment is recorded even when training raises or is interrupted (the trainer has written its summary).
-    """
+    """Train (or resume) ``cfg`` with ``choice.threads`` threads and return the cumulative summary; the segment is
+    recorded even when training raises or is interrupted."""
     # the engine is imported here, not at module level: `offpolicy-moe --help` and config errors stay torch-free
     import torch
 

@@ -1,39 +1,15 @@
-"""Register every offpolicy_moe objective in verl's policy-loss registry.
+"""Register every offpolicy_moe objective in verl's policy-loss registry (docs/losses.md, "verl").
 
 Usage (in the verl process, before the actor builds its loss)::
 
     from offpolicy_moe.integrations import verl as opm_verl
     opm_verl.register()   # adds offpolicy_moe/<name> for every registered loss (cispo, grpo, gspo, m2po, ...)
 
-then select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=offpolicy_moe/m2po``.
-
-The registered functions follow verl's calling convention
-``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-rollout_is_weights=None) -> (loss, metrics: dict[str, float])``.  The adapter never names a loss:
-it asks the registry (:func:`offpolicy_moe.losses.get_loss_spec`) which options a loss has, and
-reads them from ``config`` (attribute or mapping access):
-
-* the loss's options live under its OWN key: ``config.policy_loss.<name>`` (searched first), then
-  ``config.<name>``, e.g. ``policy_loss: {m2po: {tau: 0.04, variant: mask}}``; they are checked by
-  :func:`offpolicy_moe.losses.resolve_loss_options` (an unknown key names the loss and suggests the
-  closest option);
-* verl's own clip keys feed the options of the same meaning when the loss has them:
-  ``clip_ratio_low`` / ``clip_ratio_high`` (falling back to ``clip_ratio``) give ``clip_low`` /
-  ``clip_high``, ``clip_ratio_c`` gives ``dual_clip``; a value under the loss's key wins;
-* ``loss_agg_mode`` is honoured for every loss; verl's own ``gspo`` and ``sapo`` ignore it and use
-  ``seq-mean-token-mean``, and ``geo_mean`` takes a plain mean over rows: pass
-  ``loss_agg_mode=seq-mean-token-mean`` to get their numbers (with global counts; verl's ``geo_mean``
-  averages each micro-batch locally);
-* verl calls the loss once per micro-batch, so a loss with a mini-batch-wide pass (M2PO's
-  selection) selects over that call's tokens.  ``register(cross_rank=True)`` gives such a loss
-  verl's default process group (when its options ask for the pass and torch.distributed is
-  initialised), so the selection spans the data-parallel ranks of each call; every rank must then
-  call in lockstep (not with verl's dynamic batch size, whose micro-batch counts differ by rank);
-* global counts: ``global_batch_info = {dp_size, batch_num_tokens, global_batch_size}`` as verl
-  passes them; the loss is then multiplied by ``dp_size`` (DDP averages over ranks), and
-  ``loss_scale_factor`` is the ``seq-mean-token-sum-norm`` constant.
-
-verl is imported lazily and is not a dependency of offpolicy_moe.
+then select one with ``actor_rollout_ref.actor.policy_loss.loss_mode=offpolicy_moe/m2po``.  The registered
+functions take verl's calling convention ``fn(old_log_prob, log_prob, advantages, response_mask,
+loss_agg_mode="token-mean", config=None, rollout_is_weights=None) -> (loss, metrics)`` and never name a loss: the
+registry says which options a loss has, read from ``config.policy_loss.<name>`` first, then verl's clip keys of the
+same meaning.  verl is imported lazily and is not a dependency of offpolicy_moe.
 """
 from __future__ import annotations
 
@@ -187,12 +163,8 @@ def _core_algos():
 
 
 def register(prefix: str = "offpolicy_moe", names: Optional[tuple] = None, *, cross_rank: bool = False) -> list[str]:
-    """Register our objectives (default: every loss in the registry) into verl under ``<prefix>/<name>``.
-
-    ``cross_rank=True`` lets a loss with a mini-batch-wide pass select across data-parallel ranks
-    (see the module docstring).  Returns the registered names.  Idempotent: a name already
-    registered is left as it is.
-    """
+    """Register our objectives (default: every loss in the registry) into verl under ``<prefix>/<name>``; returns
+    the registered names.  Idempotent: a name already registered is left as it is."""
     core = _core_algos()
     names = tuple(list_policy_losses()) if names is None else tuple(names)
     registry = getattr(core, "POLICY_LOSS_REGISTRY", None)

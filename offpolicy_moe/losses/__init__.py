@@ -1,26 +1,8 @@
-"""Policy-gradient losses for RL on stale, off-policy data (imports torch only).
-
-Everything is a pure function on tensors ``[B, T]`` (response-aligned, with a response mask):
-
-* :func:`group_advantages`: GRPO / Dr. GRPO group-relative advantages;
-* :func:`aggregate`, :func:`global_counts`: the four aggregation modes with global counts;
-* objectives :func:`grpo_loss`, :func:`gspo_loss`, :func:`m2po_loss`, :func:`unclipped_loss`, all
-  ``(logp, old_logp, advantages, mask, *, agg, weights, num_tokens, num_seqs, norm_length,
-  **options) -> (loss, metrics)``;
-* :func:`m2po_mask`, :func:`m2po_adaptive_cap`: exact global M2PO selection (micro-batches, ranks);
-* :func:`correction_weights` (TIS / MIS / IcePop), :func:`mismatch_metrics`;
-* :func:`cispo_loss` (clipped, stop-gradient importance weight; every token keeps a gradient);
-* :func:`dppo_tv_loss`, :func:`dppo_kl_loss` (divergence trust-region mask), :func:`gmpo_loss`
-  (geometric mean), :func:`sapo_loss` (soft gate), :func:`vespo_loss` (sequence gamma kernel);
-* :mod:`.reference`: the plain-autograd body of every objective, checked against the fast path;
-* :func:`kl_penalty`; the registry :func:`register_policy_loss` / :func:`get_loss_spec` /
-  :func:`resolve_loss_options` (each loss registers itself, with its options and capabilities).
-
-Metrics are dicts of detached float32 0-d tensors (no host sync); :func:`metrics_to_floats`
-converts a dict with one sync.
-
-The names are imported from their modules on first use: :mod:`.vocabulary`, :mod:`.option_checks` and
-:mod:`.catalogue` (what a config may name and set) import no torch.
+"""Policy-gradient losses for RL on stale, off-policy data (imports torch only): pure functions on response-aligned
+``[B, T]`` tensors with a response mask.  The objectives share one calling convention (:mod:`.registry`);
+:mod:`.reference` holds the plain-autograd body of each.  Metrics are dicts of detached float32 0-d tensors (no host
+sync; :func:`metrics_to_floats` converts with one).  Names are imported from their modules on first use;
+:mod:`.vocabulary`, :mod:`.option_checks` and :mod:`.catalogue` import no torch.
 """
 from offpolicy_moe.lazy import lazy_exports
 

@@ -122,10 +122,9 @@ def finish_lean(
 ) -> torch.Tensor:
     """Weight, mask and aggregate ``loss_tok`` (and its gradient ``coef``) into a scalar with a gradient.
 
-    Value checks, fused: the log-ratio's ``aminmax`` (an Inf hides behind the clamp), the loss value
-    (NaN/Inf in an advantage or weight at a valid position propagates into it), the mask's values
-    and the tensor counts: ONE host sync.  Only when that fails are the inputs ``(old_logp,
-    advantages, mask, weights)`` checked one by one to name the culprit (a finite overflow passes).
+    The value checks, fused into ONE host sync: the log-ratio's ``aminmax`` (an Inf hides behind the clamp), the loss
+    value (NaN/Inf in an advantage or weight at a valid position propagates into it), the mask's values and the tensor
+    counts.  Only when that fails are the inputs checked one by one to name the culprit (a finite overflow passes).
     """
     zero = torch.zeros((), dtype=x.raw.dtype, device=x.raw.device)
     with torch.no_grad():

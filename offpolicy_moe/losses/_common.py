@@ -49,10 +49,8 @@ def prepare(
 ) -> PolicyInputs:
     """Validate the common arguments of every objective and build masked, log-space quantities.
 
-    Shapes, dtypes, the aggregation mode and numeric counts are checked for free; the value checks
-    (0/1 mask; no NaN/Inf in ``logp``, ``old_logp``, ``advantages``, ``weights`` at valid
-    positions; tensor counts not NaN or negative; ``extra_checks``) cost one reduction per tensor
-    and ONE host sync.  Half-precision inputs are computed in float32 (see :func:`ratio_bound`).
+    The value checks (:func:`check_values`, plus ``extra_checks``) cost ONE host sync; half-precision inputs are
+    computed in float32 (see :func:`ratio_bound`).
     """
     adv = check_objective_args(logp, old_logp, advantages, mask, weights, agg, num_tokens, num_seqs, norm_length)
     m = as_bool_mask(mask)

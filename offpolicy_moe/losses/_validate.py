@@ -1,13 +1,10 @@
 """Input checks shared by every loss function.
 
-Shape and option checks are free (no device sync) and always run.  Value checks (mask is 0/1,
-no NaN/Inf at valid positions, counts not NaN or negative) are fused into ONE reduction per tensor
-and ONE host sync per call (:class:`FusedCheck`); they run by default and can be switched off
-inside a ``with value_checks(False):`` block for hot loops that already trust their inputs.
-
-Half precision: every ratio is computed in float32 and its log is clamped to
-:func:`ratio_bound` of the input dtype, so ``exp`` and the gradient that flows back into a
-float16 ``logp`` stay finite (the bound leaves a factor ``e`` of headroom below the dtype's max).
+Shape and option checks are free (no device sync) and always run.  Value checks (mask is 0/1, no NaN/Inf at valid
+positions, counts not NaN or negative) cost ONE reduction per tensor and ONE host sync per call (:class:`FusedCheck`);
+``with value_checks(False):`` switches them off.  Half precision: every ratio is computed in float32 and its log is
+clamped to :func:`ratio_bound` of the input dtype, so ``exp`` and the gradient that flows back into a float16
+``logp`` stay finite.
 """
 from __future__ import annotations
 
@@ -45,11 +42,8 @@ _VALUE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("offpolicy_
 
 @contextlib.contextmanager
 def value_checks(enabled: bool = True) -> Iterator[None]:
-    """Switch the data-dependent input checks (mask values, NaN/Inf) on or off inside a block.
-
-    Shape and option checks always run.  Turning value checks off removes the one host sync that
-    each loss call otherwise performs.
-    """
+    """Switch the data-dependent input checks (mask values, NaN/Inf) on or off inside a block; off removes the
+    one host sync each loss call otherwise makes (shape and option checks always run)."""
     token = _VALUE_CHECKS.set(bool(enabled))
     try:
         yield
@@ -160,8 +154,8 @@ def check_advantages(advantages: torch.Tensor, ref_shape: torch.Size, ref_name: 
 def check_values(mask: torch.Tensor, named: Sequence[tuple[str, Optional[torch.Tensor]]]) -> None:
     """Raise ValueError if ``mask`` is not 0/1 or a named tensor is NaN/Inf at a valid position.
 
-    One reduction per tensor and one host sync for all checks (:class:`FusedCheck`); skipped
-    inside ``value_checks(False)``.  A [B] tensor is checked on the rows with a valid token.
+    ONE host sync (:class:`FusedCheck`); skipped inside ``value_checks(False)``.  A [B] tensor is checked on the rows
+    with a valid token.
     """
     if not _VALUE_CHECKS.get():
         return
@@ -204,9 +198,8 @@ def clamp_log_ratio(x: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Te
 def check_objective_args(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                          weights: Optional[torch.Tensor], agg: Optional[str], num_tokens: object, num_seqs: object,
                          norm_length: Optional[float]) -> torch.Tensor:
-    """The free checks every objective makes on its common arguments (types, shapes, dtype, aggregation mode,
-    numeric counts, ``norm_length``); returns the advantages laid out ``[B, T]``.  One-line ``ValueError``
-    naming the argument."""
+    """The free checks every objective makes on its common arguments; returns the advantages laid out ``[B, T]``.
+    One-line ``ValueError`` naming the argument."""
     for name, t in (("logp", logp), ("old_logp", old_logp), ("mask", mask)):
         check_tensor(name, t)
     check_2d("logp", logp)

@@ -18,16 +18,14 @@ def group_advantages(
     eps: float = 1e-6,
     return_metrics: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, Metrics]]:
-    """Per-sequence advantages ``A_i`` [B] from scalar rewards [B] grouped by ``group_ids`` [B].
+    """Per-sequence advantages ``A_i`` [B] from scalar rewards [B] grouped by ``group_ids`` [B] (any integers).
 
     ``norm="std"``: ``A_i = (R_i - mean_g R) / (std_g R + eps)`` with the unbiased (n-1) std
     (GRPO, arXiv 2402.03300).  ``norm="none"``: ``A_i = R_i - mean_g R`` (Dr. GRPO,
-    arXiv 2503.20783).  A group of size 1 gets 0; a group whose rewards are all equal gets exactly 0.
-    Group ids can be any integers (need not be contiguous or sorted).
+    arXiv 2503.20783).  A group of size 1, or whose rewards are all equal, gets exactly 0.
 
-    With ``return_metrics=True`` returns ``(advantages, metrics)`` where metrics (detached 0-d
-    tensors) are ``reward/mean`` and ``reward/frac_zero_std``: the fraction of groups whose
-    advantages are all zero (all rewards equal, or a single response).
+    ``return_metrics=True`` adds ``reward/mean`` and ``reward/frac_zero_std`` (the fraction of groups whose
+    advantages are all zero), detached 0-d tensors.
     """
     check_tensor("rewards", rewards)
     check_tensor("group_ids", group_ids)

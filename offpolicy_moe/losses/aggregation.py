@@ -59,9 +59,8 @@ def aggregate(
       that differently padded micro-batches agree).
 
     ``N_seq`` counts only sequences with at least one valid token.  Masked positions are replaced
-    by 0 (never multiplied), so NaN/Inf there cannot leak.  An all-masked batch gives 0 with a zero
-    gradient.  ``num_tokens``/``num_seqs`` may be ints, floats (finite, >= 0: a negative or NaN count
-raises) or 0-d tensors (e.g. all-reduced; the objectives check those in their fused value check).
+    by 0 (never multiplied), so NaN/Inf there cannot leak; an all-masked batch gives 0 with a zero
+    gradient.  A numeric count must be finite and >= 0; 0-d tensor counts are checked by the objectives.
     """
     check_tensor("loss_mat", loss_mat)
     check_tensor("mask", mask)
@@ -92,10 +91,8 @@ def global_counts(
     masks: Union[torch.Tensor, Sequence[torch.Tensor]],
     process_group: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(num_tokens, num_seqs)`` over one mask or a list of micro-batch masks, as 0-d int64 tensors.
-
-    With ``process_group`` (a torch.distributed group, e.g. ``torch.distributed.group.WORLD``) the counts are SUM-all-reduced across ranks, so every rank gets the global counts.
-    """
+    """``(num_tokens, num_seqs)`` over one mask or a list of micro-batch masks, as 0-d int64 tensors; with
+    ``process_group`` they are SUM-all-reduced, so every rank gets the global counts."""
     ms = [masks] if isinstance(masks, torch.Tensor) else list(masks)
     if not ms:
         raise ValueError("global_counts needs at least one mask")

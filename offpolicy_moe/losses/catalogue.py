@@ -1,11 +1,9 @@
 """What each policy loss declares to the config, without torch: its options with their defaults, their check, and
-its capabilities (:class:`LossInterface`).
+its capabilities (:class:`LossInterface`), so that a config is checked before torch is imported.
 
-The config validator asks this module only, so a config is checked before torch is imported.  The built-in
-losses are declared in :data:`BUILTIN_LOSSES`, each with the module that implements it; that module registers its
-function against the declaration (:func:`~offpolicy_moe.losses.registry.register_builtin_loss`, which refuses a
-function whose options differ from it).  A loss registered at run time
-(:func:`~offpolicy_moe.losses.registry.register_policy_loss`) is declared here by the registry as it registers.
+The built-in losses are declared in :data:`BUILTIN_LOSSES` with the module that registers their function
+(:func:`~offpolicy_moe.losses.registry.register_builtin_loss` refuses one whose options differ); a loss
+registered at run time is declared here by the registry.
 """
 from __future__ import annotations
 
@@ -169,10 +167,8 @@ def resolve_loss_options(name: str, options: Optional[Mapping[str, Any]] = None)
 
 
 def loss_options_problem(name: str, options: Optional[Mapping[str, Any]]) -> Optional[str]:
-    """The one-line problem with ``options`` for loss ``name`` (see :func:`resolve_loss_options`), or None if fine.
-
-    The config validator's entry point: it reports the message under ``algo.loss.options``.
-    """
+    """The one-line problem with ``options`` for loss ``name`` (see :func:`resolve_loss_options`), or None if fine;
+    the config validator reports it under ``algo.loss.options``."""
     try:
         resolve_loss_options(name, options)
     except (ValueError, TypeError) as err:

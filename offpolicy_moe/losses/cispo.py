@@ -39,15 +39,13 @@ def cispo_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """CISPO objective (MiniMax-M1, arXiv 2506.13585, eq. 4-5).
 
-    ``r = exp(clamp(logp - old_logp, +-b))``, ``w = sg[clip(r, 1 - clip_low, 1 + clip_high)]``
-    and per token ``l = -w A logp`` (times ``weights``), so ``grad l = -w A grad logp`` on EVERY
-    valid token, clipped or not.  ``clip_low=None`` (default) means no lower bound, as in the paper;
-    ``clip_high`` defaults to 4 (weight cap 5).  Default aggregation ``token-mean`` (the paper
-    normalises by the total token count of the batch).
+    ``r = exp(clamp(logp - old_logp, +-b))``, ``w = sg[clip(r, 1 - clip_low, 1 + clip_high)]`` and per token
+    ``l = -w A logp`` (times ``weights``): ``grad l = -w A grad logp`` on EVERY valid token, clipped or not.
+    ``clip_low=None`` (default): no lower bound, as in the paper; ``clip_high`` 4 (weight cap 5).  Default
+    aggregation ``token-mean`` (the paper normalises by the batch's token count).
 
-    Metrics: ``actor/clipfrac`` (weight clipped), ``actor/clipfrac_low`` (r < 1 - clip_low),
-    ``actor/clipfrac_high`` (r > 1 + clip_high), ``actor/ppo_kl``, ``actor/ratio_mean``,
-    ``actor/ratio_max``.
+    Metrics: ``actor/clipfrac`` (weight clipped), ``actor/clipfrac_low`` (r < 1 - clip_low), ``actor/clipfrac_high``
+    (r > 1 + clip_high), ``actor/ppo_kl``, ``actor/ratio_mean``, ``actor/ratio_max``.
     """
     agg = "token-mean" if agg is None else agg
     check_cispo_options(clip_low, clip_high)

@@ -1,15 +1,12 @@
 """Train/inference mismatch and staleness: correction weights (TIS, MIS, IcePop, OPSM) and mismatch metrics.
 
-TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
-(truncated importance sampling); MIS: masked importance sampling (Liu, Li et al. 2025, "When Speed
-Kills Stability"); IcePop: arXiv 2510.18855 (token mask outside [0.5, 5]); OPSM: off-policy sequence
-masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9).
+TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; MIS: Liu, Li et al.
+2025, "When Speed Kills Stability"; IcePop: arXiv 2510.18855 (token mask outside [0.5, 5]); OPSM: DeepSeek-V3.2,
+arXiv 2512.02556, eq. 9.
 
-TRL 1.16's ``vllm_importance_sampling_mode`` maps onto (level, mode): ``token_truncate`` = (token,
-truncate), ``token_mask`` = (token, mask), ``sequence_truncate`` = (sequence, truncate) and its default
-``sequence_mask`` = (sequence, mask), with ``vllm_importance_sampling_clip_max`` = ``high`` and
-``_clip_min`` = ``low``: TRL's sequence ratio is ``exp(sum_t m (old - sampling))``, a product like our
-``sequence`` level (not the geometric mean).  TRL's ``off_policy_mask_threshold`` is ``opsm_delta``.
+TRL 1.16's ``vllm_importance_sampling_mode`` ``{token,sequence}_{truncate,mask}`` is (level, mode) here, with
+``vllm_importance_sampling_clip_max`` / ``_clip_min`` = ``high`` / ``low``; TRL's sequence ratio is a product like
+our ``sequence`` level (not the geometric mean).  TRL's ``off_policy_mask_threshold`` is ``opsm_delta``.
 """
 from __future__ import annotations
 
@@ -65,30 +62,22 @@ def correction_weights(
 ) -> tuple[torch.Tensor, Metrics]:
     """Detached per-token weights [B, T] from ``rho = exp(old_logp - behav_logp)``.
 
-    Level (log rho summed over valid tokens only, clamped to +-20 before ``exp``; to
-    :func:`ratio_bound` of the dtype for float16, whose weights must fit it):
+    Level (log rho summed over valid tokens only, clamped to +-20 before ``exp``; to :func:`ratio_bound` of the
+    dtype for float16): ``token`` ``rho_t``; ``sequence`` ``prod_t rho_t = exp(sum_t log rho_t)``; ``geometric``
+    ``exp(mean_t log rho_t)``; the sequence levels broadcast over the sequence.
 
-    * ``token``: ``rho_t``
-    * ``sequence``: ``prod_t rho_t = exp(sum_t log rho_t)``, broadcast over the sequence
-    * ``geometric``: ``exp(mean_t log rho_t)``, broadcast over the sequence
+    Mode: ``truncate`` (TIS) ``w = min(rho, high)`` and ``max(w, low)`` if ``low`` is given; ``mask`` (MIS / IcePop)
+    ``w = rho if low <= rho <= high else 0`` (``low=None``: no lower bound; IcePop uses ``low=0.5, high=5``);
+    ``opsm``: ``w = O`` alone (``level``, ``high`` and ``low`` unused).  Weights are 0 at masked positions.
 
-    Mode: ``truncate`` (TIS) ``w = min(rho, high)`` and ``max(w, low)`` if ``low`` is given;
-    ``mask`` (MIS / IcePop) ``w = rho if low <= rho <= high else 0`` (``low=None`` means no lower
-    bound; IcePop uses ``low=0.5, high=5``); ``opsm``: ``w = O`` alone (0 or 1, see below; ``level``,
-    ``high`` and ``low`` unused).  Weights are 0 at masked positions.
+    OPSM (DeepSeek-V3.2, arXiv 2512.02556, eq. 9), as the mode or on top of truncate / mask with ``opsm_delta``:
+    ``O = 0`` where ``A < 0`` and ``mean_t (behav_logp - old_logp) > delta`` (default :data:`OPSM_DELTA`), else 1;
+    it needs ``advantages``.  The paper and TRL measure the KL against the policy being trained at this forward;
+    here ``old_logp`` is the trainer's policy when the batch is consumed (identical with one optimiser step per batch).
 
-    OPSM (DeepSeek-V3.2, arXiv 2512.02556, eq. 9), with ``mode="opsm"`` or, on top of truncate / mask,
-    with ``opsm_delta`` given: ``O = 0`` where ``A < 0`` and the sequence's mean KL
-    ``mean_t (behav_logp - old_logp) > delta``, else 1; the weights are multiplied by ``O``.  It needs
-    ``advantages`` ([B] or [B, T]).  ``delta = opsm_delta`` (default :data:`OPSM_DELTA`).  The paper and
-    TRL measure the KL against the policy being trained at this forward; here ``old_logp`` is the
-    trainer's policy when the batch is consumed (identical with one optimiser step per batch).
-
-    Metrics (detached float32 0-d tensors over valid tokens): ``mismatch/is_mean``,
-    ``mismatch/is_max``, ``mismatch/is_min`` (of the weights), ``mismatch/clipped_frac``
-    (truncate) or ``mismatch/masked_frac`` (mask, opsm: weights set to 0), ``mismatch/ess`` =
-    ``(sum w)^2 / (N sum w^2)``; with OPSM also ``mismatch/opsm_masked_frac`` (tokens) and
-    ``mismatch/opsm_seq_kl_mean`` (mean over non-empty sequences of their mean KL).
+    Metrics (over valid tokens): ``mismatch/is_mean``, ``mismatch/is_max``, ``mismatch/is_min`` (of the weights),
+    ``mismatch/clipped_frac`` (truncate) or ``mismatch/masked_frac`` (mask, opsm), ``mismatch/ess`` =
+    ``(sum w)^2 / (N sum w^2)``; with OPSM also ``mismatch/opsm_masked_frac`` and ``mismatch/opsm_seq_kl_mean``.
     """
     m = _check_pair("old_logp", old_logp, "behav_logp", behav_logp, mask)
     use_opsm = _check_options(old_logp, mask, level, mode, high, low, advantages, opsm_delta)
@@ -143,13 +132,8 @@ def _check_options(old_logp: torch.Tensor, mask: torch.Tensor, level: str, mode:
 
 
 def _level_log_ratio(log_rho: torch.Tensor, m: torch.Tensor, level: str) -> torch.Tensor:
-    """The log-ratio [B, T] of a correction level, from per-token ``log_rho`` (0 at masked positions).
-
-    ``token``: ``log rho_t``; ``sequence``: ``sum_t log rho_t``, the log of the product of the token
-    ratios (sequence-level importance sampling, as TRL's ``sequence_*`` modes); ``geometric``:
-    ``mean_t log rho_t`` over valid tokens, the log of their geometric mean (the length-normalised
-    sequence ratio of GSPO, Zheng et al. 2025).  Both sequence levels broadcast over the sequence.
-    """
+    """The log-ratio [B, T] of a correction level, from per-token ``log_rho`` (0 at masked positions); the
+    sequence levels broadcast over the sequence (``geometric`` is GSPO's length-normalised ratio)."""
     if level == "token":
         return log_rho
     total = log_rho.sum(-1, keepdim=True)
@@ -160,11 +144,6 @@ def _level_log_ratio(log_rho: torch.Tensor, m: torch.Tensor, level: str) -> torc
 
 def _truncate_weights(rho: torch.Tensor, m: torch.Tensor, high: float,
                       low: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """TIS: ``w = min(rho, high)``, and ``max(w, low)`` when ``low`` is given; also the clipped positions.
-
-    Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
-    Off-Policy RL Training").  The second value marks ``rho > high`` or ``rho < low``.
-    """
     too_high = rho > high
     too_low = rho < low if low is not None else torch.zeros_like(m)
     w = rho.clamp(max=high) if low is None else rho.clamp(min=low, max=high)
@@ -173,11 +152,6 @@ def _truncate_weights(rho: torch.Tensor, m: torch.Tensor, high: float,
 
 def _mask_weights(rho: torch.Tensor, m: torch.Tensor, high: float, low: Optional[float],
                   zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MIS / IcePop: ``w = rho if low <= rho <= high else 0``; also the masked positions.
-
-    Masked importance sampling (Liu, Li et al. 2025, "When Speed Kills Stability"); IcePop
-    (arXiv 2510.18855) is ``low=0.5, high=5``.  ``low=None`` means no lower bound.
-    """
     too_high = rho > high
     too_low = rho < low if low is not None else torch.zeros_like(m)
     outside = too_high | too_low
@@ -187,12 +161,8 @@ def _mask_weights(rho: torch.Tensor, m: torch.Tensor, high: float, low: Optional
 def _apply_opsm(w: torch.Tensor, changed: torch.Tensor, log_rho: torch.Tensor, advantages: torch.Tensor,
                 m: torch.Tensor, opsm_delta: Optional[float], opsm_alone: bool,
                 zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
-    """OPSM on top of weights ``w``: ``w * O`` with ``O`` from :func:`opsm_keep`, and its metrics.
-
-    Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9): ``O = 0`` where ``A < 0`` and
-    ``mean_t (behav_logp - old_logp) > delta`` (``delta`` defaults to :data:`OPSM_DELTA`).  When OPSM is
-    the mode itself (``opsm_alone``) the tokens it drops count as changed.
-    """
+    """``w * O`` with ``O`` from :func:`opsm_keep`, and its metrics; when OPSM is the mode itself
+    (``opsm_alone``) the tokens it drops count as changed."""
     keep, seq_kl = opsm_keep(log_rho, advantages, m, OPSM_DELTA if opsm_delta is None else float(opsm_delta))
     w = torch.where(keep, w, zero)
     changed = changed | ~keep if opsm_alone else changed
@@ -203,11 +173,8 @@ def _apply_opsm(w: torch.Tensor, changed: torch.Tensor, log_rho: torch.Tensor, a
 
 
 def _effective_sample_size(w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Normalised effective sample size ``(sum w)^2 / (N sum w^2)`` in float64, returned as float32 0-d.
-
-    Kish's effective sample size over the ``N`` valid tokens, divided by ``N`` (1 for equal weights);
-    0 when every weight is 0.
-    """
+    """Kish's effective sample size ``(sum w)^2 / (N sum w^2)`` over the ``N`` valid tokens, divided by ``N``
+    (computed in float64, float32 0-d); 0 when every weight is 0."""
     wd = w.to(torch.float64)
     s1 = wd.sum()
     s2 = (wd * wd).sum()
@@ -234,15 +201,10 @@ def opsm_keep(log_rho: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
 def mismatch_metrics(train_logp: torch.Tensor, infer_logp: torch.Tensor, mask: torch.Tensor) -> Metrics:
     """How far the trainer's log-probs are from the inference engine's on the sampled tokens.
 
-    With ``d = clamp(train_logp - infer_logp, +-20)`` and ``rho' = exp(d) = pi_train / pi_infer``
-    (all means over valid tokens, detached float32 0-d tensors):
-
-    * ``mismatch/k3_kl``: ``mean(rho' - 1 - d)``, the k3 estimate of KL(pi_infer || pi_train)
-      (Schulman 2020, "Approximating KL divergence")
-    * ``mismatch/k1_kl``: ``mean(-d)``
-    * ``mismatch/extreme_frac``: F(2), the fraction of tokens with ``max(rho', 1/rho') > 2``
-    * ``mismatch/ratio_mean``, ``mismatch/ratio_max``, ``mismatch/ratio_min``,
-      ``mismatch/abs_log_ratio_mean``
+    With ``d = clamp(train_logp - infer_logp, +-20)`` and ``rho' = exp(d)``, means over valid tokens:
+    ``mismatch/k3_kl`` ``mean(rho' - 1 - d)``, the k3 estimate of KL(pi_infer || pi_train) (Schulman 2020,
+    "Approximating KL divergence"); ``mismatch/k1_kl`` ``mean(-d)``; ``mismatch/extreme_frac`` the fraction with
+    ``max(rho', 1/rho') > 2``; ``mismatch/ratio_mean`` / ``_max`` / ``_min``, ``mismatch/abs_log_ratio_mean``.
     """
     m = _check_pair("train_logp", train_logp, "infer_logp", infer_logp, mask)
     dtype = torch.promote_types(train_logp.dtype, torch.float32)

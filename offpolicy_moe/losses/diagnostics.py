@@ -1,18 +1,9 @@
 """Importance-ratio diagnostics that every registered objective reports: M2 and the effective sample size.
 
 Whatever its trust region (a clip, a mask, a gate, a kernel), every objective weighs token ``t`` by a function of the
-same importance ratio ``r_t = pi_theta(y_t) / pi_old(y_t)``. These two numbers describe that ratio on the tokens the
-objective saw, before the objective touches it, so that stale-data methods can be compared on the same footing:
-
-* ``actor/m2``: the second moment of the log-ratio, ``M2 = (1/N) sum_t (log r_t)^2`` over the N valid tokens (the
-  statistic M2PO's Algorithm 1 bounds, arXiv 2510.01161; there it is taken over the trust-region tokens, here over
-  all of them);
-* ``actor/ess``: the normalised effective sample size of the weights ``w_t = r_t``,
-  ``ESS = (sum_t w_t)^2 / (N sum_t w_t^2)`` (Kong 1992; Owen, "Monte Carlo theory, methods and examples", 2013, ch. 9), in
-  ``[1/N, 1]``: 1 when every weight is equal (on-policy), ``k/N`` when k tokens carry all the weight.
-
-The registry (:func:`~offpolicy_moe.losses.registry.register_policy_loss`) adds both to the metrics of every loss,
-so a new objective reports them without code of its own.
+same importance ratio ``r_t = pi_theta(y_t) / pi_old(y_t)``; these two numbers describe that ratio on the tokens the
+objective saw, so that stale-data methods can be compared on the same footing.  The registry
+(:func:`~offpolicy_moe.losses.registry.register_policy_loss`) adds both to the metrics of every loss.
 """
 from __future__ import annotations
 
@@ -32,13 +23,13 @@ def ratio_diagnostics(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Te
     With ``d_t = clamp(logp_t - old_logp_t, +-b)`` (``b`` = :func:`ratio_bound` of ``logp``'s dtype, the clamp every
     objective applies) over the N valid (``mask``) tokens:
 
-    * ``actor/m2 = (1/N) sum_t d_t^2`` (M2PO, arXiv 2510.01161);
-    * ``actor/ess = (sum_t e^{d_t})^2 / (N sum_t e^{2 d_t})`` (Kong 1992), computed with ``d_t - max_t d_t`` in the
-      exponent (the ratio is invariant to a common factor of the weights), so it is finite for every finite input.
+    * ``actor/m2 = (1/N) sum_t d_t^2``, the statistic M2PO's Algorithm 1 bounds (arXiv 2510.01161; there over the
+      trust-region tokens, here over all);
+    * ``actor/ess = (sum_t e^{d_t})^2 / (N sum_t e^{2 d_t})`` (Kong 1992; Owen, "Monte Carlo theory, methods and
+      examples", 2013, ch. 9), in ``[1/N, 1]``; computed with ``d_t - max_t d_t`` in the exponent (the ratio is
+      invariant to a common factor of the weights), so it is finite for every finite input.
 
-    No valid token gives ``M2 = 0`` and ``ESS = 1`` (no weights, nothing degenerate), as the package's masked means
-    give 0 on an empty mask. Inputs are the objective's own ``logp`` [B, T], ``old_logp`` [B, T] and ``mask`` [B, T];
-    half-precision inputs are computed in float32.
+    No valid token gives ``M2 = 0`` and ``ESS = 1``.  Half-precision inputs are computed in float32.
     """
     with torch.no_grad():
         m = as_bool_mask(mask)

@@ -75,15 +75,11 @@ def dppo_tv_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """DPPO-Binary-TV (arXiv 2602.04879): a total-variation trust region on the sampled token.
 
-    With ``p = exp(logp)``, ``p_old = exp(old_logp)`` and ``r = exp(clamp(logp - old_logp, +-b))``, a valid
-    token is kept (``M = 1``) unless it left the region in the direction the advantage pushes:
-    ``A > 0 and p - p_old > delta_high`` or ``A <= 0 and p - p_old < -delta_low``.  Per token
-    ``l = -M A r`` (gradient ``-M A r grad logp``), times ``weights``, then :func:`aggregate` (default
-    ``token-mean``).  Defaults ``delta_low = delta_high = 0.2``.
-
-    ``ratio_cap = c`` (verl's ``clip_ratio_c``; off by default, as in the paper's objective) truncates the
-    importance weight: ``l = -M A sg[min(r, c) / r] r``, value ``-M A min(r, c)``, gradient
-    ``-M A min(r, c) grad logp``, which is verl's ``-A sg[min(r, c)] logp`` gradient.
+    With ``p = exp(logp)``, ``p_old = exp(old_logp)`` and ``r = exp(clamp(logp - old_logp, +-b))``, a valid token is
+    kept (``M = 1``) unless ``A > 0 and p - p_old > delta_high`` or ``A <= 0 and p - p_old < -delta_low``.  Per token
+    ``l = -M A r`` (gradient ``-M A r grad logp``), times ``weights``, then :func:`aggregate` (default ``token-mean``).
+    Defaults ``delta_low = delta_high = 0.2``.  ``ratio_cap = c`` (verl's ``clip_ratio_c``; off by default, as in the
+    paper) truncates the weight: ``l = -M A sg[min(r, c) / r] r``, verl's ``-A sg[min(r, c)] logp`` gradient.
 
     Metrics: ``actor/clipfrac`` (masked share of valid tokens), ``actor/clipfrac_low`` / ``_high`` (masked
     with ``A <= 0`` / ``A > 0``), ``dppo/capped_frac``, ``actor/ppo_kl``, ``actor/ratio_mean``.
@@ -110,14 +106,10 @@ def dppo_kl_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """DPPO-Binary-KL (arXiv 2602.04879): a KL trust region on the sampled token.
 
-    ``D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p))``, the KL between the Bernoulli
-    distributions "this token or another" under ``pi_old`` and ``pi`` (``0 log 0 = 0``; computed with
-    ``log1p(-exp(.))``, no epsilon).  A valid token is masked when ``A > 0 and p > p_old and D > delta_high``
-    or ``A <= 0 and p < p_old and D > delta_low``.  Then as :func:`dppo_tv_loss`:
-    ``l = -M A r`` (``ratio_cap`` as there), default ``token-mean``, ``delta_low = delta_high = 0.2``.
-
-    verl adds ``1e-8`` inside both ``1 - p`` logarithms; the difference matters only for ``p`` within about
-    ``1e-8`` of 1.  Metrics as :func:`dppo_tv_loss`.
+    ``D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p))``, the KL between "this token or another" under
+    ``pi_old`` and ``pi`` (``0 log 0 = 0``; ``log1p(-exp(.))``, no epsilon: verl's ``1e-8`` matters only within
+    about ``1e-8`` of 1).  A valid token is masked when ``A > 0 and p > p_old and D > delta_high`` or ``A <= 0 and
+    p < p_old and D > delta_low``.  The loss, ``ratio_cap``, defaults and metrics are those of :func:`dppo_tv_loss`.
     """
     counts = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     return _dppo("kl", logp, old_logp, advantages, mask, agg, weights, counts, delta_low, delta_high, ratio_cap)

@@ -44,15 +44,11 @@ def gmpo_loss(
     """GMPO objective (arXiv 2507.20673, eq. 4), sequence loss ``-A_i R_i`` with
     ``log R_i = mean_t c_t``, ``c_t = sgn(A_i) min(sgn(A_i) log r_t, sgn(A_i) clip(log r_t, -clip_low, clip_high))``.
 
-    So ``c_t = min(log r_t, clip_high)`` where ``A_i > 0`` and ``max(log r_t, -clip_low)`` where ``A_i < 0``;
-    ``A_i`` is the sequence's advantage (the masked mean of ``advantages`` over its tokens, as in verl), and
-    ``mean_t c_t`` is clamped to ``+-b`` before ``exp``.  Defaults ``clip_low = clip_high = 0.4`` (log space).
-
-    Token form: every valid token of row i carries ``l = -A_i R_i`` and gets the gradient ``-A_i R_i u_t``
-    (``u_t = 1`` where ``c_t`` is not clipped), so with ``agg="seq-mean-token-mean"`` (default) the loss and
-    gradient are exactly the paper's ``mean_i -A_i R_i``.  ``weights`` multiply the token loss (their
-    arithmetic mean over the sequence scales it; verl folds token weights in as a geometric mean, which agrees
-    for the sequence-level corrections).  Token-sum modes weight a sequence by its length.
+    ``A_i`` is the masked mean of ``advantages`` over row i (as in verl); ``mean_t c_t`` is clamped to ``+-b``
+    before ``exp``.  Defaults ``clip_low = clip_high = 0.4`` (log space).  Token form: every valid token of row i
+    carries ``l = -A_i R_i`` with gradient ``-A_i R_i u_t`` (``u_t = 1`` where ``c_t`` is not clipped), so the
+    default ``agg="seq-mean-token-mean"`` gives exactly the paper's ``mean_i -A_i R_i``.  ``weights`` multiply the
+    token loss (verl folds token weights in as a geometric mean, which agrees for the sequence-level corrections).
 
     Metrics: ``actor/clipfrac`` (tokens whose ``c_t`` is clipped), ``actor/clipfrac_low`` (``A < 0``),
     ``actor/clipfrac_high`` (``A > 0``), ``gmpo/seq_ratio_mean`` (mean ``R_i`` over non-empty rows),

@@ -37,8 +37,7 @@ def kl_penalty(
     ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = exp(-d') + d' - 1`` with ``d' = clamp(d, +-20)``;
     ``k3+ = k2 - sg[k2] + sg[k3]`` (value k3, gradient k2).  With ``mask``, masked positions are 0.
     Half-precision inputs are computed (and returned) in float32, with ``d'`` clamped to
-    :func:`ratio_bound` of the input dtype.  Aggregate the result with :func:`aggregate` like any
-    per-token loss.
+    :func:`ratio_bound` of the input dtype.
     """
     check_tensor("logp", logp)
     check_tensor("ref_logp", ref_logp)

@@ -2,13 +2,9 @@
 
 Trust-region tokens are the valid tokens whose ratio moves in the direction the advantage pushes:
 ``T = {t : m_t and ((A_t > 0 and r_t > 1) or (A_t < 0 and r_t < 1))}``, with
-``M2_t = clamp(log r_t, +-20)^2`` computed in the log-ratio's dtype (float32 for half inputs).
-
-Global selection over several micro-batches (gradient accumulation) works in two steps: the
-trainer computes the log-ratios of ALL micro-batches of the optimizer mini-batch under the current
-parameters (a no-grad forward), calls ``m2po_mask(list_of_log_ratios, list_of_advantages,
-list_of_masks)`` once (plus ``process_group`` across data-parallel ranks), and passes micro-batch i
-its slice ``m2po_keep=keeps[i]``.  The same holds for ``m2po_adaptive_cap`` / ``m2po_cap``.
+``M2_t = clamp(log r_t, +-20)^2`` (float32 for half inputs).  The selection is global over the optimizer
+mini-batch: :func:`m2po_global_pass` takes the log-ratios of ALL its micro-batches (and ranks) and hands each
+micro-batch its ``m2po_keep`` (or ``m2po_cap``).
 """
 from __future__ import annotations
 
@@ -161,18 +157,11 @@ def m2po_mask(
 ) -> Union[torch.Tensor, list[torch.Tensor]]:
     """M2PO token mask (Algorithm 1 of arXiv 2510.01161), computed exactly in one pass.
 
-    Greedy definition: while ``mean_{t in T} M2_t > tau``, drop the trust-region token with the
-    largest ``M2_t`` (ties: the larger flat position first).  One-pass equivalent used here: stable
-    ascending sort of M2 over T, keep the longest prefix whose running mean is <= tau.  Cost: one
-    sort + one cumsum, no host sync (single process).
-
-    Returns a bool mask, True where the token contributes to the loss: valid tokens outside the
-    trust region, and the kept trust-region tokens.  Masked-out (invalid) positions are False.
-
-    ``log_ratio`` = ``logp - old_logp`` [B, T]; ``advantages`` [B] or [B, T]; ``mask`` [B, T].
-    Lists of tensors (micro-batches) give a list of masks with ONE selection over all of them
-    (flat position order: micro-batch, then row-major).  With ``process_group`` the trust-region
-    M2 values are all-gathered rank-major, so every rank makes the identical global selection.
+    Greedy definition: while ``mean_{t in T} M2_t > tau``, drop the trust-region token with the largest ``M2_t``
+    (ties: the larger flat position first); equivalently, keep the longest prefix of the stable ascending sort of M2
+    over T whose running mean is <= tau (one sort + one cumsum, no host sync).  True where the token contributes:
+    valid tokens outside T and the kept ones.  Lists of micro-batch tensors give ONE selection over all of them
+    (flat order: micro-batch, then row-major); with ``process_group`` over all ranks (all-gathered rank-major).
     """
     check_positive("tau", tau)
     flat, parts, unflatten, is_list = _collect(log_ratio, advantages, mask, process_group)
@@ -253,20 +242,18 @@ def m2po_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """M2PO objective (arXiv 2510.01161).
 
-    ``variant="mask"`` (paper, default): ``l_t = -M_t A_t r_t`` with NO clipping, where ``M`` is
-    :func:`m2po_mask`; aggregated over ALL valid tokens (dropped tokens stay in the denominator,
-    paper footnote 2).  ``variant="adaptive_clip"`` (official code): PPO clip of ``r`` to
-    ``[exp(-sqrt(c)), exp(sqrt(c))]`` with ``c`` from :func:`m2po_adaptive_cap`.
+    ``variant="mask"`` (paper, default): ``l_t = -M_t A_t r_t`` with NO clipping, ``M`` from :func:`m2po_mask`,
+    aggregated over ALL valid tokens (dropped tokens stay in the denominator, paper footnote 2).
+    ``variant="adaptive_clip"`` (official code): PPO clip of ``r`` to ``[exp(-sqrt(c)), exp(sqrt(c))]`` with ``c``
+    from :func:`m2po_adaptive_cap`.
 
-    Selection scope: if ``m2po_keep`` (resp. ``m2po_cap``) is given it is used as is (precomputed
-    over the whole mini-batch, see module docs).  Otherwise ``scope="global"`` selects over this
-    call's tokens and, with ``process_group``, across ranks; ``scope="local"`` selects over this
-    call's tokens only (the official code's per-micro-batch behaviour).
+    A given ``m2po_keep`` (resp. ``m2po_cap``) is used as is (the mini-batch-wide selection); otherwise
+    ``scope="global"`` selects over this call's tokens (and ranks, with ``process_group``), ``scope="local"`` over
+    this call's tokens only (the official code's per-micro-batch behaviour).
 
-    Metrics (local to this call): ``m2po/m2_before`` / ``m2po/m2_after`` (mean M2 over trust-region
-    tokens before / after masking), ``m2po/masked_frac`` (of valid tokens),
-    ``m2po/trust_region_frac``, ``actor/ppo_kl``, ``actor/ratio_mean``; adaptive_clip adds
-    ``m2po/log_ratio_bound`` (sqrt(c), capped at 20) and ``actor/clipfrac``.
+    Metrics (local to this call): ``m2po/m2_before`` / ``m2po/m2_after`` (mean M2 over trust-region tokens before /
+    after masking), ``m2po/masked_frac``, ``m2po/trust_region_frac``, ``actor/ppo_kl``, ``actor/ratio_mean``;
+    adaptive_clip adds ``m2po/log_ratio_bound`` (sqrt(c), capped at 20) and ``actor/clipfrac``.
     """
     agg = "token-mean" if agg is None else agg
     check_m2po_options(tau, variant, scope)

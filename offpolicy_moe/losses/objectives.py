@@ -1,15 +1,7 @@
 """Clipped and unclipped policy-gradient objectives: GRPO/PPO, GSPO(-token), no trust region.
 
-Every objective has the same calling convention (see :mod:`offpolicy_moe.losses.registry`)::
-
-    loss, metrics = fn(logp, old_logp, advantages, mask, *, agg=None, weights=None,
-                       num_tokens=None, num_seqs=None, norm_length=None, **own_options)
-
-``logp`` [B, T] carries the gradient; ``old_logp`` [B, T] is treated as a constant; ``advantages``
-is [B] (broadcast over tokens) or [B, T]; ``mask`` [B, T] is bool or 0/1; ``weights`` [B, T] are
-per-token correction weights (detached, e.g. from :func:`correction_weights`) multiplied onto the
-per-token loss before aggregation.  ``agg=None`` picks the objective's default aggregation mode.
-Metrics are detached float32 0-d tensors (no host sync); use :func:`metrics_to_floats` to log them.
+Each follows the calling convention of :mod:`offpolicy_moe.losses.registry`; ``agg=None`` picks the
+objective's default aggregation mode.
 """
 from __future__ import annotations
 
@@ -52,10 +44,9 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO/GRPO clipped surrogate (PPO arXiv 1707.06347; GRPO arXiv 2402.03300; DAPO clip-higher 2503.14476).
 
-    ``r = exp(clamp(logp - old_logp, +-20))``,
-    ``l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c > 1``
-    (arXiv 1912.09729) tokens with ``A < 0`` get ``l = min(l, -A c)``.  ``l *= weights``; then
-    :func:`aggregate` (default ``token-mean``).  Defaults ``clip_low = clip_high = 0.2``.
+    ``r = exp(clamp(logp - old_logp, +-20))``, ``l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with
+    ``dual_clip = c > 1`` (arXiv 1912.09729) tokens with ``A < 0`` get ``l = min(l, -A c)``.  ``l *= weights``; default
+    aggregation ``token-mean``; defaults ``clip_low = clip_high = 0.2``.
 
     Metrics: ``actor/clipfrac`` (clipped branch active), ``actor/clipfrac_low`` (A<0, r<1-lo),
     ``actor/clipfrac_high`` (A>0, r>1+hi), ``actor/dual_clipfrac``, ``actor/ppo_kl``
@@ -119,14 +110,12 @@ def gspo_loss(
 
     ``log s_i = sum_t m (logp - old_logp) / max(sum_t m, 1)`` (clamped to +-20), and per token
     ``log s_{i,t} = logp - sg[logp] + sg[log s_i]``: value ``s_i``, gradient ``s_i grad logp``.
-    ``l = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))`` (defaults 3e-4 / 4e-4), times
-    ``weights``, aggregated with ``agg`` (default ``seq-mean-token-mean``, which makes the gradient
-    equal to sequence-level GSPO's when A is per sequence).  Token-sum modes are honoured but warn,
-    because they weight each sequence by its length.
+    ``l = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))`` (defaults 3e-4 / 4e-4), times ``weights``; the
+    default ``agg`` ``seq-mean-token-mean`` makes the gradient sequence-level GSPO's when A is per sequence
+    (token-sum modes warn: they weight each sequence by its length).
 
-    Metrics: ``actor/clipfrac`` (fraction of valid tokens whose sequence ratio is clipped),
-    ``actor/clipfrac_low``, ``actor/clipfrac_high``, ``actor/ppo_kl``, ``gspo/seq_ratio_mean``
-    (mean of s_i over non-empty sequences), ``gspo/seq_clipfrac``.
+    Metrics: ``actor/clipfrac`` (valid tokens whose sequence ratio is clipped), ``actor/clipfrac_low``,
+    ``actor/clipfrac_high``, ``actor/ppo_kl``, ``gspo/seq_ratio_mean``, ``gspo/seq_clipfrac``.
     """
     agg = "seq-mean-token-mean" if agg is None else agg
     check_gspo_options(clip_low, clip_high)

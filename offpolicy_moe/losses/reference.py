@@ -1,11 +1,8 @@
 """Plain-autograd reference bodies of every objective: the paper's formula, line by line.
 
-Each ``reference_<name>(logp, old_logp, advantages, mask, *, agg, weights, num_tokens, num_seqs,
-norm_length, **options) -> loss`` computes the per-token loss with ordinary torch operations and lets
-autograd differentiate it.  The registered objectives compute the same loss with a hand-derived
-closed-form gradient (:mod:`._closed_form`) or with extra checks and metrics; a test asserts that both
-agree in value and gradient for every registered loss (``tests/losses/test_loss_reference.py``).  The
-references check nothing (the registered losses do) and return only the loss.
+Each ``reference_<name>`` takes the objective's arguments, computes the per-token loss with ordinary torch
+operations and lets autograd differentiate it; ``tests/losses/test_loss_reference.py`` asserts that it and the
+registered objective agree in value and gradient.  The references check nothing and return only the loss.
 
 Shared conventions: masked positions are replaced by 0 before any arithmetic (never multiplied), log
 ratios are clamped to ``+-ratio_bound(dtype)`` before ``exp`` (gradient 0 outside), half inputs are
@@ -48,7 +45,6 @@ def _finish(loss_tok, m, w, agg, num_tokens, num_seqs, norm_length):
 
 
 def _seq_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``sum_t m x / max(sum_t m, 1)`` per row, [B, 1]."""
     return (torch.where(m, x, torch.zeros_like(x)).sum(-1, keepdim=True)
             / m.sum(-1, keepdim=True).clamp(min=1).to(x.dtype))
 

@@ -6,26 +6,16 @@ Calling convention (every registered function must accept it)::
                        agg=None, weights=None, num_tokens=None, num_seqs=None, norm_length=None,
                        **options, **runtime)
 
-* ``logp`` [B, T] (with gradient), ``old_logp`` [B, T] (constant), ``advantages`` [B] or [B, T],
-  ``mask`` [B, T] bool/0-1, ``weights`` [B, T] detached correction weights or None;
-* ``agg`` an aggregation mode of :func:`aggregate` or None (the objective's default);
-  ``num_tokens`` / ``num_seqs`` global counts (see :mod:`offpolicy_moe.losses.aggregation`),
-  ``norm_length`` the ``seq-mean-token-sum-norm`` constant;
-* ``**options`` the user's options of this loss (``clip_low``, ``tau``, ...): the keyword-only
-  parameters of its signature, minus the ``runtime`` ones the caller supplies (a process group, a
-  precomputed selection);
-* returns a scalar loss tensor and a ``dict[str, Tensor | float]`` of detached metrics, to which the
-  registration adds the importance-ratio diagnostics ``actor/m2`` and ``actor/ess`` of
-  :mod:`offpolicy_moe.losses.diagnostics` (the same statistics for every loss; a loss's own value wins).
+``logp`` [B, T] carries the gradient, ``old_logp`` [B, T] is a constant, ``advantages`` is [B] or [B, T],
+``mask`` [B, T] bool/0-1, ``weights`` [B, T] detached correction weights or None; ``agg`` a mode of
+:func:`aggregate` (None: the objective's default) with the global counts of :mod:`offpolicy_moe.losses.aggregation`.
+``options`` are the keyword-only parameters beyond these, minus the ``runtime`` ones the caller supplies (a process
+group, a precomputed selection).  The registration adds ``actor/m2`` and ``actor/ess``
+(:mod:`offpolicy_moe.losses.diagnostics`) to the detached metrics.
 
-A loss registers itself in its own module with :func:`register_policy_loss`, declaring its
-capabilities (:class:`~offpolicy_moe.losses.catalogue.LossInterface`): whether it clips the ratio, whether it is
-sequence-level, whether it takes a ``process_group``, and whether it needs a pass over the whole optimizer
-mini-batch before the micro-batches (``global_pass``).  The built-in losses are declared in
-:mod:`~offpolicy_moe.losses.catalogue` (without torch, for the config validator) and register with
-:func:`register_builtin_loss`; a built-in's module is imported the first time its entry is asked for
-(:func:`get_loss_spec`).  The trainer, the config validator and the verl adapter only ask the registry and the
-catalogue; none names a loss.
+Built-in losses are declared in :mod:`~offpolicy_moe.losses.catalogue` (without torch) and their module is imported
+the first time their entry is asked for (:func:`get_loss_spec`).  The trainer, the config validator and the verl
+adapter only ask the registry and the catalogue; none names a loss.
 """
 from __future__ import annotations
 
@@ -125,9 +115,8 @@ def _check_signature(name: str, fn: PolicyLoss) -> None:
 def with_ratio_diagnostics(fn: PolicyLoss) -> PolicyLoss:
     """``fn`` wrapped so that its metrics gain :func:`ratio_diagnostics` of its ``logp``, ``old_logp`` and ``mask``.
 
-    The wrapper keeps ``fn``'s name, docstring and signature (``functools.wraps``: options are still read from
-    it); a key ``fn`` returns itself is kept.  The statistics are computed after ``fn`` returns, so its own input
-    checks come first.  A function that is already wrapped is returned as it is.
+    ``functools.wraps`` keeps the signature the options are read from; a key ``fn`` returns itself is kept, and
+    ``fn``'s own input checks run first.  A function that is already wrapped is returned as it is.
     """
     if getattr(fn, "__ratio_diagnostics__", False):
         return fn

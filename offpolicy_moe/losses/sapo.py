@@ -38,14 +38,12 @@ def sapo_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """SAPO objective (arXiv 2511.20347): ``l = -A (4 / tau) sigmoid(tau (r - 1))``.
 
-    ``r = exp(clamp(logp - old_logp, +-b))``; ``tau = tau_pos`` where ``A > 0``, else ``tau_neg`` (defaults
-    1.0 / 1.05, the paper's and verl's and TRL's).  The gradient is ``-A 4 s (1 - s) r grad logp`` with
-    ``s = sigmoid(tau (r - 1))``: exactly ``-A grad logp`` at ``r = 1``.  Times ``weights``, then
-    :func:`aggregate` with ``agg`` (default ``seq-mean-token-mean``, the paper's and TRL's; verl ignores its
-    ``loss_agg_mode`` for SAPO and always uses that mode).
+    ``r = exp(clamp(logp - old_logp, +-b))``; ``tau = tau_pos`` where ``A > 0``, else ``tau_neg`` (defaults 1.0 / 1.05,
+    the paper's, verl's and TRL's).  Gradient ``-A 4 s (1 - s) r grad logp`` with ``s = sigmoid(tau (r - 1))``:
+    exactly ``-A grad logp`` at ``r = 1``.  Times ``weights``; default ``agg`` ``seq-mean-token-mean`` (the paper's
+    and TRL's; verl always uses it for SAPO).
 
-    Metrics: ``sapo/grad_scale_mean`` (mean of ``4 s (1 - s)``, the factor on the unclipped gradient ``-A r``;
-    1 on-policy), ``actor/ppo_kl``, ``actor/ratio_mean``.
+    Metrics: ``sapo/grad_scale_mean`` (mean of ``4 s (1 - s)``; 1 on-policy), ``actor/ppo_kl``, ``actor/ratio_mean``.
     """
     agg = "seq-mean-token-mean" if agg is None else agg
     check_sapo_options(tau_pos, tau_neg)

@@ -46,20 +46,17 @@ def vespo_loss(
     lambda_neg: float = 2.0,
     fold_weights: bool = True,
 ) -> tuple[torch.Tensor, Metrics]:
-    """VESPO objective (arXiv 2602.10693): per token ``l = -sg[phi(w_i)] A logp``.
+    """VESPO objective (arXiv 2602.10693): per token ``l = -sg[phi(w_i)] A logp``, gradient ``-phi A grad logp``.
 
-    ``log w_i = sum_t m clamp(logp - old_logp, +-20)``: the sequence log-ratio, a SUM (no length
-    normalisation).  With ``fold_weights=True`` (default, the paper's ``w = pi / mu`` against the behaviour
-    policy, and TRL's): ``log w_i += sum_t m clamp(log weights_t, log 1e-8, 20)``, and the correction weights do
-    NOT multiply the loss; this assumes token-level weights (TRL refuses sequence-level IS modes with VESPO;
-    a sequence-level weight would be counted once per token).  ``fold_weights=False`` multiplies ``weights``
-    onto the token loss like every other objective.  Then ``log w`` is clamped to ``[log 1e-8, 20]`` and
-    ``phi = exp(lambda + k log w - lambda w)`` with ``(k, lambda) = (k_pos, lambda_pos)`` where ``A >= 0``,
-    else ``(k_neg, lambda_neg)`` (defaults 2, 3, 3, 2).  Gradient ``-phi A grad logp``.  Aggregated with
-    ``agg`` (default ``token-mean``, TRL's normalisation by the batch's token count).
+    ``log w_i = sum_t m clamp(logp - old_logp, +-20)`` (a SUM: no length normalisation).  With ``fold_weights=True``
+    (default, the paper's ``w = pi / mu`` and TRL's) ``log w_i += sum_t m clamp(log weights_t, log 1e-8, 20)`` and the
+    correction weights do NOT multiply the loss; this assumes token-level weights (a sequence-level weight would be
+    counted once per token).  ``fold_weights=False`` multiplies ``weights`` onto the token loss.  Then ``log w`` is
+    clamped to ``[log 1e-8, 20]`` and ``phi = exp(lambda + k log w - lambda w)`` with ``(k, lambda) = (k_pos,
+    lambda_pos)`` where ``A >= 0``, else ``(k_neg, lambda_neg)``.  Default ``agg`` ``token-mean`` (TRL's).
 
-    Metrics: ``vespo/phi_mean`` (mean ``phi`` over valid tokens), ``vespo/log_w_mean`` (mean ``log w_i`` over
-    non-empty rows, before the clamp), ``actor/ppo_kl``.
+    Metrics: ``vespo/phi_mean`` (over valid tokens), ``vespo/log_w_mean`` (over non-empty rows, before the clamp),
+    ``actor/ppo_kl``.
     """
     agg = "token-mean" if agg is None else agg
     check_vespo_options(k_pos, lambda_pos, k_neg, lambda_neg, fold_weights)

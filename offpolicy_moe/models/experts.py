@@ -1,22 +1,12 @@
 """How routed experts run: ``model.experts_implementation=auto`` picks the faster of transformers' own kernels for the
 device the layer runs on.
 
-transformers runs a layer's routed experts through an implementation chosen by name (``ExpertsInterface``):
-``grouped_mm`` sorts the (token, expert) pairs by expert and calls one grouped matmul per projection; ``eager`` is
-the family's own loop, one dense matmul per expert and projection.  On the CPU neither always wins: the grouped
-kernel is faster for small calls (a decode step, a short prompt) and slows down sharply above a size, e.g. for one
-layer of the anchor model (hidden 128, 8 experts, top-2) forward at 640 tokens 1.64 ms against the loop's 1.76, at
-768 tokens 3.38 against 2.03, at 33,664 tokens (an update at 256 response tokens) 202 against 119 ms
-(``experiments/bench/bench_experts.py``, docs/benchmarks.md).  The crossover measured at hidden 32 / 64 / 128 / 256 lies
-at about ``N * K * H = 2^18`` gathered values (N tokens, K experts each, hidden size H).  On a GPU the grouped
-kernel is the fast one.  The config's default, ``auto``, therefore runs, at every call, the family's own loop when
-the hidden states are on the CPU and ``N * K * H >=`` :data:`LOOP_MIN_ELEMENTS`, and ``grouped_mm`` otherwise (other
-devices, smaller calls, expert parallelism), so one config serves both.  Both compute, for a token with selected
-experts ``e_1..e_K`` and routing weights ``w_1..w_K``, ``y = sum_k w_k * down_{e_k}(gate(up_{e_k}(x)))``; they
-differ in float rounding only (the order of the K terms).
-
-:func:`resolve_experts_implementation` maps ``auto`` to :data:`NAME`, registered with transformers (once) the first
-time; the name is not written into saved checkpoints, which load anywhere with transformers' default.
+On the CPU transformers' ``grouped_mm`` is faster than the family's own per-expert loop (``eager``) for small calls
+and slows down sharply above about ``N * K * H = 2^18`` gathered values (N tokens, K experts, hidden size H;
+``experiments/bench/bench_experts.py``); on a GPU it is the fast one.  ``auto`` (registered as :data:`NAME`, never
+written into checkpoints) runs the loop when the hidden states are on the CPU and ``N * K * H >=``
+:data:`LOOP_MIN_ELEMENTS`, ``grouped_mm`` otherwise.  Both compute ``y = sum_k w_k * down_{e_k}(gate(up_{e_k}(x)))``
+and differ in float rounding only.
 """
 from __future__ import annotations
 
@@ -43,9 +33,8 @@ def _own_loop(module: torch.nn.Module) -> Optional[Callable]:
 def auto_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
     """``[N, H]`` output of the routed experts for ``hidden_states [N, H]``, ``top_k_index [N, K]`` and
-    ``top_k_weights [N, K]``: the family's own per-expert loop on the CPU from ``N * K * H >=``
-    :data:`LOOP_MIN_ELEMENTS`, transformers' ``grouped_mm`` otherwise (module docstring); the signature of
-    transformers' experts implementations."""
+    ``top_k_weights [N, K]`` (the signature of transformers' experts implementations), by the rule of the module
+    docstring."""
     loop = _own_loop(self)
     if hidden_states.device.type == "cpu" and loop is not None and not getattr(self, "_is_expert_parallel", False) \
             and top_k_index.numel() * hidden_states.shape[-1] >= LOOP_MIN_ELEMENTS:

@@ -1,8 +1,8 @@
 """Which trainer forward runs a batch: plain rows, packed groups, or a shared prompt KV cache — by a cost model.
 
-The three forwards give the same log-probs and gradients up to float rounding (:mod:`offpolicy_moe.models.response_logprobs`)
-but cost very different amounts.  For ``B`` rows of prompt length ``P`` and ``T`` response positions
-(``R = T - 1`` fed), in ``U`` distinct prompts of ``n_u`` samples each:
+The three forwards give the same log-probs and gradients up to float rounding but cost very different amounts.
+For ``B`` rows of prompt length ``P`` and ``T`` response positions (``R = T - 1`` fed), in ``U`` distinct prompts
+of ``n_u`` samples each:
 
 ========  =====================================  ==========================================================
 forward   tokens fed                             attention entries (dense mask: every query x every key)
@@ -12,17 +12,15 @@ pack(c)   ``U_c (P + c R)``                      ``U_c (P + c R)^2``,  ``U_c = s
 cache     ``U P + B R``                          ``U P^2 + B R (P + R)``, plus the cache copied to ``B`` rows
 ========  =====================================  ==========================================================
 
-Packing feeds the fewest tokens but its attention grows with the square of the packed row, ``(P + c R)^2``: it
-pays for short responses only.  The estimate, in units of one fed token's forward+backward, is
+The estimate, in units of one fed token's forward+backward, is
 
     cost = tokens + w * entries + o * (passes - 1) (+ k * B (P + R) for the cache's copy)
 
-with ``w = ENTRY_FACTOR * macs_per_entry / macs_per_token`` read from the model's config (attention multiply-adds
-per query-key pair against a token's projection, expert and head multiply-adds), ``o`` a fixed per-forward overhead
-and ``k`` the per-position cost of repeating the prompt cache.  The constants were fitted on the 4-layer, hidden-128,
-8-expert top-2 model on one CPU thread (``experiments/bench/bench_share_prompt.py``); the model is conservative: a shared
-forward is chosen only when its estimate is below ``MARGIN`` times the plain forward's, so where the estimate is
-unsure the plain forward runs.  The choice is a deterministic function of the shapes and the config.
+with ``w`` read from the model's config (:meth:`ForwardCostModel.from_config`), ``o`` a fixed per-forward overhead
+and ``k`` the per-position cost of repeating the prompt cache, fitted on the 4-layer, hidden-128, 8-expert top-2
+model on one CPU thread (``experiments/bench/bench_share_prompt.py``).  A shared forward is chosen only when its
+estimate is below ``MARGIN`` times the plain forward's; the choice is a deterministic function of the shapes and
+the config.
 """
 from __future__ import annotations
 

@@ -1,26 +1,19 @@
 """The kept set of each sampled token: the token ids a truncated sampling distribution (top-k, top-p) could draw.
 
 Nucleus sampling (top-p, Holtzman et al. 2019, arXiv 1904.09751) and top-k sampling draw token ``t`` from the
-softmax of the scores restricted to a kept set ``K_t`` (the scores outside ``K_t`` are ``-inf``):
-``mu(x | K_t) = exp(s_x) / sum_{j in K_t} exp(s_j)`` for ``x in K_t``.  A trainer that takes its log-probs over the
-whole vocabulary describes another distribution than the one sampled.  :class:`KeptTokens` carries ``K_t`` from
-the engine to the trainer, which then takes ``log pi(x | K_t) = z_x / tau - logsumexp_{j in K_t}(z_j / tau)`` with
-its own logits ``z`` (:func:`offpolicy_moe.models.token_logprobs.token_logprobs`, ``kept=``).
-
-The kept set is the ENGINE's set of token ids, replayed as routing replay replays expert ids: the trainer does not
-re-run top-p on its own logits (with other weights or another precision it would keep another set, and the
-behaviour and trainer log-probs would again describe different distributions); it renormalises its own
-probabilities over the engine's ids.
+softmax of the scores restricted to a kept set ``K_t``: ``mu(x | K_t) = exp(s_x) / sum_{j in K_t} exp(s_j)``.
+:class:`KeptTokens` carries ``K_t`` from the engine to the trainer, which takes
+``log pi(x | K_t) = z_x / tau - logsumexp_{j in K_t}(z_j / tau)`` with its own logits ``z``
+(:func:`offpolicy_moe.models.token_logprobs.token_logprobs`, ``kept=``).  The kept set is the ENGINE's, replayed
+as routing replay replays expert ids: re-running top-p on the trainer's own logits would keep another set.
 
 Storage is ragged, never ``V`` floats per token: ``counts [B, T]`` (``|K_t|``; 0 = no kept set recorded, the whole
-vocabulary: padding, or positions outside the response) and ``ids``, one segment per position in row-major
-``(b, t)`` order.  A segment is the position's kept ids, ascending, when there are at most ``W`` of them, else a
-bitmask of the vocabulary in ``W`` little-endian words (bit ``j % 8`` of the segment's byte ``j // 8`` set when
-token ``j`` is kept), where ``W = ceil(V / w)`` for words of ``w`` bits: a segment never holds more than ``W``
-words.  Words and counts
-are int16 when the vocabulary has at most 32767 tokens, else int32, so a sampled token costs
-``h + h * min(|K_t|, W)`` bytes with ``h = 2`` or ``4``: at most ``V / 8 + 8`` bytes (18,996 for a 151,936-token
-vocabulary), and ``4 + 4|K_t|`` for the small kept sets of a peaked distribution.
+vocabulary) and ``ids``, one segment per position in row-major ``(b, t)`` order.  A segment is the position's kept
+ids, ascending, when there are at most ``W`` of them, else a bitmask of the vocabulary in ``W`` little-endian words
+(bit ``j % 8`` of the segment's byte ``j // 8`` set when token ``j`` is kept), ``W = ceil(V / w)`` for words of
+``w`` bits.  Words and counts are int16 when the vocabulary has at most 32767 tokens, else int32, so a sampled
+token costs ``h + h * min(|K_t|, W)`` bytes with ``h = 2`` or ``4``: at most ``V / 8 + 8`` bytes (18,996 for a
+151,936-token vocabulary), and ``4 + 4|K_t|`` for the small kept sets of a peaked distribution.
 """
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Batch-layout helpers shared by the trainer's log-prob forwards, group packing and the rollout engine.
-
-* :func:`position_ids_from_mask` — positions counting real tokens only, as ``generate`` numbers them;
-* :func:`prompt_groups` — which rows of a ``[B, P+T]`` batch share a prompt (the G samples of a GRPO group);
-* :func:`accepts_kwarg` — whether a model's ``forward`` takes a keyword (cached per class);
-* :func:`cache_kwarg` — the keyword a model's ``forward`` takes its KV cache by (``cache`` from transformers 5.24,
-  ``past_key_values`` before), or None.
-"""
+"""Batch-layout helpers shared by the trainer's log-prob forwards, group packing and the rollout engine."""
 from __future__ import annotations
 
 import functools
@@ -56,8 +49,7 @@ CACHE_KWARGS = ("cache", "past_key_values")     # transformers >= 5.24 names it 
 
 
 def cache_kwarg(model: torch.nn.Module) -> str | None:
-    """The name under which ``type(model).forward`` takes a KV cache, or None when it takes none.  transformers 5.24
-    renamed ``past_key_values`` to ``cache`` (the old name is still accepted with a deprecation warning until 5.40,
-    but no longer appears in the signature), so a check of one name alone silently misses the newer models."""
+    """The name under which ``type(model).forward`` takes a KV cache (``cache`` from transformers 5.24,
+    ``past_key_values`` before, no longer in the newer signatures), or None when it takes none."""
     params = _forward_params(type(model))
     return next((name for name in CACHE_KWARGS if name in params), None)

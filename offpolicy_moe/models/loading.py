@@ -1,15 +1,5 @@
-"""Build a policy from a preset or load a local Hugging Face checkpoint offline, and check it fits.
-
-``load_policy(cfg)`` returns ``(model, tokenizer)``:
-
-* ``cfg.path`` set → ``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` and
-  ``AutoTokenizer.from_pretrained(cfg.tokenizer_path or path, local_files_only=True)`` (or the
-  ``tokenizer`` argument); nothing is fetched from the network;
-* otherwise ``cfg.preset`` is built from config with the char tokenizer's vocabulary.
-
-:func:`check_compatibility` raises ``ValueError`` with a message naming both sides when the
-tokenizer does not fit the embedding, or the MoE shape (experts, top-k) is not the expected one.
-"""
+"""Build a policy from a preset or load a local Hugging Face checkpoint offline (``local_files_only``, nothing
+fetched from the network), and check that model and tokenizer fit (:func:`check_compatibility`)."""
 from __future__ import annotations
 
 import os
@@ -65,13 +55,10 @@ def _embedding_rows(model) -> int:
 
 def check_compatibility(model, tok, *, num_experts: Optional[int] = None, top_k: Optional[int] = None,
                         require_moe: bool = False, task=None) -> MoEInfo:
-    """Check that ``model`` and ``tok`` (and optionally ``task``) can be trained together.
-
-    Raises ``ValueError`` when: the tokenizer has more tokens than the embedding has rows (or a
-    special id falls outside it); eos/pad ids are missing; ``require_moe`` and the model has no MoE
-    layer; the model's experts or top-k differ from ``num_experts``/``top_k``; a character of the
-    task's prompts/answers cannot be encoded.  Returns the model's :class:`MoEInfo`.
-    """
+    """Check that ``model`` and ``tok`` (and optionally ``task``) can be trained together; returns the model's
+    :class:`MoEInfo`.  ``ValueError`` when the tokenizer does not fit the embedding (or a special id falls outside it),
+    eos/pad ids are missing, ``require_moe`` and the model has no MoE layer, experts or top-k differ from
+    ``num_experts``/``top_k``, or a character of the task's text cannot be encoded."""
     rows = _embedding_rows(model)
     n_tok = len(tok)
     if n_tok > rows:
@@ -209,11 +196,9 @@ def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_ex
                 expected_top_k: Optional[int] = None, require_moe: bool = False, task=None):
     """``(model, tokenizer)`` for a ``ModelConfig``, checked with :func:`check_compatibility`.
 
-    Tokenizer: the ``tokenizer`` argument, else ``cfg.tokenizer_path``, else (checkpoint) ``cfg.path``,
-    else (preset) the built-in char tokenizer, with byte fallback when ``task``'s text needs it
-    (:func:`~offpolicy_moe.tasks.tokenizer.embedded_tokenizer`).  For a preset, its experts and top-k are checked against
-    ``cfg``; for a checkpoint only against ``expected_num_experts``/``expected_top_k`` when given (the
-    preset-size fields of ``cfg`` describe presets, not checkpoints).  ``seed`` fixes a preset's init.
+    Tokenizer: the argument, else ``cfg.tokenizer_path``, else ``cfg.path``, else (preset) the built-in char tokenizer
+    (with byte fallback when ``task``'s text needs it).  A preset's experts and top-k are checked against ``cfg``; a
+    checkpoint's only against ``expected_num_experts``/``expected_top_k`` (``cfg``'s size fields describe presets).
     """
     if getattr(cfg, "path", None):
         load_model_config(cfg.path)   # a folder that is not a model is named as such before its tokenizer is read

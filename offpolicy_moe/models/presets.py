@@ -1,14 +1,10 @@
-"""Tiny model presets built from config (random init, nothing downloaded).
+"""Tiny model presets built from config (random init, nothing downloaded; vocabulary and special ids from the
+tokenizer).
 
-* ``tiny-qwen3-moe``: ``Qwen3MoeForCausalLM``, every layer an MoE block (``num_experts`` experts,
-  top-``top_k`` routing, ``norm_topk_prob=True`` as in Qwen3-MoE), head_dim 16 (``model.head_dim``; 32 is the
-  variant vLLM's CPU attention serves, docs/engines.md), grouped-query
-  attention (kv heads = heads / 2), expert width = hidden size, untied embeddings (like real Qwen3-MoE
-  checkpoints), no router aux loss in the model (the trainer owns that coefficient).
-* ``tiny-dense``: ``Qwen3ForCausalLM`` of the same width and depth with a dense MLP (4 × hidden), for
-  tests that must refuse a model without MoE layers.
-
-The vocabulary size and the pad/bos/eos ids come from the tokenizer.
+* ``tiny-qwen3-moe``: ``Qwen3MoeForCausalLM``, every layer an MoE block (``norm_topk_prob=True`` as in Qwen3-MoE),
+  head_dim 16 (32 is the variant vLLM's CPU attention serves, docs/engines.md), kv heads = heads / 2, expert width =
+  hidden size, untied embeddings, no router aux loss in the model (the trainer owns that coefficient).
+* ``tiny-dense``: ``Qwen3ForCausalLM`` with a dense MLP (4 × hidden), for tests that must refuse a dense model.
 """
 from __future__ import annotations
 

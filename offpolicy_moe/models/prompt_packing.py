@@ -1,21 +1,15 @@
 """Group packing: one forward over a GRPO group's shared prompt and all of its responses.
 
-The G samples of a prompt share it, and under causal attention the prompt positions never see a response, so the
-prompt's hidden states are the same for every sample.  A packed row holds the prompt ONCE followed by the fed
-response tokens of each sample of the group (``[prompt | r_1 | r_2 | ... | r_G]``); a block attention mask lets
-every response token see the prompt and the earlier tokens of its own response only, and the position ids are those
-of the plain ``[prompt, response]`` row.  Each token's attention inputs are then exactly those of the plain forward,
-so the log-probs and their gradients are the plain forward's up to float rounding, from
-``U * (P + G_max * (T - 1))`` tokens instead of ``B * (P + T)`` (the last response token is never fed: nothing is
-predicted from it) and in ONE forward and backward.
+Under causal attention the prompt positions never see a response, so the prompt's hidden states are the same for
+every sample.  A packed row holds the prompt ONCE followed by the fed response tokens of each sample of the group
+(``[prompt | r_1 | r_2 | ... | r_G]``); a block attention mask lets every response token see the prompt and the
+earlier tokens of its own response only, with the position ids of the plain ``[prompt, response]`` row.  The
+log-probs and their gradients are then the plain forward's up to float rounding, from
+``U * (P + G_max * (T - 1))`` tokens instead of ``B * (P + T)`` and in ONE forward and backward.
 
-Route traces (R3/R2 replay) are re-laid out the same way (:meth:`GroupPacking.pack_trace`); a group whose samples
-carry different prompt routes is not packed (replaying one sample's prompt routes for all would change the others).
-
-The mask is a dense ``[U, 1, L, L]`` additive tensor, so packing is for short responses: :func:`plan_group_packing`
-declines (returns None) when the mask would exceed ``max_mask_elements`` or when fewer than half of the rows repeat
-a prompt, and the attention implementation must take a 4-D mask (``sdpa``, ``eager``).  Sharing prompts this way is
-a standard trick of RL trainers for LLMs; the layout here is this library's own.
+Route traces are re-laid out the same way (:meth:`GroupPacking.pack_trace`); a group whose samples carry different
+prompt routes is not packed.  The mask is a dense ``[U, 1, L, L]`` additive tensor, so packing is for short
+responses (``max_mask_elements``), and the attention implementation must take a 4-D mask (``sdpa``, ``eager``).
 """
 from __future__ import annotations
 
@@ -100,11 +94,10 @@ class GroupPacking:
     def response_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                           kept: Optional[Any] = None) -> torch.Tensor:
         """``[B, T]`` log-probs of the response tokens ``targets [B, T]`` from the packed logits ``[U, L, V]``,
-        without laying the logits out like the plain batch (:meth:`response_logits` copies ``[B, T, V]``): token 0
-        of each row from its prompt's last position, tokens ``t >= 1`` from one :func:`token_logprobs` call over the
-        packed positions, each of which predicts at most one token (the others get a dummy target and no
-        gradient).  ``kept`` (``KeptTokens [B, T]``): each token's kept set, laid out like the packed positions
-        (the others get none)."""
+        without the ``[B, T, V]`` copy of :meth:`response_logits`: token 0 of each row from its prompt's last position,
+        tokens ``t >= 1`` from one :func:`token_logprobs` call over the packed positions (each predicts at most one
+        token; the others get a dummy target and no gradient).  ``kept`` (``KeptTokens [B, T]``) is laid out
+        likewise."""
         P = self.prompt_len
         if tuple(logits.shape[:2]) != (self.num_rows, self.length):
             raise ValueError(f"packed logits have [U, L] = {tuple(logits.shape[:2])}, the packing "
@@ -181,11 +174,8 @@ def plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     """The packed layout of a batch whose rows repeat prompts, or None when packing does not pay or does not fit:
     fewer than half of the rows repeat a prompt (``2U > B``), or ``U * L * L > max_mask_elements``.
 
-    ``samples_per_row`` fixes the response slots of a packed row (e.g. the rollout group size) instead of choosing
-    them from the rows present: a micro-batch holding part of a group then packs rows of the same width as the
-    whole group, so its log-probs are bit for bit those of the uncut batch (the width changes the float rounding of
-    attention).  The cost model chooses it too
-    (:func:`offpolicy_moe.models.forward_plan.forward_costs`)."""
+    ``samples_per_row`` fixes the response slots of a packed row instead of choosing them from the rows present
+    (see :func:`~offpolicy_moe.models.response_logprobs.plan_shared_forward`'s ``group_size``)."""
     if samples_per_row is not None and samples_per_row < 1:
         raise ValueError(f"samples_per_row must be >= 1, got {samples_per_row}")
 

@@ -1,33 +1,10 @@
 """Per-token log-probs of the response under a policy forward (with whatever routing context is open).
 
-For a sequence ``x`` of prompt length ``P`` and response length ``T`` the log-prob of response token ``t`` is
-``log softmax(z_{P-1+t} / temperature)[x_{P+t}]`` where ``z_j`` are the logits at position ``j``.  Dividing by the
-sampling temperature makes the trainer's distribution the same one the engine sampled from.  When the engine
-truncated its distribution (``rollout.top_k > 0`` or ``rollout.top_p < 1``) the batch carries each token's kept set
-``K_t`` (:class:`~offpolicy_moe.models.kept_tokens.KeptTokens`), and the softmax is restricted to the engine's ids
-and renormalised, ``z_x / τ - logsumexp_{j in K_t}(z_j / τ)``: the same truncated distribution, by every way of
-running the forward below.
-
-Memory: only the ``T + 1`` last positions' logits are produced (``logits_to_keep``), and the log-prob is
-``z[x] - logsumexp(z)`` computed over blocks of positions (:func:`token_logprobs`), which never materialises a
-second ``[B, T, V]`` tensor (log-softmax, float32 copy or exponentials).
-
-Shared prompts (``share_prompt``): the G samples of a GRPO group share their prompt, and under causal attention
-the prompt positions never see the response, so their hidden states, keys and values are the same for every
-sample.  Two ways to compute them once per distinct prompt (values equal to the plain forward's up to float
-rounding, gradients included):
-
-* packing (preferred): one forward over ``[prompt | r_1 | ... | r_G]`` rows with a block attention mask
-  (:mod:`offpolicy_moe.models.prompt_packing`); works under route replay (the trace is re-laid out) and activation
-  checkpointing; needs an attention implementation that takes a 4-D mask and short enough responses;
-* a KV cache: a prompt pass (with gradients) fills a cache, its rows are repeated to the B sequences, and a
-  response pass runs against it (two forwards; any attention implementation; not under checkpointing, which keeps
-  no cache in training).
-
-Both feed only ``T - 1`` response tokens (nothing is predicted from the last one), and both are skipped when fewer
-than half of the rows repeat a prompt.  Packing's attention grows with the square of the packed row, so neither
-always pays: ``share_prompt=True``/``"auto"`` lets a cost model (:mod:`offpolicy_moe.models.forward_plan`) pick
-plain, packed or cached per batch from the prompt length, response length and group sizes
+Logits are divided by the sampling temperature, and restricted to the engine's kept sets when it truncated
+(:class:`~offpolicy_moe.models.kept_tokens.KeptTokens`), so the trainer describes the distribution the engine sampled
+from.  Only the last ``T + 1`` positions' logits are produced (``logits_to_keep``).  A GRPO group's shared prompt is
+computed once per distinct prompt, by packing (:mod:`offpolicy_moe.models.prompt_packing`) or by a prompt pass whose
+KV cache the response pass reuses; a cost model (:mod:`offpolicy_moe.models.forward_plan`) picks per batch
 (:func:`plan_shared_forward`).
 """
 from __future__ import annotations
@@ -99,16 +76,13 @@ def plan_shared_forward(model: torch.nn.Module, input_ids: torch.Tensor, attenti
                         ) -> tuple[ForwardPlan, Optional[GroupPacking]]:
     """Which forward runs this batch, ``(plan, packing)`` (``packing`` set when ``plan.mode == "pack"``).
 
-    ``share_prompt``: False → plain; ``"pack"``/``"cache"`` → that way whenever it applies (packing with the group
-    size that feeds fewest tokens); True/``"auto"`` → the cost model's pick among the ways that apply
-    (:func:`offpolicy_moe.models.forward_plan.choose_forward`).  A way applies when at least half of the rows
-    repeat a prompt, it is in ``allowed``, and the model supports it (packing: a 4-D mask; the cache: a KV cache
-    and no activation checkpointing).
+    ``share_prompt``: False → plain; ``"pack"``/``"cache"`` → that way whenever it applies; True/``"auto"`` → the
+    cost model's pick among the ways that apply: at least half of the rows repeat a prompt, the way is in ``allowed``
+    and the model supports it (packing: a 4-D mask; the cache: a KV cache and no activation checkpointing).
 
-    ``group_size``: decide from the shape of whole groups (every prompt with ``group_size`` rows) instead of the rows
-    present, and pack rows of that many slots.  The trainer passes the rollout group size, so a micro-batch holding
-    part of a group runs the same way, with rows of the same width, as the whole batch: its log-probs are then bit
-    for bit those of the uncut batch (the width changes attention's float rounding)."""
+    ``group_size``: decide from the shape of whole groups and pack rows of that many slots, so that a micro-batch
+    holding part of a group runs as the whole batch does, with rows of the same width: its log-probs are then bit for
+    bit those of the uncut batch (the width changes attention's float rounding)."""
     if share_prompt not in _SHARE_MODES:
         raise ValueError(f"share_prompt must be one of {_SHARE_MODES}, got {share_prompt!r}")
     base = model.module if hasattr(model, "module") else model   # DDP wrapper
@@ -146,17 +120,12 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention
     """``[B, T]`` float32 log-probs of ``input_ids[:, prompt_len:]`` (0 where ``response_mask`` is 0):
     ``log π(x_{P+t} | x_{<P+t}) = z_{P-1+t}[x_{P+t}] / τ - logsumexp(z_{P-1+t} / τ)``.
 
-    ``share_prompt`` (``True``/``"auto"``): run each distinct prompt once when at least half of the rows repeat a
-    prompt and the cost model estimates it cheaper than the plain forward — packed with its responses in one
-    forward (:mod:`offpolicy_moe.models.prompt_packing`) or a prompt pass whose KV cache the response pass reuses
-    (module docstring), see :func:`plan_shared_forward`; ``"pack"`` / ``"cache"`` try only that way before the
-    plain forward.  ``packing``: a layout planned by the caller (who re-laid out a replay trace the same way).  The
-    values are the plain forward's up to float rounding.
+    ``share_prompt``: see :func:`plan_shared_forward`; ``packing``: a layout planned by the caller (who re-laid out
+    a replay trace the same way).  The values are the plain forward's up to float rounding.
 
-    ``kept``: the engine's kept set of every response token (``[B, T]``, top-k / top-p): the log-probs are then
-    those of the engine's truncated distribution, ``z_x / τ - logsumexp_{j in K_t}(z_j / τ)`` with the trainer's
-    own logits over the engine's ids (:func:`token_logprobs`), gradients through the renormalisation.  Refused in
-    one line when its shape is not ``[B, T]`` or a token of ``response_mask`` has no kept set."""
+    ``kept`` (``[B, T]``): the log-probs are those of the engine's truncated distribution,
+    ``z_x / τ - logsumexp_{j in K_t}(z_j / τ)``, gradients through the renormalisation.  Refused in one line when its
+    shape is not ``[B, T]`` or a token of ``response_mask`` has no kept set."""
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must both be [B, S]")

@@ -26,26 +26,19 @@ ACCELERATOR_LOGPROB_BLOCK = 1 << 26
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
                    block_elements: Optional[int] = None, kept: Optional[KeptTokens] = None) -> torch.Tensor:
     """``[B, T]`` float32 (float64 for float64 logits) ``z[x] / τ - logsumexp(z / τ)`` of logits
-    ``z [B, T, V]`` at ``targets [B, T]``, over blocks of positions of at most ``block_elements`` logits (at least
-    one position).  With a real vocabulary the float32 copy and logsumexp's temporaries of the whole tensor would
-    each be as large as the logits (128 x 256 positions, V = 32k: 4.3 GB); here they exist for one block at a
-    time.  Under autograd the backward recomputes each block's softmax from the logits as they came,
-    ``d/dz_j = g (1[j = x] - softmax(z / τ)_j) / τ``, written straight into one gradient tensor: nothing but the
-    logits and one float per position is kept (autograd through the float32 arithmetic would keep a float32 copy
-    of every block, twice a bfloat16 model's logits, and each block's gradient before joining them).
-    ``block_elements``: :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere.
+    ``z [B, T, V]`` at ``targets [B, T]``, over blocks of at most ``block_elements`` logits (default
+    :data:`CPU_LOGPROB_BLOCK` on the CPU, :data:`ACCELERATOR_LOGPROB_BLOCK` elsewhere): a whole-tensor float32 copy
+    would be as large as the logits (128 x 256 positions, V = 32k: 4.3 GB).  The backward recomputes each block's
+    softmax from the logits, ``d/dz_j = g (1[j = x] - softmax(z / τ)_j) / τ``, into one gradient tensor: nothing but
+    the logits and one float per position is kept.
 
-    ``kept``: the sampling engine's kept set ``K_{b,t}`` of every position (top-k / top-p; count 0: none, the whole
-    vocabulary).  The log-prob is then that of the truncated, renormalised distribution the engine sampled from,
-    ``z[x] / τ - logsumexp_{j in K}(z_j / τ)`` (nucleus sampling: Holtzman et al. 2019, arXiv 1904.09751), and its
-    gradient ``d/dz_j = g (1[j = x] - softmax_K(z / τ)_j) / τ`` on ``K``, 0 outside: the renormalisation is
-    differentiated, the choice of ``K`` (the engine's) is not.  Each block's 0/1 indicator of ``K`` exists for that
-    block only, and every exponent stays at most 0 (:func:`_kept_logsumexp`).  Finite logits give finite values in
-    any dtype, since ``x`` is always in ``K``.
+    ``kept``: the engine's kept set ``K_{b,t}`` of every position (count 0: the whole vocabulary); the log-prob is then
+    the truncated, renormalised one, ``z[x] / τ - logsumexp_{j in K}(z_j / τ)`` (Holtzman et al. 2019, arXiv
+    1904.09751), gradient ``g (1[j = x] - softmax_K(z / τ)_j) / τ`` on ``K`` and 0 outside (the choice of ``K`` is not
+    differentiated); finite in any dtype, since ``x`` is always in ``K``.
 
-    Refuses (``ValueError``, naming the problem) logits that are not ``[B, T, V]`` floats, targets of another shape
-    or out of ``[0, V)``, a temperature that is not finite and positive, kept sets of another shape or vocabulary,
-    a target outside its kept set."""
+    Refuses (``ValueError``) logits that are not ``[B, T, V]`` floats, targets of another shape or out of ``[0, V)``,
+    a temperature that is not finite and positive, kept sets that do not fit, a target outside its kept set."""
     if logits.dim() != 3 or not logits.is_floating_point():
         raise ValueError(f"token_logprobs: logits must be a float [B, T, V] tensor, got {logits.dtype} "
                          f"{tuple(logits.shape)}")
@@ -120,12 +113,10 @@ def _forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, bl
 
 
 def _kept_logsumexp(z: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``logsumexp`` over the kept tokens (``keep``: 1 kept, 0 not, ``z``'s shape and dtype) of one block:
-    ``c + log sum_j keep_j exp(z_j - c)`` with ``c`` the block's row maximum, so every exponent is at most 0 (no
-    overflow, and no ``exp`` of the huge negative numbers a mask value would need, which the CPU's vectorised
-    ``exp`` computes several times slower).  Positions whose kept sum falls below ``tiny ** 0.5`` (all kept tokens
-    far below a token outside the set: the sum underflows or loses digits) are redone exactly, ``logsumexp`` of
-    ``z`` with the others at ``-inf``."""
+    """``logsumexp`` over the kept tokens (``keep``: 1 kept, 0 not) of one block: ``c + log sum_j keep_j exp(z_j -
+    c)`` with ``c`` the row maximum, so every exponent is at most 0 (no overflow, and no slow CPU ``exp`` of huge
+    negative mask values).  Positions whose kept sum falls below ``tiny ** 0.5`` (underflow or lost digits) are redone
+    exactly, ``logsumexp`` of ``z`` with the others at ``-inf``."""
     c = z.amax(dim=-1, keepdim=True)
     s = torch.exp(z - c).mul_(keep).sum(dim=-1)
     out = torch.log(s).add_(c.squeeze(-1))

@@ -1,32 +1,11 @@
 """Claims: a paper's finding restated as "treatment vs baseline on one metric, in one direction", checked against a
-sweep's runs with a paired t interval (:mod:`offpolicy_moe.report.stats`).
-
-::
-
-    report:
-      claims:
-        - claim: "R3 lowers the train/inference k3 KL"           # required: what is claimed, in words
-          paper: "R3 (arXiv 2510.11370): ~1e-3 -> ~1e-5"          # required: the paper's figure
-          metric: mismatch/k3_kl                                  # required: one metric (":lower" only steers agg best)
-          treatment: {algorithm: grpo+r3}                         # required: axis labels of the treatment runs
-          baseline: {algorithm: grpo}                             # baseline runs' axis labels, or instead:
-          # baseline_value: 1.0                                   #   a constant (one-sample claim); exactly one
-          expect: lower                                           # required: higher | lower | same
-          # margin: 0.02                                          # expect same only, required: the band ±margin
-          #                                                       #   (a ratio factor > 1 on scale log: ×/÷margin)
-          where: {ministep: single}                               # optional: fixes other axes for both sides
-          agg: "mean_last:5"                                      # optional: default the report's agg
-          scale: log                                              # optional: linear (default) | log
-          explain: "..."                                          # optional: shown unless the verdict is reproduced
+sweep's runs with a paired t interval (:mod:`offpolicy_moe.report.stats`).  The ``report.claims`` format and the
+verdicts are in docs/sweeps.md, "Claims".
 
 Each side's completed runs are reduced to one value per seed by ``agg``; the two sides are paired by seed and
 compared (:func:`~offpolicy_moe.report.stats.compare`), or, with ``baseline_value``, the treatment's seeds are
-compared with the constant (:func:`~offpolicy_moe.report.stats.compare_to_value`, a one-sample t interval); the
-verdict is :func:`~offpolicy_moe.report.stats.verdict`. A side without usable runs gives the verdict ``no runs``
-and says why.
-
-:func:`parse_claims` checks an entry on its own (keys, values); :func:`check_claim_axes` checks its axis names
-against a grid before any run exists (``offpolicy-moe sweep`` calls both at plan time).
+compared with the constant (:func:`~offpolicy_moe.report.stats.compare_to_value`).  :func:`parse_claims` checks
+an entry on its own, :func:`check_claim_axes` its axis names against a grid before any run exists.
 """
 from __future__ import annotations
 
@@ -107,10 +86,8 @@ class ClaimResult:
 
 
 def parse_claims(items: Any, where: str = "report") -> list[Claim]:
-    """Validate ``report.claims`` (a list of mappings) into :class:`Claim` records.
-
-    Every problem is a one-line :class:`ValueError` naming ``<where>.claims[i]`` and the key.
-    """
+    """Validate ``report.claims`` (a list of mappings) into :class:`Claim` records; every problem is a one-line
+    :class:`ValueError` naming ``<where>.claims[i]`` and the key."""
     if items is None:
         return []
     if not isinstance(items, list):
@@ -185,13 +162,11 @@ def parse_claim(item: Any, index: int, where: str = "report") -> Claim:
 
 def check_claim_axes(claims: Sequence[Claim], axes: Mapping[str, Sequence[str]],
                      configs: Iterable[Mapping] = (), where: str = "report") -> list[str]:
-    """Check parsed claims against a grid before any run exists: every axis a claim names (in ``treatment``,
-    ``baseline`` or ``where``) must be a grid axis (``axes``: name -> labels), ``seed``, or a leaf key of one of
-    ``configs`` (the planned runs' resolved configs, as nested dicts; read only if some name is not a grid axis).
+    """Check parsed claims against a grid before any run exists: every axis a claim names must be a grid axis
+    (``axes``: name -> labels), ``seed``, or a leaf key of one of ``configs`` (the planned runs' resolved configs).
 
-    An unknown name is a one-line :class:`ValueError` with a did-you-mean. A label that the grid axis does not have
-    is only a warning (returned): such a claim reads ``no runs``, which may be meant (a method left out of this
-    sweep).
+    An unknown name is a one-line :class:`ValueError` with a did-you-mean.  A label the grid axis lacks is only a
+    warning (returned): such a claim reads ``no runs``, which may be meant.
     """
     config_keys: Optional[set[str]] = None
     warnings: list[str] = []
@@ -224,11 +199,9 @@ def evaluate_claims(sweep_dir: str | Path, claims: Sequence[Claim], default_agg:
 
 
 def evaluate_claim(claim: Claim, runs: Sequence[RunRecord], default_agg: str) -> ClaimResult:
-    """One claim: each side's per-seed values, their paired comparison and the verdict.
-
-    An axis no run knows is an error (a typo in the spec), as is an axis other than the seed that varies among one
-    side's runs (``where:`` must fix it); a side with no usable runs is the verdict ``no runs``, with the reason.
-    """
+    """One claim: each side's per-seed values, their paired comparison and the verdict.  An axis no run knows, or
+    one other than the seed that varies among one side's runs, is an error; a side with no usable runs is the
+    verdict ``no runs``, with the reason."""
     at = f"report.claims[{claim.index}]"
     agg = claim.agg or default_agg
     _check_agg(agg, f"{at}.agg")

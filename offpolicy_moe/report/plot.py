@@ -1,12 +1,6 @@
-"""Plots from run folders (matplotlib, Agg backend; PNG files).
-
-* :func:`plot_curves`: one PNG per metric, x = step, one line per value of ``by`` (the mean over the runs of that
-  value, usually the seeds) with a band (``std``: mean ± sample std; ``minmax``: min to max). Other axes that vary
-  become side-by-side panels.
-* :func:`plot_staleness`: one PNG per metric, x = staleness (symlog axis so 0 sits at the origin, log beyond 1),
-  y = the per-run aggregate (:data:`~offpolicy_moe.report.table.DEFAULT_AGG` by default, as tables, see :mod:`offpolicy_moe.report.table`), one line per value of
-  ``by``, error bars = sample std over seeds.
-Failed and incomplete runs are left out (their count goes in the title).
+"""Plots from run folders (matplotlib, Agg backend; PNG files): curves per step with seed bands
+(:func:`plot_curves`) and an aggregate against staleness (:func:`plot_staleness`, symlog axis so 0 sits at the
+origin).  Failed and incomplete runs are left out (their count goes in the title).
 """
 from __future__ import annotations
 
@@ -76,10 +70,9 @@ def plot_curves(
     runs: Optional[list[RunRecord]] = None,
     skip_missing: bool = False,
 ) -> list[Path]:
-    """Write ``<out_dir>/<metric>.png`` for each metric; returns the paths. ``out_dir`` defaults to ``<sweep>/plots``.
-
-    A metric no selected run logs raises ``ValueError`` (or is skipped with ``skip_missing``).
-    """
+    """Write ``<out_dir>/<metric>.png`` (default ``<sweep>/plots``) for each metric: one line per value of ``by``
+    with a band (``std``: mean ± sample std; ``minmax``), other varying axes as side-by-side panels.  A metric no
+    selected run logs raises ``ValueError`` (or is skipped with ``skip_missing``)."""
     if band not in ("std", "minmax", "none"):
         raise ValueError(f"unknown --band {band!r}; expected std, minmax or none")
     plt = _plt()

@@ -1,9 +1,6 @@
-"""Reading run folders (the only input of tables and plots; never wandb).
-
-A run folder holds ``metrics.jsonl`` (one JSON object per logged step, with a ``step`` key), ``summary.json``
-(``status``), ``config.yaml`` and, inside a sweep, ``run.json`` (axis labels and seed). Axis values come from
-``run.json``; any other name is looked up as a dotted key of ``config.yaml`` (so plain trainer run folders can be
-tabulated by config key too).
+"""Reading run folders (the only input of tables and plots; never wandb).  Axis values come from ``run.json``;
+any other name is looked up as a dotted key of ``config.yaml``, so plain run folders can be tabulated by config key
+too.
 """
 from __future__ import annotations
 
@@ -77,11 +74,8 @@ class RunRecord:
         return self._summary
 
     def series(self, metric: str) -> list[tuple[float, float]]:
-        """``(step, value)`` pairs of ``metric`` in logging order, finite values only.
-
-        The step is the line's ``step`` (else its index). Falls back to the ``summary.json`` value as a single
-        point when the metric never appears in ``metrics.jsonl``.
-        """
+        """``(step, value)`` pairs of ``metric`` in logging order, finite values only; the ``summary.json`` value as a
+        single point when the metric never appears in ``metrics.jsonl``."""
         out = []
         for i, row in enumerate(self.rows):
             v = row.get(metric)

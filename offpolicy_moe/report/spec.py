@@ -1,31 +1,10 @@
-"""The ``report:`` section of an experiment (copied into the sweep folder as ``experiment.yaml``).
+"""The ``report:`` section of an experiment (copied into the sweep folder as ``experiment.yaml``; its format is in
+docs/sweeps.md).
 
-::
-
-    report:
-      agg: "mean_last:3"          # optional: the sweep's default aggregation for every table and plot below AND
-                                  # for `table`/`plot` command lines without --agg (else "final")
-      tables:
-        - {title: Accuracy, rows: algorithm, cols: staleness, metric: eval/accuracy, agg: "mean_last:3"}
-        - {rows: algorithm, metric: "eval/accuracy,mismatch/k3_kl:lower", where: {ministep: single}}
-        - {rows: algorithm, cols: staleness, metric: eval/accuracy, baseline: grpo}   # + paired Δ vs the grpo row
-      plots:
-        - {metrics: [reward/mean, eval/accuracy], by: algorithm, band: std}
-        - {metrics: [eval/accuracy], by: algorithm, staleness_axis: staleness, agg: final}
-      claims:                     # checked with a paired t interval; see offpolicy_moe.report.claims
-        - {claim: "R3 lowers the k3 KL", paper: "~1e-3 -> ~1e-5", metric: mismatch/k3_kl, expect: lower,
-           treatment: {algorithm: grpo+r3}, baseline: {algorithm: grpo}, where: {ministep: single}, scale: log}
-        - {claim: "M2PO matches GRPO", paper: "fig. 1", metric: eval/accuracy, expect: same, margin: 0.02,
-           treatment: {algorithm: m2po}, baseline: {algorithm: grpo}}            # equivalence within ±margin
-        - {claim: "PR2 skill ratio < 1", paper: "-", metric: pr2/skill_ratio, expect: lower,
-           treatment: {algorithm: grpo+pr2}, baseline_value: 1.0}                # one sample, vs a constant
-
-``offpolicy-moe table SWEEP`` / ``offpolicy-moe plot SWEEP`` without ``--metric(s)`` render these. Tables and
-plots of one sweep aggregate the same way unless an entry or ``--agg`` says otherwise (:func:`default_agg`).
-
-The section is parsed once, by :func:`parse_report`, into a :class:`ReportSpec` of :class:`TableSpec`,
-:class:`PlotSpec` and :class:`~offpolicy_moe.report.claims.Claim` records: the sweep planner checks an experiment
-file with it before any run, and ``table`` / ``plot`` read the copy in the sweep folder with it.
+:func:`parse_report` is its one parser, into a :class:`ReportSpec` of :class:`TableSpec`, :class:`PlotSpec` and
+:class:`~offpolicy_moe.report.claims.Claim` records: the sweep planner checks an experiment file with it before any
+run, and ``table`` / ``plot`` read the copy in the sweep folder with it.  Tables and plots of one sweep aggregate
+the same way unless an entry or ``--agg`` says otherwise (:func:`default_agg`).
 """
 from __future__ import annotations
 

@@ -1,29 +1,15 @@
-"""Paired comparisons of two cells of a sweep over seeds: differences, a Student-t interval, a verdict.
+"""Paired comparisons of two cells of a sweep over seeds: differences, a Student-t interval, a verdict
+(docs/sweeps.md, "Paired differences" and "Claims").  Runs of one seed share their data order and initialisation,
+so the comparison is paired:
 
-A *treatment* and a *baseline* cell hold one number per seed (a run's series reduced by the table's ``agg``), with
-every other axis fixed. Runs of one seed share their data order and initialisation, so the comparison is paired:
-
-* pairing: ``d_i = treatment_i − baseline_i`` for every seed ``i`` present in both cells (a seed present in one
-  cell only is dropped and counted);
-* interval: with ``n`` pairs, ``mean = Σ d_i / n``, ``sd = sqrt(Σ (d_i − mean)² / (n − 1))`` and the 95% interval of
-  the mean difference is ``mean ± t_{0.975, n−1} · sd / √n`` (Student t with n − 1 degrees of freedom). No interval
-  for n < 2;
-* log scale (ratio claims, "cuts the KL 100×"): ``d_i = log10 treatment_i − log10 baseline_i`` and the estimate and
-  interval are reported back as ratios ``10**mean`` and ``(10**lo, 10**hi)`` (the ratio of geometric means, paired).
-  Every value must be > 0;
-* one sample (a fixed baseline value ``c`` instead of a baseline cell, :func:`compare_to_value`): ``d_i = t_i − c``
-  (``log10 t_i − log10 c`` on the log scale) for every treatment seed ``i``, and the same interval with ``n`` the
-  number of treatment seeds: the one-sample t interval of ``mean(t) − c``;
-* verdict against an expected direction (``higher`` / ``lower``, treatment vs baseline): ``reproduced`` when the
-  interval excludes 0 on the expected side (``lo > 0`` for higher, ``hi < 0`` for lower), ``opposite`` when it
-  excludes 0 on the other side, ``not resolved`` when it contains 0, ``n too small`` with fewer than two pairs;
-* equivalence (``same`` within a ``margin`` m > 0; on the log scale m is a ratio factor > 1 and the band is
-  ``[−log10 m, +log10 m]`` in log10 units, i.e. ratios in ``[1/m, m]``): ``reproduced`` when the whole interval lies
-  inside ``[−m, +m]`` (``−m ≤ lo`` and ``hi ≤ m``), ``opposite`` when it lies wholly outside the band (``lo > m`` or
-  ``hi < −m``), ``not resolved`` otherwise. A 95% interval inside the band is two one-sided tests at the 2.5% level
+* ``d_i = treatment_i − baseline_i`` for every seed in both cells (the others dropped and counted); on the log scale
+  ``log10`` differences, reported back as ratios ``10**x``; one sample (:func:`compare_to_value`): ``d_i = t_i − c``;
+* the 95% interval of the mean difference is ``mean ± t_{0.975, n−1} · sd / √n`` (sample sd); none for n < 2;
+* ``higher`` / ``lower``: ``reproduced`` when the interval excludes 0 on the expected side, ``opposite`` on the
+  other, ``not resolved`` when it contains 0, ``n too small`` with fewer than two pairs;
+* ``same`` within ``margin`` m (log scale: a ratio factor, the band ±log10 m): ``reproduced`` when the interval lies
+  inside ``[−m, +m]``, ``opposite`` when wholly outside, ``not resolved`` otherwise; two one-sided tests at 2.5%
   each (stricter than the common TOST at 5%, which uses a 90% interval).
-
-Pure functions of plain numbers; no file access.
 """
 from __future__ import annotations
 
@@ -85,11 +71,8 @@ class Interval:
 
 @dataclass(frozen=True)
 class Comparison:
-    """A paired comparison: the pairing, the interval on the difference scale and the scale.
-
-    On the log scale ``interval`` is over ``log10`` differences; :attr:`estimate`, :attr:`lo` and :attr:`hi` give
-    it back as ratios (``10**x``); on the linear scale they are the differences themselves.
-    """
+    """A paired comparison: the pairing, the interval on the difference scale and the scale; on the log scale
+    :attr:`estimate`, :attr:`lo` and :attr:`hi` give the ``log10`` interval back as ratios."""
 
     pairing: Pairing
     interval: Optional[Interval]
@@ -149,10 +132,8 @@ def pair_by_seed(treatment: Mapping[Hashable, float], baseline: Mapping[Hashable
 
 
 def differences(pairing: Pairing, scale: str = "linear") -> list[float]:
-    """``d_i = t_i − b_i`` (linear) or ``log10 t_i − log10 b_i`` (log) over the paired seeds.
-
-    :class:`ValueError` on an unknown scale, or on the log scale when a value is not > 0 (naming the seed).
-    """
+    """``d_i`` over the paired seeds on ``scale``; :class:`ValueError` on an unknown scale, or on the log scale when a
+    value is not > 0 (naming the seed)."""
     _check_scale(scale)
     if scale == "linear":
         return [t - b for t, b in zip(pairing.treatment, pairing.baseline)]
@@ -206,11 +187,9 @@ def compare(treatment: Mapping[Hashable, float], baseline: Mapping[Hashable, flo
 
 def compare_to_value(treatment: Mapping[Hashable, float], value: float, scale: str = "linear",
                      confidence: float = CONFIDENCE) -> Comparison:
-    """One sample: the t interval of ``mean over seeds of (treatment − value)`` (``log10 treatment − log10 value``
-    on the log scale, reported back as a ratio to ``value``), ``n`` = the number of treatment seeds.
-
-    Every seed is "paired" with the constant, so nothing is unpaired and :attr:`Comparison.baseline_mean` is
-    ``value``. :class:`ValueError` for a non-finite value, or one that is not > 0 on the log scale.
+    """One sample: the t interval of ``mean over seeds of (treatment − value)`` (log10 on the log scale, reported as
+    a ratio to ``value``); :attr:`Comparison.baseline_mean` is ``value``.  :class:`ValueError` for a non-finite value,
+    or one that is not > 0 on the log scale.
 
     >>> c = compare_to_value({0: 0.8, 1: 0.9, 2: 0.7}, 1.0)
     >>> c.n, round(c.estimate, 4), round(c.hi, 4)
@@ -242,11 +221,8 @@ def margin_band(margin: float, scale: str = "linear") -> float:
 
 
 def verdict(comparison: Optional[Comparison], expect: str, margin: Optional[float] = None) -> str:
-    """``reproduced`` | ``opposite`` | ``not resolved`` | ``n too small`` | ``no runs`` (see the module docstring).
-
-    ``expect`` is what the claim says of treatment vs baseline: ``higher``, ``lower``, or ``same`` within
-    ``margin`` (required for ``same`` and refused otherwise; a ratio factor > 1 on the log scale).
-    """
+    """``reproduced`` | ``opposite`` | ``not resolved`` | ``n too small`` | ``no runs`` (see the module docstring);
+    ``margin`` is required for ``expect="same"`` and refused otherwise."""
     if expect not in EXPECTS:
         raise ValueError(f"expect must be one of {', '.join(EXPECTS)}, got {expect!r}")
     if expect == "same" and margin is None:
@@ -299,7 +275,6 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _sorted_seeds(seeds: set) -> list:
-    """Seeds in numeric order when they all read as numbers, else by their text."""
     def key(s):
         try:
             return (0, float(s), str(s))

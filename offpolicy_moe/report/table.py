@@ -1,23 +1,10 @@
 """Ablation tables from run folders: cells ``mean ± std (n)`` over seeds, the best cell per column marked.
 
-Per run, a metric's series from ``metrics.jsonl`` is reduced to one number by ``agg``:
-
-| agg | value |
-| --- | --- |
-| ``final`` (``last``) | the last logged value |
-| ``best`` | max of the series (min with lower-is-better) |
-| ``mean_last:N`` | mean of the last N logged values (all of them if fewer) |
-| ``min`` / ``max`` | min / max of the series |
-| ``collapse:F`` | collapse step: the first step at which the trailing 5-point mean of the series falls below F × its best trailing mean so far (F = 0.5 by default); runs that never collapse are counted as ``k stable`` in the cell, not averaged |
-
-A cell aggregates its runs (usually the seeds): mean, SAMPLE standard deviation (ddof = 1; shown as ``–`` when
-n = 1) and n. The best mean per column (max, or min for lower-is-better metrics; ties all marked) is bold in
-md/latex and starred in console/csv. Missing cells are ``–``. Failed runs are excluded from cells, counted in
-their cell's annotation and listed below the table.
-
-With a ``baseline`` row, every other row's cell also shows its paired difference from the baseline row's cell in
-the same column (:mod:`offpolicy_moe.report.stats`): ``Δ +0.031 [-0.012, +0.074]† (n=3)``, the mean of the per-seed
-differences, its 95% Student-t interval, ``†`` when that interval excludes 0, and the number of seed pairs.
+Per run, a metric's series is reduced to one number by ``agg`` (the table of aggregations is in docs/sweeps.md,
+"Tables"); a cell aggregates its runs: mean, SAMPLE standard deviation (ddof = 1; ``–`` when n = 1) and n.
+Failed runs are excluded from cells, counted in their cell's annotation and listed below the table.  With a
+``baseline`` row, every other row's cell also shows its paired difference from the baseline row's cell in the same
+column (:mod:`offpolicy_moe.report.stats`).
 """
 from __future__ import annotations
 
@@ -158,12 +145,9 @@ COLLAPSE_WINDOW = 5
 
 def collapse_step(points: Sequence[tuple[float, float]], frac: float = 0.5,
                   window: int = COLLAPSE_WINDOW) -> Optional[float]:
-    """Step at which a series collapses, or ``None`` if it never does.
-
-    ``s_t`` = mean of the last ``window`` values up to t; the collapse step is the first t with
-    ``s_t < frac * max_{u<=t} s_u`` (and that best trailing mean > 0). Used for reward curves: the R3 and M2PO
-    papers report the step where training reward collapses.
-    """
+    """Step at which a series collapses, or ``None`` if it never does: the first t with
+    ``s_t < frac * max_{u<=t} s_u`` (and that best > 0), ``s_t`` the mean of the last ``window`` values up to t.
+    The R3 and M2PO papers report the step where training reward collapses."""
     if not 0 < frac < 1:
         raise ValueError(f"collapse fraction must be in (0, 1), got {frac}")
     best = -math.inf
@@ -181,11 +165,8 @@ def collapse_step(points: Sequence[tuple[float, float]], frac: float = 0.5,
 
 def aggregate_series(values: Sequence[float], agg: str, higher: bool = True,
                      steps: Optional[Sequence[float]] = None) -> Optional[float]:
-    """Reduce one run's series to a number (see the module table). ``None`` for an empty series.
-
-    ``collapse:F`` returns the collapse step (``steps`` default to 0, 1, ...) or ``math.inf`` when the run never
-    collapses.
-    """
+    """Reduce one run's series to a number by ``agg``; ``None`` for an empty series.  ``collapse:F`` returns the
+    collapse step (``steps`` default to 0, 1, ...) or ``math.inf`` when the run never collapses."""
     vals = list(values)
     kind, _, arg = agg.partition(":")
     if kind not in ("final", "last", "best", "mean_last", "min", "max", "collapse"):
@@ -237,10 +218,9 @@ def build_table(
 ) -> Table:
     """Aggregate the run folders of ``sweep_dir`` into a :class:`Table`.
 
-    ``rows``/``cols``: axis names (comma-separated or lists; ``cols`` may be empty: one column per metric).
-    ``where``: ``{axis: label}`` filters. Every other axis that varies among the selected runs is an error
-    (it would silently be averaged over), as is an unknown axis. ``baseline``: a row label; every other row's cells
-    are then compared with that row's cell of the same column, paired by seed (:func:`paired_cells`).
+    ``rows``/``cols``: axis names (``cols`` may be empty: one column per metric).  Every other axis that varies among
+    the selected runs is an error (it would silently be averaged over), as is an unknown axis.  ``baseline``: a row
+    label whose cells every other row is compared with, paired by seed (:func:`paired_cells`).
     """
     rows = _split(rows)
     cols = _split(cols)
@@ -455,12 +435,9 @@ def format_paired(c: Comparison, digits: int = 3) -> str:
 
 
 def render_table(table: Table, fmt: str = "md", digits: int = 3, notes: bool = True) -> str:
-    """Render as ``md`` | ``csv`` | ``latex`` | ``console`` (tabulate; csv with the csv module).
-
-    Every format shows the same cells (:func:`format_cell`, then ``; `` and :func:`format_paired` in a table with a
-    baseline row); the best cell per column is ``**bold**`` in md, ``\\textbf`` in latex and starred (``*``) in
-    console and csv. Notes (failed runs...) are appended except for csv.
-    """
+    """Render as ``md`` | ``csv`` | ``latex`` | ``console``: every format shows the same cells; the best cell per
+    column is ``**bold**`` in md, ``\\textbf`` in latex and starred in console and csv.  Notes are appended except for
+    csv."""
     def text(r: str, c: str) -> str:
         cell = format_cell(table.cells.get((r, c)), digits)
         pair = table.paired.get((r, c))
@@ -475,12 +452,8 @@ def render_table(table: Table, fmt: str = "md", digits: int = 3, notes: bool = T
 def render_grid(header: list[str], rows: list[list[str]], fmt: str, caption: str = "",
                 notes: Sequence[str] = (), marked: Optional[list[list[bool]]] = None,
                 align: str = "right") -> str:
-    """Render ``rows`` (label, then cells) under ``header`` as ``md`` | ``csv`` | ``latex`` | ``console``.
-
-    ``marked[i][j]``: cell j of row i is bold (md/latex) or starred (console/csv). ``caption`` and ``notes`` are
-    written around the grid except in csv. ``align``: ``right`` | ``left``, the md, latex and console alignment of
-    the cells (the label column is left-aligned).
-    """
+    """Render ``rows`` (label, then cells) under ``header``; ``marked[i][j]``: cell j of row i is bold or starred;
+    ``caption`` and ``notes`` are written around the grid except in csv."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown --format {fmt!r}; expected one of {', '.join(FORMATS)}")
     marked = marked or [[False] * (len(r) - 1) for r in rows]

@@ -14,10 +14,8 @@ positions, right-padded after the end-of-sequence token):
 * ``generated_at``    the trainer iteration that generated the batch (used to check no batch is lost or reused)
 * ``token_versions``  ``[B, T]`` the policy version that sampled each response token (None: all ``version``);
                       tokens of one sequence may span versions when weights are updated in flight (docs/async.md)
-* ``kept_tokens``     ``[B, T]`` the kept set of each sampled response token when the engine truncated its
-                      distribution (``rollout.top_k > 0`` or ``rollout.top_p < 1``; None otherwise):
-                      :class:`~offpolicy_moe.models.kept_tokens.KeptTokens`, ragged ids or bitmasks (count 0 outside
-                      the response); the trainer's log-probs are renormalised over them (docs/config.md)
+* ``kept_tokens``     ``[B, T]`` :class:`~offpolicy_moe.models.kept_tokens.KeptTokens`, the kept set of each
+                      sampled token when the engine truncated its distribution (None otherwise)
 
 Rewards and advantages are NOT stored: they are computed when the batch is consumed.
 """

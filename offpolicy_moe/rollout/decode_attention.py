@@ -1,22 +1,14 @@
 """Attention for the sampling loop's decode steps: one query per row against the KV cache, as two batched matmuls.
 
-A decode step feeds ONE new token per row.  PyTorch's CPU ``scaled_dot_product_attention`` kernel is tiled for many
-queries; with one query per row it took 1.1-1.7x (float32) and 2.3-4.2x (bfloat16) the time of the computation below
-at 16-263 cached positions and 32-128 rows (``experiments/bench/bench_decode_attention.py``, docs/benchmarks.md), and
-decode attention was about half of the sampling loop's time at 256 new tokens.  For a query ``q`` of head ``h``
-(key/value head ``h // g`` under grouped-query attention, ``g = heads / kv_heads``), keys ``K`` and values ``V`` of the ``L`` cached positions and the additive mask ``m``
-(0 where a position may be attended, ``-inf`` where not)::
+PyTorch's CPU ``scaled_dot_product_attention`` kernel is tiled for many queries; with one query per row it took
+1.1-1.7x (float32) and 2.3-4.2x (bfloat16) the time of::
 
     o_h = softmax(scale * q_h K_{h//g}^T + m) V_{h//g}
 
-computed in float32 whatever the cache dtype (the CPU kernel also accumulates bfloat16 in float32), the ``g`` query
-heads of one key/value head stacked into one ``[g, D] x [D, L]`` matmul so the cache is read once and never
-repeated per head.  Every other call (prefill, several queries, dropout, a position bias, soft-capping, attention
-sinks) goes to transformers' own SDPA function unchanged; masks are built by transformers' SDPA mask function.
-
-:func:`use_single_query_decode` switches a model whose attention implementation is ``"sdpa"`` to this one (the
-rollout engine does it on its own copy of the policy).  The function is registered with transformers'
-``AttentionInterface`` / ``AttentionMaskInterface`` under :data:`NAME`, once, the first time a model is switched.
+(``experiments/bench/bench_decode_attention.py``; ``g = heads / kv_heads``, ``m`` the additive mask), computed in
+float32 whatever the cache dtype, the ``g`` query heads of one key/value head in one ``[g, D] x [D, L]`` matmul so
+the cache is read once.  Every other call (prefill, several queries, dropout, a position bias, soft-capping,
+attention sinks) goes to transformers' own SDPA function unchanged (:func:`use_single_query_decode`).
 """
 from __future__ import annotations
 
@@ -38,11 +30,11 @@ def single_query_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                            attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                            scaling: Optional[float] = None, is_causal: Optional[bool] = None,
                            **kwargs) -> tuple[torch.Tensor, None]:
-    """``softmax(scale * q K^T + mask) V`` for ``query [B, H, 1, D]`` against ``key, value [B, H_kv, L, D]``
-    (module docstring), returned as ``([B, 1, H, D], None)`` like transformers' attention functions; any other
-    call is transformers' ``sdpa_attention_forward``.  Values may have their own head size (multi-head latent
-    attention: ``[B, H_kv, L, Dv]`` gives ``[B, 1, H, Dv]``).  ``attention_mask``: ``None``, boolean (True = attend) or
-    additive float, shaped ``[B or 1, 1 or H, 1, L]``."""
+    """``softmax(scale * q K^T + mask) V`` for ``query [B, H, 1, D]`` against ``key, value [B, H_kv, L, D]``,
+    returned as ``([B, 1, H, D], None)`` like transformers' attention functions; any other call is transformers'
+    ``sdpa_attention_forward``.  Values may have their own head size (multi-head latent attention: ``[B, H_kv, L, Dv]``
+    gives ``[B, 1, H, Dv]``).  ``attention_mask``: ``None``, boolean (True = attend) or additive float, shaped
+    ``[B or 1, 1 or H, 1, L]``."""
     B, H, q_len, D = query.shape
     if q_len != 1 or dropout or key.shape[1] == 0 or H % key.shape[1] \
             or any(kwargs.get(k) is not None for k in _DELEGATE_KWARGS):

@@ -1,20 +1,13 @@
 """One device per rollout engine: which GPU each vLLM engine of a run takes (docs/engines.md, "On a GPU").
 
-The rule, for ``rollout.engine=vllm`` on a machine whose trainer process sees ``n`` CUDA GPUs:
+* **slots.**  The trainer's own engine takes its process's local rank ``r`` (``LOCAL_RANK``); rollout worker ``i``
+  of local rank ``r`` takes ``r * rollout.workers + i``;
+* **devices.**  The engine of slot ``s`` runs on ``devices[s % len(devices)]``, ``devices`` being
+  ``rollout.vllm_devices`` (indices as the trainer sees them) or every GPU it sees;
+* **Ray actors** ask Ray for ``rollout.ray_num_gpus`` GPUs each (null: 1 for vLLM on CUDA, else 0).
 
-* **slots.**  Every engine has a slot number on its machine: the trainer's own engine (``buffer.mode`` fixed or
-  bounded) takes its process's local rank ``r`` (accelerate's local process index, ``LOCAL_RANK``); rollout worker
-  ``i`` of local rank ``r`` (``buffer.mode=async``, ``rollout.backend=local``) takes ``r * rollout.workers + i``;
-* **devices.**  The engine of slot ``s`` runs on ``devices[s % len(devices)]``, where ``devices`` is
-  ``rollout.vllm_devices`` (GPU indices as the trainer sees them), or every GPU it sees when that list is empty.
-  With the default, the trainer's own engine shares its rank's device (``cuda:r``, colocated as TRL's colocate mode
-  does), and one worker per rank takes its rank's GPU; ``rollout.vllm_devices=[4,5,6,7]`` puts the workers of four
-  ranks on GPUs 4-7, beside trainers on 0-3;
-* **Ray actors** (``rollout.backend=ray``) ask Ray for ``rollout.ray_num_gpus`` GPUs each (null: 1 when the engine
-  is vLLM and the trainer sees a CUDA GPU, else 0); Ray then narrows each actor's ``CUDA_VISIBLE_DEVICES`` to its own.
-
-A worker gets its GPU as ``CUDA_VISIBLE_DEVICES`` (narrowed from the trainer's own, so an index means the same GPU in
-both), set before it touches CUDA; its engine then sees that one device.
+A worker gets its GPU as ``CUDA_VISIBLE_DEVICES`` narrowed from the trainer's own (so an index means the same GPU in
+both), set before it touches CUDA.
 """
 from __future__ import annotations
 

@@ -1,31 +1,14 @@
 """Rollout engines: the policy copy that samples responses (behaviour policy μ).
 
-:class:`RolloutEngine` is the interface a vLLM / SGLang engine would implement; :class:`HFRolloutEngine` is the
-built-in one.  It holds its OWN copy of the policy in its own precision (bf16 by default, the realistic source of
-train/inference mismatch; optional Gaussian router-logit noise and a fixed, seeded router-weight perturbation
-``dW``: the engine routes on ``logits + h dW^T`` as if its router weights were ``W + dW``), at an integer version,
-and samples ``G`` responses per prompt with its own KV-cache sampling loop (``sampler="native"``: one prefill
-forward, one forward per token, none of ``generate``'s per-step machinery) or with ``model.generate``
-(``sampler="hf"``); both apply temperature, then top-k, then top-p, as ``generate`` orders them, and draw the same
-``torch.multinomial`` samples from the same scores.  The native sampler's decode steps run attention through
-:mod:`offpolicy_moe.rollout.decode_attention` (one query per row, float32 matmuls) unless
-``rollout.decode_attention=sdpa``.
+:class:`RolloutEngine` is the interface; the built-in :class:`HFRolloutEngine` holds its OWN copy of the policy in
+its own precision (bf16 by default, the realistic source of train/inference mismatch; optional router-logit noise
+and a fixed router-weight perturbation), at an integer version, and samples ``G`` responses per prompt with its own
+KV-cache loop (``sampler="native"``) or ``model.generate`` (``sampler="hf"``); both apply temperature, top-k, top-p
+in ``generate``'s order and draw the same ``torch.multinomial`` samples from the same scores.
 
-Behaviour log-probs are EXACT for the distribution sampled from: the scores after temperature division and top-p
-masking to -inf (the tensor ``generate`` hands its last logits processor) are the very tensor that ``softmax`` +
-``multinomial`` sampled from, so ``behav_logp[t] = log_softmax(scores_t)[x_t]``.  When they truncate
-(``rollout.top_k > 0`` or ``rollout.top_p < 1``) the finite entries of that same tensor are the kept set ``K_t`` of
-the token, recorded per sampled token as ragged ids or bitmasks (``RolloutBatch.kept_tokens``,
-:class:`~offpolicy_moe.models.kept_tokens.KeptTokens`): the trainer renormalises its own probabilities over them,
-so its log-probs and ``behav_logp`` describe the same truncated distribution.
-They are computed in float32 from the engine's (bf16) logits; the native sampler takes them as soon as the steps
-it holds reach :data:`SCORES_HELD_ELEMENTS` floats, so with a real vocabulary it holds one step's ``[B, V]``
-scores; ``model.generate`` (``sampler="hf"``) gets :class:`StepLogprobs` as its last logits processor, which
-holds one step's scores too.
-
-When routing is recorded (R3 / PR2 / routing metrics) the engine's expert choices for every processed token come
-back as a route trace aligned with the sequences; with PR2 the predictors' logit offsets shape the engine's routing
-and the sampled features come back too (with the router perturbation on, their logits are the perturbed router's).
+Behaviour log-probs are EXACT: ``behav_logp[t] = log_softmax(scores_t)[x_t]`` on the very tensor that was sampled
+from (float32), and when it truncates, its finite entries are the token's kept set (``RolloutBatch.kept_tokens``).
+Only one step's ``[B, V]`` scores are held at a time with a real vocabulary (:data:`SCORES_HELD_ELEMENTS`).
 """
 from __future__ import annotations
 
@@ -217,16 +200,9 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
                  router_offsets: Optional[dict] = None, device: Optional[torch.device] = None, seed: int = 0):
-        """An engine copy of ``policy`` configured by the ``rollout`` section (a ``RolloutConfig``, whose values the
-        schema has checked).  ``router_offsets``: the PR2 keywords (``pr2_predictors``, ``pr2_in_weights``,
-        ``pr2_feature_sample_rate``) or None.  ``rollout.router_perturb`` (sigma) > 0: the engine routes on
-        ``logits + h dW_l^T`` with the fixed ``dW_l ~ N(0, sigma^2 / H)`` of
-        :func:`~offpolicy_moe.routing.router_perturbation` ``(..., sigma, seed)`` in every MoE layer, prefill and
-        decode, selection and gating weights (composed with the PR2 predictors' offsets when both are on).  Router
-        noise and the perturbation do nothing on a dense model.  ``rollout.decode_attention="single_query"``: the
-        native sampler's engine copy runs its decode steps with
-        :func:`~offpolicy_moe.rollout.decode_attention.single_query_attention` when its attention is SDPA
-        (``"sdpa"``: transformers' kernel throughout)."""
+        """An engine copy of ``policy`` configured by the ``rollout`` section; ``rollout.router_perturb`` (sigma) > 0
+        routes every MoE layer on ``logits + h dW_l^T`` (:func:`~offpolicy_moe.routing.router_perturbation` of
+        ``seed``), composed with the PR2 offsets when both are on."""
         offsets = dict(router_offsets or {})
         dtype, max_new_tokens, sampler = rollout.dtype, rollout.max_new_tokens, rollout.sampler
         temperature, top_p, batch_size = rollout.temperature, rollout.top_p, rollout.batch_size
@@ -293,10 +269,8 @@ class HFRolloutEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
-        """Copy the trainer's weights (cast to the engine dtype) and set the version.
-
-        Same keys as the engine model's ``state_dict`` (strict, like ``load_state_dict``): each tensor is copied in
-        place (``copy_`` casts), without ``load_state_dict``'s per-module walk."""
+        """Copy the trainer's weights in place (``copy_`` casts to the engine dtype; strict keys) and set the version,
+        without ``load_state_dict``'s per-module walk."""
         targets = self._sync_targets
         if state_dict.keys() != targets.keys():
             missing = sorted(set(targets) - set(state_dict))
@@ -316,10 +290,9 @@ class HFRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ sampling
     def _generation_kwargs(self, step_logprobs: Optional["StepLogprobs"] = None) -> dict:
-        """``generate``'s arguments.  With ``step_logprobs`` the sampling warpers are passed as our own
-        ``logits_processor`` list with ``step_logprobs`` after them (``generate`` would run a custom processor
-        before its own warpers), temperature, top-k and top-p are left off so ``generate`` adds none of its own, and
-        ``output_scores`` is off: the same processed scores and draws, one step's scores held."""
+        """``generate``'s arguments.  With ``step_logprobs`` the warpers are passed as our own ``logits_processor``
+        list followed by ``step_logprobs`` (``generate`` runs a custom processor before its own warpers), and
+        temperature, top-k, top-p and ``output_scores`` are left off: the same scores and draws, one step held."""
         tok = self.tokenizer
         kw = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                   max_new_tokens=self.max_new_tokens, min_new_tokens=0,
@@ -343,20 +316,16 @@ class HFRolloutEngine(RolloutEngine):
         return procs
 
     def _process_scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampling distribution's scores from float32 next-token logits, by the same logits processors
-        ``generate`` runs (transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``):
-        ``z / temperature``, then top-k sets to ``-inf`` every token below the k-th largest score (Fan et al. 2018,
-        arXiv 1805.04833), then top-p (nucleus, Holtzman et al. arXiv 1904.09751) sets to ``-inf`` the least likely
-        tokens whose cumulative probability is ``<= 1 - top_p`` (the most likely token is always kept).  None reads
-        the sequence so far."""
+        """The sampling distribution's scores from float32 next-token logits, by the logits processors ``generate``
+        runs: ``z / temperature``, then top-k (Fan et al. 2018, arXiv 1805.04833), then top-p (nucleus, Holtzman et al.
+        arXiv 1904.09751; the most likely token is always kept), dropped tokens set to ``-inf``."""
         warpers = self._warpers()
         return warpers(None, logits) if warpers else logits
 
     def _shared_prefill_groups(self, ids: torch.Tensor, am: torch.Tensor, group_size: int) -> int:
-        """``group_size`` when the rows come in blocks of ``group_size`` identical prompts and the router hooks (if
-        any) only record or apply the fixed router perturbation (a function of each token's router input, so equal
-        rows stay equal): the prompt is then prefilled ONCE per block, its KV cache and recorded routes repeated.
-        Router-logit noise and PR2 offsets/features are per sample, so with them every row is prefilled; 1 then."""
+        """``group_size`` when the rows come in blocks of identical prompts and the router hooks (if any) only record or
+        apply the fixed perturbation, so equal rows stay equal: the prompt is prefilled ONCE per block.  1 under
+        router-logit noise or PR2, which are per sample."""
         B = ids.shape[0]
         if group_size <= 1 or B % group_size or self.router_noise > 0 or self.pr2_predictors is not None:
             return 1
@@ -366,17 +335,11 @@ class HFRolloutEngine(RolloutEngine):
         return group_size if same else 1
 
     def _sample_loop(self, ids: torch.Tensor, am: torch.Tensor, recorder: Any = None, group_size: int = 1):
-        """Ancestral sampling with a KV cache, without ``generate``'s per-step machinery: one prefill forward (shared
-        by the ``group_size`` samples of a prompt unless router noise or PR2 make samples differ; recorded routes
-        are repeated with the cache), then one forward per new token; ``x_t ~ softmax(scores_t)``
-        (``torch.multinomial``, the same draws ``generate`` makes); rows that emitted EOS get the pad token afterwards
-        and, once a quarter of the decoded rows has finished, leave the decode batch (``compact_finished``; not with
-        router noise or PR2, whose per-token draws follow the batch); stops when every row has finished or after
-        ``max_new_tokens``.  Returns ``(sequences [B, P+T'], logp [B, T'], kept)``: ``logp`` of each drawn token
-        under the processed scores, ``s_t[x_t] - logsumexp(s_t)``, taken as soon as the held steps' scores reach
-        ``scores_held_elements`` floats (all ``T'`` of them would be ``B * T' * V`` floats: 128 x 4096 x 152k =
-        318 GB; a small vocabulary keeps them to the end, in one call); ``kept``: when the engine truncates, the
-        kept set (finite scores) of each step of the rows not yet finished, as ``KeptTokens [B, T']``, else None."""
+        """Ancestral sampling with a KV cache, without ``generate``'s per-step machinery: one prefill (shared by a
+        prompt's samples unless router noise or PR2 make them differ), then one forward per token, ``x_t ~
+        softmax(scores_t)``; finished rows leave the decode batch once a quarter has finished (not under noise or PR2).
+        Returns ``(sequences [B, P+T'], logp [B, T'], kept)``; ``logp`` is taken whenever the held scores reach
+        ``scores_held_elements`` floats (all of them would be 128 x 4096 x 152k floats = 318 GB)."""
         model, tok = self.model, self.tokenizer
         B, P = ids.shape
         cache = preallocated_cache(model.config, P + self.max_new_tokens)      # no per-token torch.cat of the cache

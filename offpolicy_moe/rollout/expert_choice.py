@@ -1,21 +1,12 @@
 """The experts a vLLM MoE layer chooses from its router logits, reproduced from the layer's own settings.
 
-The route recorder (:mod:`.vllm_worker`) keeps the ids a kernel selected wherever it can see them (vLLM's CPU
-fused-MoE path calls a Python function for it).  Where a kernel selects inside itself, the recorder falls back to the
-router logits its hook on the ``gate`` saw, and must then choose exactly as the layer does, or the trainer would
-replay other experts than those that produced the tokens, without any error.  vLLM's families choose in three ways:
-
-* **top-k** (Qwen-MoE, Mixtral, OLMoE, ...): the ``K`` largest logits; softmax and sigmoid keep their order, so the
-  scores need not be formed;
-* **with a correction bias** (DeepSeek-V3 and its copies: GLM-4.5, Kimi-K2, ...): sigmoid (or softmax) scores, the
-  layer's ``e_score_correction_bias`` added for the choice only;
-* **group-limited** (DeepSeek-V2/V3): the experts form ``num_expert_group`` equal groups; a group scores the sum of
-  its two best scores when there is a bias, its best score otherwise; the ``topk_group`` best groups stay, and the
-  ``K`` best experts are taken among them.
-
-``renormalize`` and ``routed_scaling_factor`` change the gating weights, never the ids.  Everything else is refused
-by name, in one line: a custom routing function (Llama-4's, say), another scoring function (DeepSeek-V4's
-``sqrtsoftplus``), a router class not listed in :data:`KNOWN_ROUTERS` (hash routing, zero experts, simulated routing).
+Where a kernel selects inside itself, the route recorder (:mod:`.vllm_worker`) chooses from the router logits, and
+must choose exactly as the layer does, or the trainer would silently replay other experts.  Three ways: **top-k**
+(the ``K`` largest logits); **with a correction bias** (DeepSeek-V3 and its copies: ``e_score_correction_bias``
+added to sigmoid or softmax scores for the choice only); **group-limited** (DeepSeek-V2/V3: a group scores the sum
+of its two best scores with a bias, its best score otherwise; the ``K`` best experts of the ``topk_group`` best
+groups).  ``renormalize`` and ``routed_scaling_factor`` change the weights, never the ids; everything else is
+refused by name in one line.
 
 The rules were read in vLLM's routers (https://github.com/vllm-project/vllm/tree/main/vllm/model_executor/layers/
 fused_moe/router: ``grouped_topk_router.py``, ``fused_topk_bias_router.py``, ``router_factory.py``) and its CPU path

@@ -1,11 +1,10 @@
 """A decode KV cache whose full-attention layers write into buffers allocated once for the whole generation.
 
-transformers' ``DynamicLayer`` appends each new token's keys and values with ``torch.cat``, which copies the whole
-cache at every decode step: ``O(T^2)`` bytes moved over ``T`` new tokens.  On the CPU at 128-256 new tokens that copy
-was about half of the sampling loop's time (docs/benchmarks.md, "Decode").  :class:`PreallocatedLayer` keeps
-``[B, H, capacity, D]`` buffers, writes each step into the next free slots and hands attention a view of the filled
-part (same values, same shape as the concatenated tensor, so the same attention result).  The capacity is the
-prompt length plus the response budget, known before the prefill; a longer run grows the buffer by doubling.
+transformers' ``DynamicLayer`` appends each token with ``torch.cat``, copying the whole cache at every decode step
+(``O(T^2)`` bytes over ``T`` new tokens; about half of the CPU sampling loop's time at 128-256 new tokens,
+docs/benchmarks.md, "Decode").  :class:`PreallocatedLayer` writes each step into ``[B, H, capacity, D]`` buffers and
+hands attention a view of the filled part (the same tensor values, so the same result).  The capacity is the prompt
+length plus the response budget; a longer run grows the buffer by doubling.
 """
 from __future__ import annotations
 

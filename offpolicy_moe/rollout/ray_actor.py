@@ -1,24 +1,9 @@
 """The rollout worker as a Ray actor, and the registry that tells actors the newest published weights.
 
-:class:`RolloutActor` is :func:`~offpolicy_moe.rollout.worker.worker_main`'s loop body as an object: it builds the
-policy and the rollout engine from the run's config exactly as the local worker does (:func:`build_engine`), then
-serves one :class:`~offpolicy_moe.rollout.worker.Order` per :meth:`RolloutActor.generate` call: it asks the
-:class:`WeightRegistry` for the newest published version, pulls those weights from Ray's object store only when
-they are newer than the engine's (``ray.get`` of the reference the trainer ``ray.put`` once for that version),
-samples the iteration with the iteration's seed and returns a :class:`~offpolicy_moe.rollout.worker.BatchDone`
-(the batch's ``state_dict``: per-token versions, the engine's routes for R3, behaviour log-probs; its timings), the
-record a local worker sends.
-
-The weights of one call come from one object (one version) and are copied into the engine before sampling begins,
-so an actor never mixes two versions within a forward; with ``rollout.update_in_flight`` it may load a newer
-version between decode steps, and every token keeps the version that sampled it, as the local worker does.
-
-Neither class imports Ray: :mod:`~offpolicy_moe.sources.ray_transport` wraps them with ``ray.remote``, and
-``ray`` is looked up (``importlib``) only by the code that runs inside an actor, so ``import offpolicy_moe`` stays
-Ray-free.  A different engine (vLLM, SGLang) plugs in through the engine registry (``rollout.engine``,
-:mod:`~offpolicy_moe.rollout.engine`); see docs/scale-out.md for what it must return.  With vLLM on GPUs the
-transport asks Ray for the actor's GPU (:func:`~offpolicy_moe.rollout.devices.ray_gpus_per_actor`); Ray narrows the
-actor's ``CUDA_VISIBLE_DEVICES`` to it, so the engine takes its one visible device.
+:class:`RolloutActor` is :func:`~offpolicy_moe.rollout.worker.worker_main`'s loop body as an object; per
+:meth:`RolloutActor.generate` it pulls the newest weights from Ray's object store when newer than the engine's (one
+object, one version per call).  Neither class imports Ray: :mod:`~offpolicy_moe.sources.ray_transport` wraps them
+with ``ray.remote``, so ``import offpolicy_moe`` stays Ray-free.
 """
 from __future__ import annotations
 

@@ -1,36 +1,15 @@
-"""``rollout.engine=vllm``: vLLM as the rollout engine (docs/engines.md).
+"""``rollout.engine=vllm``: vLLM as the rollout engine (docs/engines.md), so that the train/inference mismatch the
+library corrects is a real one: vLLM's kernels, precision and sampler against the trainer's Hugging Face forward.
 
-The engine the field generates with, so that the train/inference mismatch the library corrects is a real one: vLLM's
-kernels, its precision and its sampler, against the trainer's Hugging Face forward.
-
-* **The model.**  At start the policy is written as a Hugging Face folder (``save_pretrained``: the checkpoint's
-  own tensor names) in a temporary directory and vLLM loads it from there, so the embedded model, a warm-started
-  policy and a real local checkpoint take the same path.  Prompts go in as token ids and responses come back as
-  token ids (``skip_tokenizer_init``): the trainer's tokenizer encodes and decodes, exactly as for the built-in
-  engine, so rewards agree with evaluation.
-* **Behaviour log-probs.**  vLLM runs with ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled
-  token under the distribution it was sampled from (after temperature and top-k/top-p), not the raw model's.
-* **Sampling.**  Each sequence is its own request with its own seed, drawn from the iteration's seed, so a
-  reissued batch draws the same random streams whatever else vLLM batches it with.
-* **Routes** (R3, routing metrics): vLLM's own ``routed_experts`` where this build returns them (a GPU:
-  ``enable_return_routed_experts``, :mod:`offpolicy_moe.rollout.vllm_start`); otherwise recorded inside vLLM's
-  worker during sampling, the expert ids its CPU MoE kernel selected (:mod:`offpolicy_moe.rollout.vllm_worker`), then
-  laid out as vLLM's own ``routed_experts`` array.  Both are read with
-  :meth:`~offpolicy_moe.routing.RouteTrace.from_vllm`.
-* **Device and memory** (a GPU): the engine's device, its share of the device's memory and the longest sequence it
-  serves are decided before it starts (:mod:`offpolicy_moe.rollout.devices`, :mod:`offpolicy_moe.rollout.vllm_start`).
-* **Weights by version.**  :meth:`VLLMRolloutEngine.sync` turns the trainer's tensors into checkpoint names
-  (transformers' own reverse of its loading conversions) in the engine's dtype and loads them in place through
-  vLLM's own reload in the worker (:func:`~offpolicy_moe.rollout.vllm_worker.load_weights`), checks that every
-  engine parameter was reached, then (``rollout.vllm_check_sync``) that the engine's log-probs of a fixed probe
-  match the trainer's on the synced tensors (:mod:`~offpolicy_moe.rollout.vllm_probe`).
-* **Faults.**  A start that cannot succeed is refused in one line before vLLM starts (vLLM missing, a head size
-  its CPU attention refuses, a KV cache larger than free memory, an architecture vLLM does not serve, a
-  ``max_model_len`` the cache cannot hold, recording hooks with CUDA graphs, a GPU memory share not free); one that
-  fails anyway is one line naming the cause.  When the engine process dies (killed, crashed) before or during a
-  generation or a weight sync, the engine is started again with the last synced weights and the call is
-  reissued (a batch with its seeds), at most :data:`MAX_RESTARTS` times in a row; a weight sync that fails
-  restarts the engine on the last good version and reports in one line.
+The policy is written as a Hugging Face folder that vLLM loads; prompts and responses cross as token ids
+(``skip_tokenizer_init``), so the trainer's tokenizer encodes and decodes and rewards agree with evaluation.
+Behaviour log-probs are ``logprobs_mode="processed_logprobs"`` (after temperature and top-k/top-p).  Each sequence
+is its own request with its own seed, so a reissued batch draws the same random streams whatever vLLM batches it
+with.  Routes come from vLLM's ``routed_experts`` where this build returns them (:mod:`.vllm_start`), else from
+the recorder in vLLM's worker (:mod:`.vllm_worker`).  :meth:`VLLMRolloutEngine.sync` loads the trainer's tensors in
+place through vLLM's own reload and checks them by value (:mod:`.vllm_probe`).  A start that cannot succeed is
+refused in one line (:func:`preflight`); when the engine process dies, or a weight sync fails, the engine is
+started again on the last good weights and the call reissued, at most :data:`MAX_RESTARTS` times in a row.
 """
 from __future__ import annotations
 

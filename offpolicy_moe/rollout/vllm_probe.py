@@ -1,25 +1,17 @@
-"""The value check of a weight sync: the engine's log-probs of a fixed probe against the trainer's own.
+"""The value check of a weight sync: the engine's log-probs of a fixed probe against the trainer's own
+(``rollout.vllm_check_sync``), held to a bound derived from the two precisions and the model's depth, not tuned.
 
-A sync is complete when the engine computes with the trainer's weights, whatever names the loader reported.  After
-each sync (``rollout.vllm_check_sync``) the engine scores a fixed token sequence (:func:`probe_tokens`) with its own
-kernels; :func:`reference_logprobs` scores it with the trainer's model on the synced tensors; :func:`compare` holds
-the largest difference against :func:`tolerance`, a bound derived from the two precisions and the model's depth,
-not tuned on a machine.
-
-The bound.  Each of the ``L`` decoder layers adds rounding of relative size ``u`` (the unit roundoff of the coarser
-of the two precisions, ``2^-24`` for float32, ``2^-8`` for bfloat16, ``2^-11`` for float16) to the residual stream
-through ``c`` roundings (two norms, attention, the router and the experts, the residual sums: ``c = 8``), and a
-sum of ``H`` products that rounds each partial sum grows at most like ``sqrt(H)`` for random signs (Higham,
-*Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1).  A log-prob is a difference of a logit
-and a log-sum-exp, so its error is at most twice the logits' largest error, which is relative to the logits' scale
-``1 + max |z|``:
+Each of the ``L`` decoder layers adds rounding of relative size ``u`` (the unit roundoff of the coarser precision,
+``2^-24`` for float32, ``2^-8`` for bfloat16, ``2^-11`` for float16) through ``c = 8`` roundings (two norms,
+attention, the router and the experts, the residual sums), and a sum of ``H`` products grows at most like
+``sqrt(H)`` for random signs (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1).  A
+log-prob's error is at most twice the logits' largest error, relative to ``1 + max |z|``:
 
     tol = 2 * c * (L + 2) * u * sqrt(H) * (1 + max |z|)
 
 (``L + 2``: the embedding and the head).  For the embedded model (``L = 2, H = 64``) that is ``1.5e-5`` at
-float32 and ``1.0`` at bfloat16 with logits of size 1: a float32 engine is held to rounding, a bfloat16 engine
-catches a parameter left at its old or uninitialised value only when that moves a log-prob by more than its own
-rounding can.  The tests run float32 engines, where a stale expert moves the probe by orders of magnitude more.
+float32 and ``1.0`` at bfloat16 with logits of size 1: a bfloat16 engine catches a stale parameter only when it
+moves a log-prob by more than its own rounding can.
 """
 from __future__ import annotations
 

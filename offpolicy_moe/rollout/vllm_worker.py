@@ -1,23 +1,13 @@
-"""What runs INSIDE vLLM's worker process: the route recorder and the weight loader.
+"""What runs INSIDE vLLM's worker process: the route recorder and the weight loader, reached with
+``LLM.collective_rpc`` (functions pickled by name; this module imports nothing of the trainer).
 
-vLLM runs the model in its own worker (in the engine-core process, or in this process when vLLM's multiprocessing
-is off).  :class:`~offpolicy_moe.rollout.vllm_engine.VLLMRolloutEngine` reaches it with ``LLM.collective_rpc``,
-which calls a function here with the worker as its first argument; the functions are pickled by name, so the
-worker imports this module (and nothing of the trainer).
-
-**Routes from the engine's own forwards.**  :func:`install_route_recorder` hooks every MoE layer's router (the
-``gate`` linear of the decoder layer's MoE block, vLLM's ``ReplicatedLinear``) and the model's forward.  Each
-forward of the engine (a prefill chunk, a decode step, or a mixed batch) runs ``N`` scheduled tokens of several
-requests, flattened: request ``r`` owns rows ``query_start_loc[r] : query_start_loc[r + 1]`` in the order of the
-runner's ``input_batch.req_ids``, at the ``positions`` the model receives.  The expert ids are the ones the MoE
-kernel itself selected: on the CPU, vLLM's fused-MoE layer picks them in Python (``cpu_fused_moe.select_experts``,
-softmax / grouped top-k / score bias as the model needs), and the recorder wraps that function, so it sees the
-``topk_ids`` the kernel then runs.  Where a kernel selects internally, the recorder chooses from the router logits
-the ``gate`` hook saw by the layer's own rule, read off vLLM's MoE layer (scoring function, correction bias, expert
-groups: :mod:`offpolicy_moe.rollout.expert_choice`); a family whose rule it cannot reproduce is refused in one line
-(at the start where no kernel selection can be watched).  After the forward the ids are filed under ``(request, position)``: the trace holds what the engine computed while it
-sampled, from its own kernels and precision; nothing is recomputed by the trainer.  :func:`take_routes` hands them
-over and forgets them.
+Routes: :func:`install_route_recorder` hooks every MoE layer's ``gate`` and the model's forward.  A forward runs
+``N`` scheduled tokens of several requests, flattened: request ``r`` owns rows ``query_start_loc[r] :
+query_start_loc[r + 1]`` in the order of the runner's ``input_batch.req_ids``, at the ``positions`` the model
+receives.  On the CPU the recorder wraps vLLM's fused-MoE selection (``cpu_fused_moe.select_experts``) and so sees
+the ids the kernel runs; elsewhere it chooses from the router logits by the layer's rule
+(:mod:`offpolicy_moe.rollout.expert_choice`).  The ids are filed under ``(request, position)``: what the engine
+computed while it sampled, nothing recomputed by the trainer.
 """
 from __future__ import annotations
 
@@ -242,17 +232,9 @@ def load_weights(worker: Any, path: str) -> list[str]:
     """Load the checkpoint-named tensors of the safetensors file ``path`` into ``worker``'s model in place; returns
     the names of the model's parameters that no tensor filled (empty: a complete load).
 
-    Every tensor goes through vLLM's own in-place reload (``model_runner.reload_weights`` with checkpoint-format
-    weights): the layers' parameters are put back as they were before the kernels processed them, each with its
-    own loader; the model's ``load_weights`` maps the checkpoint names (fusing q/k/v, gate/up and the experts'
-    shards); once a layer has all its elements its weight processing runs again (the CPU MoE method prepacks the
-    experts for the grouped GEMM on AVX-512 and AMX, or keeps per-expert views for the torch loop on AVX2) and
-    the result is copied into the tensors the kernels hold.  Nothing is written into a processed parameter
-    directly, so every kernel path gets the weights in the layout it computes with.  The names say which
-    parameters a tensor reached; whether the engine then computes with them is checked by value
-    (:meth:`~offpolicy_moe.rollout.vllm_engine.VLLMRolloutEngine.sync`).  A file, not the tensors, crosses the
-    process boundary: vLLM's RPC pickles its arguments, and the file lies beside the engine's model folder
-    (memory-backed where the machine has ``/dev/shm``)."""
+    Every tensor goes through vLLM's own in-place reload (``model_runner.reload_weights``): parameters are put back as
+    before the kernels processed them, loaded by name, and processed again (e.g. the CPU MoE prepacking), so every
+    kernel path gets its own layout.  A file crosses the process boundary, not the tensors (vLLM's RPC pickles)."""
     runner = worker.model_runner
     model = runner.get_model()
     tensors = load_file(path)

@@ -1,15 +1,10 @@
 """Policy weights by version, shared between the trainer and its rollout workers on one machine.
 
-:class:`WeightBoard` holds TWO copies of the policy's tensors in shared memory (``Tensor.share_memory_``, what
-``torch.multiprocessing`` ships) and, per copy, the version it holds and a sequence counter.  The trainer (the only
-writer) :meth:`publish`-es version ``v`` into the copy that is NOT the newest — readers of the newest are not
-disturbed — then points readers at it.  A worker :meth:`load_into` its engine when the newest version is newer than
-the engine's: it copies (cast to the engine's dtype) and checks that the copy's sequence counter did not move
-meanwhile, else it copies again (a seqlock).  No lock is shared between processes, so a worker killed in the middle
-of a copy cannot block the trainer or the other workers.
-
-Across machines the same role is played by a ``torch.distributed`` broadcast of the same tensors from the trainer's
-rank to the worker ranks (gloo on CPU, NCCL on GPU); see docs/async.md.
+:class:`WeightBoard` holds TWO copies of the policy's tensors in shared memory, each with its version and a
+sequence counter.  The trainer (the only writer) publishes into the copy that is NOT the newest, then points readers
+at it; a worker copies the newest into its engine and copies again if the counter moved meanwhile (a seqlock).  No
+lock is shared between processes, so a worker killed mid-copy cannot block anyone.  Across machines a
+``torch.distributed`` broadcast plays this role (docs/async.md).
 """
 from __future__ import annotations
 

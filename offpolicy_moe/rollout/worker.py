@@ -1,19 +1,11 @@
 """The rollout worker process: its own engine copy, weights by version, one batch per work order.
 
-A worker is started by :class:`~offpolicy_moe.sources.process_transport.ProcessTransport` (for the asynchronous
-source) as a ``multiprocessing`` ``forkserver`` process.  It builds the policy and rollout engine from the run's config exactly as
-the trainer builds its own engine, then serves :class:`Order` s: for each, it loads the newest published weights
-(waiting, if needed, for the order's minimum version), samples the iteration's prompts with the iteration's seed,
-and sends the :class:`~offpolicy_moe.rollout.batch.RolloutBatch` back (``torch.save`` bytes over its own pipe, so a
-worker killed mid-send corrupts nothing shared).  With ``rollout.update_in_flight`` the engine loads newer weights
-between decode steps, and every token carries the version that sampled it (``RolloutBatch.token_versions``).
-
-A worker first sets the environment its spec carries (its GPU as ``CUDA_VISIBLE_DEVICES``, by the rule of
-:mod:`~offpolicy_moe.rollout.devices`), before anything touches CUDA.  A worker exits when it receives
-:class:`Shutdown`, when its parent (the trainer) is gone, or after reporting an error.
-Sampling that meets non-finite values (NaN logits, non-finite behaviour log-probs) is not an error of the worker:
-it reports :class:`BatchNonFinite` for that order, like any other stage's non-finite value, and serves the next one;
-the trainer applies ``trainer.on_nan``.
+A worker (a ``forkserver`` process of :class:`~offpolicy_moe.sources.process_transport.ProcessTransport`) builds its
+engine as the trainer builds its own, sets its GPU (:mod:`~offpolicy_moe.rollout.devices`) before touching CUDA, and
+serves :class:`Order` s: newest published weights (at least the order's version), the iteration's seed, the batch
+sent back as ``torch.save`` bytes over its own pipe (a worker killed mid-send corrupts nothing shared).  It exits on
+:class:`Shutdown`, when the trainer is gone, or after an error; non-finite sampling is reported
+(:class:`BatchNonFinite`) and the worker goes on.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""MoE routing for Hugging Face models: route traces, R3/R2 replay, PR2 predictors, routing metrics.
-
-Depends only on torch and transformers (models are duck-typed: any transformers 5.x MoE whose router returns
-``(logits, weights, indices)`` and whose router class has an adapter). See ``controller.py`` for the mechanism.
+"""MoE routing for Hugging Face models: route traces, R3/R2 replay, PR2 predictors, routing metrics (torch and
+transformers only; any transformers 5.x MoE whose router returns ``(logits, weights, indices)``).
 
 * R3 (Ma et al., arXiv:2510.11370): the engine records routes in ``generate``; the trainer replays them.
 * R2 (Zheng et al., arXiv:2507.18071): the trainer records in its old-logprob pass and replays in the updates.

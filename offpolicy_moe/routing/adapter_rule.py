@@ -1,11 +1,8 @@
 """Adapter rule: a router forward hook that rewrites ``(logits, weights, indices)`` with the family adapter.
 
-For routers with a :class:`~offpolicy_moe.routing.adapters.RouterAdapter` (Qwen-MoE, OLMoE, Mixtral, MiniMax,
-DeepSeek-V3, GPT-OSS, registered classes). Per call the hook reads the :class:`RoutingState` it was given: the
-selection is the router's own top-k, or re-derived on shifted logits (PR2 offsets, noise: ``adapter.select``), then
-forced to the replayed ids where recorded; the weights are recomputed from the (shifted) logits at the ids used with
-``adapter.weights``, gathered from the full distribution (R3, arXiv:2510.11370, section 3). Recorders, captures, the
-aux-loss store and the checkpoint tape get the call's ids.
+Per call the selection is the router's own top-k, or re-derived on shifted logits (PR2 offsets, noise), then forced
+to the replayed ids where recorded; the weights are recomputed with ``adapter.weights`` from the (shifted) logits at
+the ids used, gathered from the full distribution (R3, arXiv:2510.11370, section 3).
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """Per-family router adapters: how a Hugging Face router selects experts and weights them.
 
-In transformers 5.x every supported MoE has a router module whose forward returns
-``(router_logits[N, E], topk_weights[N, K], topk_indices[N, K])``. An adapter re-implements the two halves of that
-forward from the logits, so that a forward hook can change the selection (replay, PR2 offsets, noise) and
-recompute the gating weights with the model's own rule. Each adapter reproduces its router bit-exactly when fed the
-router's own logits and indices (tested in ``tests/routing``).
-
-Weighting rule under replay (R3, arXiv:2510.11370, section 3): the weights are gathered from the FULL distribution
-of the training router at the replayed ids, then renormalised iff the model renormalises. They are never gathered
-from top-k-zeroed probabilities (a replayed expert outside the current top-k would get zero weight and gradient).
+Every supported transformers 5.x MoE router returns ``(router_logits[N, E], topk_weights[N, K],
+topk_indices[N, K])``; an adapter re-implements both halves from the logits, reproducing the router bit-exactly
+(``tests/routing``), so that a hook can change the selection and recompute the weights with the model's own rule.
+Under replay (R3, arXiv:2510.11370, section 3) the weights are gathered from the FULL distribution at the replayed
+ids, then renormalised iff the model renormalises (never from top-k-zeroed probabilities, which would give a
+replayed expert outside the current top-k zero weight and gradient).
 
 Families (router class names; ``mlp.gate`` unless noted):
   * softmax (Qwen3-MoE, Qwen2-MoE, OLMoE): ``topk(softmax(l, fp32))``; weights = gathered probs,
@@ -16,7 +13,7 @@ Families (router class names; ``mlp.gate`` unless noted):
   * mixtral (Mixtral, MiniMax): ``topk(softmax(l.float()))``; always renormalised; weights stay fp32.
   * deepseek_v3: ``sigmoid(l) + e_score_correction_bias`` with group-limited top-k for selection;
     weights = ``sigmoid(l)`` gathered (bias excluded), ``/ (sum + 1e-20)`` iff ``norm_topk_prob``,
-    ``* routed_scaling_factor``. Dense first layers have no router (see ``RoutingController.layer_ids``).
+    ``* routed_scaling_factor``. Dense first layers have no router.
   * gpt_oss (``mlp.router``, linear with bias): ``topk(l)``; weights = softmax over the K selected logits.
 """
 from __future__ import annotations
@@ -48,13 +45,9 @@ class UnsupportedRouterError(ValueError):
 class RouterAdapter:
     """Selection and weighting rule of one router family.
 
-    Attributes:
-        family: short family name.
-        select: ``(router, logits[N, E]) -> indices[N, K]`` (int64), the router's own top-k rule.
-        weights: ``(router, logits[N, E], indices[N, K]) -> weights[N, K]``, the router's own weighting rule
-            applied to arbitrary indices (gathered from the full distribution).
-        num_experts: ``router -> E``.
-        top_k: ``router -> K``.
+    ``select(router, logits[N, E]) -> indices[N, K]`` (int64) is the router's own top-k rule;
+    ``weights(router, logits[N, E], indices[N, K]) -> weights[N, K]`` its weighting rule applied to arbitrary indices
+    (gathered from the full distribution); ``num_experts`` and ``top_k`` read E and K from the router.
     """
 
     family: str

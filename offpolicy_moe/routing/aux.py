@@ -1,13 +1,10 @@
-"""Load-balancing auxiliary loss computed from the experts actually used.
+"""Load-balancing auxiliary loss computed from the experts actually used: transformers re-derives the router's own
+top-k from ``router_logits``, which under R3/R2 replay balances experts that did not run.
 
-transformers computes its MoE aux loss from ``router_logits`` alone, re-deriving the router's own top-k. Under R3/R2
-replay the experts that ran are the replayed ones, so that loss balances experts that were not used. Here the
-selection counts come from the ids the experts received.
-
-Formula (Switch Transformer, Fedus et al., arXiv:2101.03961, eq. 4-6, with K experts per token as in Mixtral):
-``loss = E * sum_e f_e * P_e`` with ``f_e = (1/N) * #{(n, k): id[n, k] = e}`` (tokens routed to e, over all K
-choices) and ``P_e = (1/N) * sum_n softmax(logits[n])_e``, over the N real tokens of every MoE layer pooled.
-The gradient flows through ``P`` (the router logits) only.
+Switch Transformer (Fedus et al., arXiv:2101.03961, eq. 4-6, K experts per token as in Mixtral):
+``loss = E * sum_e f_e * P_e`` with ``f_e = (1/N) * #{(n, k): id[n, k] = e}`` and
+``P_e = (1/N) * sum_n softmax(logits[n])_e``, over the N real tokens of every MoE layer pooled; the gradient flows
+through ``P`` only.
 """
 from __future__ import annotations
 
@@ -21,14 +18,8 @@ __all__ = ["load_balancing_loss"]
 
 def load_balancing_loss(logits: Sequence[torch.Tensor], ids: Sequence[torch.Tensor], num_experts: int,
                         token_mask: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """``E * sum_e f_e P_e`` pooled over layers (see module docstring).
-
-    Args:
-        logits: per MoE-layer call, router logits ``[N_i, E]``.
-        ids: per call, the expert ids used ``[N_i, K]`` (int).
-        num_experts: E.
-        token_mask: per call, bool ``[N_i]`` of real tokens (None: all).
-    """
+    """``E * sum_e f_e P_e`` pooled over layers (see module docstring), from each MoE-layer call's router
+    ``logits[N_i, E]``, the expert ``ids[N_i, K]`` used and, optionally, a bool ``token_mask[N_i]`` of real tokens."""
     if len(logits) != len(ids) or not logits:
         raise ValueError(f"load_balancing_loss needs one ids tensor per logits tensor, got {len(logits)} and "
                          f"{len(ids)}")

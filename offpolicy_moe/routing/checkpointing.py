@@ -1,9 +1,6 @@
-"""Gradient checkpointing under routing control: the recompute in ``backward`` uses exactly the forward's routes.
-
-:func:`checkpoint_contexts` gives ``torch.utils.checkpoint``'s ``context_fn`` pair for one checkpointed layer: the
-forward context tapes, in call order, the route each router used (``None`` = its own choice) and the logit shift of
-its weights; the recompute context re-installs the hooks if needed and plays the tape back, so gradients are exact
-even after the controller's ``with`` block closed.
+"""Gradient checkpointing under routing control: the forward context tapes each router's route (and weight shift)
+in call order, the recompute context plays the tape back, so gradients are exact even after the controller's
+``with`` block closed.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """RoutingController: record, replay and shift the expert routing of a Hugging Face MoE model.
 
-Mechanism: hooks, installed when the first context opens and removed when the last one closes (also on exceptions);
-nothing is patched at class level. A router with a family adapter gets a forward hook that rewrites its
-``(logits, weights, indices)`` (``AdapterRule``); any other router runs its own forward with its top-k intercepted
-(``GenericRule``). A pre-/post-hook on each router's MoE block gives the call's ``[B, s]`` and detects a block that
-bypasses its router (a hub kernel). The contexts set one :class:`~offpolicy_moe.routing.state.RoutingState`
-(``ctl.state``), which the rules read; recorders and captures get only the frozen ``ModelShape``.
-
-Contexts (they nest freely; each is documented on its method): :meth:`~RoutingController.record` (routes used, or
-the router's own), :meth:`~RoutingController.replay` (R3, arXiv:2510.11370; R2, arXiv:2507.18071),
-:meth:`~RoutingController.offsets` (PR2, arXiv:2606.00395, and a fixed router perturbation),
-:meth:`~RoutingController.logit_noise` and :meth:`~RoutingController.capture_router_logits` (PR2's targets).
-Gradient checkpointing: :meth:`~RoutingController.checkpoint_context_fn` makes the recompute in backward use the
-routes the forward used, so gradients are exact even after the ``with`` block closed.
+Hooks are installed when the first context opens and removed when the last one closes (also on exceptions); nothing
+is patched at class level.  A router with a family adapter gets a forward hook that rewrites its output
+(``AdapterRule``); any other router runs its own forward with its top-k intercepted (``GenericRule``).  A hook on
+each MoE block gives the call's ``[B, s]`` and detects a block that bypasses its router (a hub kernel).  The contexts
+(record, replay: R3 arXiv:2510.11370 / R2 arXiv:2507.18071, offsets: PR2 arXiv:2606.00395, logit noise, capture)
+nest freely and set one :class:`~offpolicy_moe.routing.state.RoutingState`, which the rules read.
 """
 from __future__ import annotations
 
@@ -40,14 +33,12 @@ __all__ = ["RoutingController", "RouterBypassError", "UnsupportedGenerationError
 class RoutingController:
     """Record / replay / offset the routing of a Hugging Face MoE model through router forward hooks.
 
-    ``RoutingController(model)`` discovers every router module (the class named by
-    ``model._can_record_outputs["router_logits"]``, else modules whose class name looks like a router) and its
-    family adapter. Unknown router -> :class:`UnsupportedRouterError` naming the class; no router (dense model) ->
-    ValueError; a kernelized model (``use_kernels``) -> UnsupportedRouterError.
+    Router modules are the class named by ``model._can_record_outputs["router_logits"]``, else modules whose class
+    name looks like a router. Unknown router -> :class:`UnsupportedRouterError` naming the class; no router (dense
+    model) -> ValueError; a kernelized model (``use_kernels``) -> UnsupportedRouterError.
 
-    Attributes: ``num_moe_layers``, ``num_experts``, ``top_k``, ``hidden_size``, ``layer_ids`` (MoE-layer index ->
-    decoder-layer index), ``router_names``, ``unreplayed`` (routers left to themselves), ``shape`` (the frozen
-    :class:`ModelShape`), ``state`` (the :class:`RoutingState` the contexts set and the rules read).
+    ``layer_ids`` maps MoE-layer index -> decoder-layer index; ``unreplayed`` lists the routers left to themselves;
+    ``shape`` is the frozen :class:`ModelShape`.
     """
 
     def __init__(self, model: nn.Module):
@@ -209,11 +200,9 @@ class RoutingController:
         return None
 
     def load_balancing_loss(self, token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Aux loss of the experts actually used in the router calls since the last call (under
-        ``replay(aux_from_used=True)``), pooled over MoE layers: ``E * sum_e f_e P_e`` (``routing/aux.py``).
-
-        ``token_mask``: bool/int ``[B, S]`` of real tokens of the forward (applied to calls laid out ``[B, S]``).
-        Consumes the stored calls."""
+        """Aux loss ``E * sum_e f_e P_e`` (``routing/aux.py``) of the experts actually used in the router calls since
+        the last call (under ``replay(aux_from_used=True)``), pooled over MoE layers; ``token_mask[B, S]`` marks the
+        real tokens (applied to calls laid out ``[B, S]``). Consumes the stored calls."""
         if not self.state.aux:
             raise RuntimeError("no router calls stored: run the forward inside `with ctl.replay(trace):` "
                                "(aux_from_used=True) before load_balancing_loss()")
@@ -230,9 +219,8 @@ class RoutingController:
         """Record routes while the block runs: ``with ctl.record() as rec: out = model.generate(...)``.
 
         ``which="used"``: the ids the experts actually received (after replay/offsets/noise); ``"own"``: the
-        router's native top-k (to compare a replayed trace with the model's current routing). Inside the block
-        ``model.generate`` refuses beam search, assisted decoding and ``use_cache=False``. One generate (or one
-        forward / a sequence of chunked forwards of the same batch) per block.
+        router's native top-k. Inside the block ``model.generate`` refuses beam search, assisted decoding and
+        ``use_cache=False``. One generate (or one forward / chunked forwards of the same batch) per block.
         """
         if which not in ("used", "own"):
             raise ValueError(f"which must be 'used' or 'own', got {which!r}")
@@ -243,15 +231,14 @@ class RoutingController:
     def replay(self, trace: RouteTrace, validate: bool = True, aux_from_used: bool = True) -> Iterator[None]:
         """Force the selection to ``trace`` (R3 / R2) where recorded; the router's own choice on sentinel rows.
 
-        The trace must be laid out exactly like the forward's ``input_ids`` ``[B, S]``. Weights come from the
-        current router's logits with the model's rule, gathered from the full distribution; router gradients flow.
-        ``validate`` checks ids range, duplicates, partial rows and all-zero layers first (not the missing fraction:
-        call ``trace.validate(mask=..., max_missing=...)`` for that). A trace tied to its tokens (``trace.tokens``)
-        is checked against each forward's ``input_ids`` first (:meth:`RouteTrace.check_tokens`).
+        The trace must be laid out exactly like the forward's ``input_ids`` ``[B, S]``; a trace tied to its tokens is
+        checked against them (:meth:`RouteTrace.check_tokens`). Weights come from the current router's logits with the
+        model's rule, gathered from the full distribution; router gradients flow. ``validate`` checks ids range,
+        duplicates, partial rows and all-zero layers first (not the missing fraction:
+        ``trace.validate(max_missing=...)``).
 
-        ``aux_from_used``: keep each router call's logits and the ids actually used, so that
-        :meth:`load_balancing_loss` gives the aux loss of the replayed experts (transformers' own ``aux_loss``
-        re-derives the router's top-k, i.e. balances experts that did not run).
+        ``aux_from_used``: keep each router call's logits and the ids used, for :meth:`load_balancing_loss`
+        (transformers' own ``aux_loss`` re-derives the router's top-k, i.e. balances experts that did not run).
         """
         if not isinstance(trace, RouteTrace):
             raise TypeError(f"replay expects a RouteTrace, got {type(trace).__name__}")
@@ -272,13 +259,10 @@ class RoutingController:
                 feature_cache: FeatureCache | None = None, fixed: PR2Predictors | None = None) -> Iterator[None]:
         """PR2 rollout: select on ``logits + predictors(layer, h)``; weights too when ``in_weights`` (paper default).
 
-        With ``feature_cache`` the router inputs and (unshifted) logits of a sample of sequences are stored; then
-        ``model.generate`` refuses beam search / assisted decoding as in :meth:`record`.
-
-        ``fixed``: a second offset module that stands for a change of the router itself (the engine's fixed
-        router-weight perturbation, ``routing/perturb.py``): ``f = fixed(layer, h)`` enters the selection AND the
-        weights whatever ``in_weights`` says, and the feature cache stores ``logits + f`` (the perturbed router's
-        logits).  So the selection runs on ``logits + f + predictors(layer, h)``.
+        With ``feature_cache`` the router inputs and (unshifted) logits of a sample of sequences are stored, and
+        ``model.generate`` is guarded as in :meth:`record`. ``fixed`` stands for a change of the router itself
+        (``routing/perturb.py``): ``f = fixed(layer, h)`` enters the selection AND the weights whatever ``in_weights``
+        says, and the feature cache stores ``logits + f``.
         """
         for name, mod in (("predictors", predictors),) + ((("fixed", fixed),) if fixed is not None else ()):
             if not isinstance(mod, PR2Predictors):
@@ -295,10 +279,8 @@ class RoutingController:
 
     @contextlib.contextmanager
     def logit_noise(self, sigma: float, generator: torch.Generator | None = None) -> Iterator[None]:
-        """Add ``N(0, sigma^2)`` to the router logits for selection and weights (engine-side mismatch knob).
-
-        ``generator`` must live on the model's device. The routes are re-derived with the family's own rule.
-        """
+        """Add ``N(0, sigma^2)`` to the router logits for selection and weights (engine-side mismatch knob);
+        ``generator`` must live on the model's device."""
         if not (sigma >= 0.0):
             raise ValueError(f"sigma must be >= 0, got {sigma}")
         with self._setting("noise", NoisePlan(float(sigma), generator), "logit_noise"):
@@ -308,9 +290,8 @@ class RoutingController:
     def capture_router_logits(self, positions) -> Iterator[RouterCapture]:
         """Capture detached router logits ``[M, L, E]`` and the router's own top-k ``[M, L, K]`` at tokens.
 
-        ``positions``: ``(batch_index[M], position[M])`` or a :class:`PR2Features` (its ``positions()``), laid out
-        like the forward's ``input_ids``. Use with replay in the PR2 update forward:
-        ``with ctl.replay(trace), ctl.capture_router_logits(feats) as cap: ...; cap.logits()``.
+        ``positions``: ``(batch_index[M], position[M])`` or a :class:`PR2Features`, laid out like the forward's
+        ``input_ids``; PR2's update forward uses it under ``replay``.
         """
         if hasattr(positions, "positions"):
             positions = positions.positions()
@@ -320,14 +301,9 @@ class RoutingController:
 
     # ------------------------------------------------------------------------------ gradient checkpointing
     def checkpoint_context_fn(self):
-        """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant).
-
-        Returns ``(forward_ctx, recompute_ctx)``: the forward context stores, in call order, the route each router
-        used inside the checkpointed layer (``None`` = router's own choice) and the logit shift of its weights; the
-        recompute context re-installs the hooks if needed and makes each router use exactly that route, so the
-        recompute during ``backward()`` (after the ``with`` block closed) matches the forward bit for bit
-        (``routing/checkpointing.py``).
-        """
+        """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant): the recompute during
+        ``backward()`` uses exactly the forward's routes, even after the ``with`` block closed
+        (``routing/checkpointing.py``)."""
         return checkpoint_contexts(self.state, lambda: self.active, self._acquire, self._release)
 
     def enable_gradient_checkpointing(self, model: nn.Module | None = None) -> None:

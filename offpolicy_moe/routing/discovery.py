@@ -1,9 +1,8 @@
 """Find the router modules of a Hugging Face MoE model, their blocks, decoder layers, E and K.
 
-The router class is the one named by ``model._can_record_outputs["router_logits"]``; when there is none (or user
-code replaced the routers) modules named ``gate``/``router`` whose class name looks like a router, and any module
-whose class has an adapter. Routers whose class is refused (``REFUSED_ROUTERS``) are skipped; a model with only
-refused routers is refused with their reason; a mix of hash-routed and top-k layers keeps the top-k layers.
+The router class is the one named by ``model._can_record_outputs["router_logits"]``, else modules named
+``gate``/``router`` whose class looks like a router or has an adapter.  Refused classes (``REFUSED_ROUTERS``) are
+skipped (a model with only those is refused with their reason); hash-routed layers beside top-k ones are left out.
 """
 from __future__ import annotations
 

@@ -8,8 +8,6 @@ What the engines send, by version (payload, rows, layers, dtype), is tabulated i
 inference engines"), read from https://github.com/vllm-project/vllm/blob/main/docs/features/routed_experts.md,
 https://github.com/vllm-project/vllm/blob/main/tests/entrypoints/openai/test_return_routed_experts.py and
 https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/moe/routed_experts_capturer.py.
-Every payload form goes through :func:`decode_routes`; rows are laid out by :func:`place_rows` and layers reduced
-by :func:`moe_layers`.
 """
 from __future__ import annotations
 

@@ -62,11 +62,9 @@ def _modeling_module(causal_lm: str):
 
 def scan_moe_families() -> list[MoEFamily]:
     """Every causal-LM ``model_type`` of the installed transformers whose modeling code defines a router class (or
-    an MoE block known to route without one).
-
-    A multimodal type ``X`` whose text type ``X_text`` is listed too, with the same routers, is one family, listed
-    under ``X_text``. Types that reuse another family's modeling code under their own config class
-    (``sarvam_moe``) are families of their own: their config defaults differ."""
+    an MoE block known to route without one).  A multimodal ``X`` with the same routers as its ``X_text`` is listed
+    once, under ``X_text``; a type reusing another family's code under its own config class (``sarvam_moe``) is its
+    own family (its config defaults differ)."""
     found: dict[str, MoEFamily] = {}
     for mt, cls in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
         mod = _modeling_module(cls)

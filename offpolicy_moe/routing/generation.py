@@ -1,9 +1,7 @@
-"""``generate`` under recording: the generation modes whose routes can be recorded, and the guard that enforces them.
-
-Beam search reorders the KV cache, assisted / prompt-lookup decoding feed drafts and crop it, ``use_cache=False``
-re-feeds the whole sequence at every step: their routes cannot be laid out like ``sequences``, so they are refused
-before anything runs. The guard wraps ``model.generate`` as an instance attribute (removed on exit) and tells the
-open recorders the length of ``sequences`` (the final sampled token is never fed, its row stays "not recorded").
+"""``generate`` under recording: beam search (reorders the KV cache), assisted / prompt-lookup decoding (feed
+drafts and crop it) and ``use_cache=False`` (re-feeds everything) give routes that cannot be laid out like
+``sequences``, so they are refused before anything runs.  The guard wraps ``model.generate`` as an instance
+attribute and tells the open recorders the length of ``sequences``.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Generic routing rule: each router call runs inside a :class:`TopKIntercept`, planned from the routing state.
-
-For every router without an adapter. :class:`GenericRule` receives the controller's :class:`RoutingState`. Per
-call: the pre-hook plans the call (checkpoint recompute tape, PR2 offsets, noise, replayed ids; a no-grad probe pass
-when the selection and the weights see different logits, or when the router's own choice is wanted under a shift)
-and opens the intercept; the post-hook (always called) closes it, records the routes and swaps the unshifted logits
-back into the router's outputs.
+"""Generic routing rule, for every router without an adapter: each call runs inside a :class:`TopKIntercept`
+planned by the pre-hook (tape, offsets, noise, replayed ids; a no-grad probe pass when selection and weights see
+different logits), closed by the post-hook, which records the routes and swaps the unshifted logits back.
 """
 from __future__ import annotations
 
@@ -132,7 +128,6 @@ class GenericRule:
 
 
 def _copied(values):
-    """``values`` (a tuple or a dict) with every tensor cloned."""
     if isinstance(values, dict):
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
     return tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in values)

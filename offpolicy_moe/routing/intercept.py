@@ -1,13 +1,10 @@
 """Generic routing rule: the router's own forward, with its expert selection intercepted at its top-k.
 
-Almost every MoE router in transformers 5.x computes ``logits = linear(h)``, turns them into scores, picks experts
-with ``torch.topk`` over the ``E`` experts and derives the gating weights from the scores at the picked ids.
-:class:`TopKIntercept` is a ``TorchFunctionMode`` opened only while one router (or the MoE block that holds the
-top-k) runs. It shifts the first ``[N, E]`` linear/matmul output (the router logits; PR2 offsets, noise), answers
-the expert top-k with the forced ids (values gathered from the scores, looking through a ``masked_fill`` group mask:
-R3, arXiv:2510.11370, gathers from the full distribution) and remembers the router's own choice and the ids used.
-So the weights, extra outputs and gradients come from the model's own code (docs/routing.md, "How a router is
-handled").
+:class:`TopKIntercept` is a ``TorchFunctionMode`` open only while one router (or the MoE block holding the top-k)
+runs: it shifts the first ``[N, E]`` linear/matmul output (the router logits), answers the expert ``torch.topk``
+with the forced ids (values gathered from the scores, looking through a ``masked_fill`` group mask, as R3 gathers
+from the full distribution) and remembers the router's own choice.  The weights, extra outputs and gradients then
+come from the model's own code (docs/routing.md, "How a router is handled").
 """
 from __future__ import annotations
 
@@ -31,18 +28,12 @@ class SelectionSeen(Exception):
 class TopKIntercept(TorchFunctionMode):
     """Intercept one router call's top-k over ``num_experts`` experts (see module docstring).
 
-    Args:
-        n: tokens in this call.
-        num_experts: E, the size of the expert dimension the top-k runs over.
-        top_k: K.
-        forced: ``[N, K]`` int64 ids to force, or None.
-        forced_rows: bool ``[N]``, rows where ``forced`` applies (None: all rows).
-        shift: float ``[N, E]`` added to the router logits, or None.
-        stop: raise :class:`SelectionSeen` right after the expert top-k (a probe that only needs the selection).
+    ``forced``: ``[N, K]`` int64 ids to force (on the rows of ``forced_rows``, default all); ``shift``: float
+    ``[N, E]`` added to the router logits; ``stop``: raise :class:`SelectionSeen` right after the expert top-k.
 
     After the call: ``logits`` (unshifted ``[N, E]`` or None), ``own`` (the real top-k ids of the last matching
     top-k, ``[N, K]``), ``used`` (the ids the rule went on with), ``shifted`` (the shifted tensor handed to the
-    router, to swap back in its outputs); ``shift`` (the weights' logit shift, kept for gradient checkpointing).
+    router, to swap back in its outputs).
     """
 
     def __init__(self, n: int, num_experts: int, top_k: int, forced: torch.Tensor | None = None,

@@ -1,16 +1,9 @@
-"""Routing metrics between two route traces (e.g. rollout engine vs the trainer's own routing).
+"""Routing metrics between two route traces (R3, arXiv:2510.11370, section 2; PR2, arXiv:2606.00395, section 5).
 
-Definitions (R3 paper, arXiv:2510.11370, section 2; PR2, arXiv:2606.00395, section 5):
-  * decision mismatch: fraction of (token, MoE layer) pairs whose expert SET differs;
-  * token mismatch: fraction of tokens with at least one differing layer (the R3 paper's "94%");
-  * top-k agreement: mean ``|A ∩ B| / K``;
-  * coverage gap (needs router probabilities ``p`` of the B side): mean ``1 − Σ_{j∈A} p_j``;
-  * zero deviation (PR2, arXiv:2606.00395, Fig. 1): the share of (token, layer) pairs whose sets are equal
-    (``1 − decision mismatch``), and the share of tokens equal in every layer (``1 − token mismatch``).
-Only (token, layer) pairs recorded in both traces (and inside ``mask``) count.
-
-Replay guardrails (:func:`replay_guardrails`): how much of a replayed forward fell back to the router's own choice,
-and how often the replayed ids lie outside the trainer router's own top-k (docs/routing.md, "Replay guardrails").
+Over the (token, MoE layer) pairs recorded in both traces (and inside ``mask``): decision mismatch (expert SETs
+differ), token mismatch (a token with at least one differing layer: the R3 paper's "94%"), top-k agreement
+``|A ∩ B| / K``, coverage gap ``1 − Σ_{j∈A} p_j`` under B's router probabilities, and zero deviation (PR2, Fig. 1:
+``1 −`` each mismatch).  :func:`replay_guardrails`: docs/routing.md, "Replay guardrails".
 """
 from __future__ import annotations
 
@@ -53,14 +46,8 @@ def zero_deviation(same: torch.Tensor, valid: torch.Tensor) -> tuple[float, floa
 
 @dataclass
 class RouteComparison:
-    """Per-(token, layer) comparison of two traces.
-
-    Attributes:
-        overlap: ``[B, S, L]`` int64 ``|A ∩ B|``.
-        valid: ``[B, S]`` bool, tokens compared (recorded in both, inside the mask).
-        top_k: K.
-        coverage: ``[B, S, L]`` float ``Σ_{j∈A} p_j`` or None.
-    """
+    """Per-(token, layer) comparison of two traces: ``overlap[B, S, L]`` int64 ``|A ∩ B|``, ``valid[B, S]``
+    (recorded in both, inside the mask) and ``coverage[B, S, L]`` ``Σ_{j∈A} p_j`` (or None)."""
 
     overlap: torch.Tensor
     valid: torch.Tensor
@@ -141,17 +128,13 @@ def routing_metrics(trace_a: RouteTrace, trace_b: RouteTrace, mask: torch.Tensor
 
 def replay_guardrails(replayed: RouteTrace, own: RouteTrace, mask: torch.Tensor | None = None,
                       unreplayed_layers: int = 0) -> dict[str, float]:
-    """Guardrail metrics of one replayed forward (names in :data:`GUARDRAIL_METRICS`).
-
-    ``replayed``: the trace handed to ``RoutingController.replay``; ``own``: the trainer router's own top-k in that
-    forward (``with ctl.replay(trace), ctl.record("own") as rec: ...; own = rec.trace()``); ``mask[B, S]``: the tokens
-    that count (e.g. the response mask); ``unreplayed_layers``: routers the controller leaves to themselves
-    (``len(ctl.unreplayed)``), counted as fallbacks at every token.
+    """Guardrail metrics of one replayed forward (names in :data:`GUARDRAIL_METRICS`): ``replayed`` the trace handed
+    to ``RoutingController.replay``, ``own`` the router's own top-k in that forward (``ctl.record("own")``),
+    ``unreplayed_layers`` the routers left to themselves, counted as fallbacks at every token.
 
     With ``D`` the (token, layer) decisions inside ``mask`` over the ``L + unreplayed_layers`` routed layers, ``F``
-    those whose row is not recorded in ``replayed`` (or in an unreplayed layer) and, over the ``R = D - F`` replayed
-    decisions with ids ``A`` and own top-k ``B``:
-    ``replay_fallback = F / D``, ``replay_outside_topk = sum |A \\ B| / (K R)``,
+    those not recorded in ``replayed`` (or unreplayed) and, over the ``R = D - F`` replayed decisions with ids ``A``
+    and own top-k ``B``: ``replay_fallback = F / D``, ``replay_outside_topk = sum |A \\ B| / (K R)``,
     ``replay_outside_topk_decisions = #{A ⊄ B} / R``, ``replay_decisions = R``. No decision -> zeros.
     """
     if replayed.ids.shape != own.ids.shape:

@@ -2,11 +2,9 @@
 
 A rollout engine whose router runs another kernel (another matmul order or precision, a fused gate) sees the
 trainer's router logits ``z = h W^T`` plus an error that is the same at every forward. This module models it as a
-fixed error ``dW_l`` of each MoE layer's router weights, drawn once from the run's seed alone (formula, seeding and
-measured effect: :func:`router_perturbation` and docs/routing.md, "A fixed engine/trainer mismatch").
-
-The perturbation is a :class:`~offpolicy_moe.routing.pr2.PR2Predictors` (one bias-free ``Linear(H, E)`` per MoE
-layer) with weights ``dW``, applied through ``RoutingController.offsets`` (selection and gating weights).
+fixed error ``dW_l`` of each MoE layer's router weights, drawn once from the run's seed alone, applied as a
+:class:`~offpolicy_moe.routing.pr2.PR2Predictors` through ``RoutingController.offsets`` (docs/routing.md, "A fixed
+engine/trainer mismatch").
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """PR2 (Predictive Routing Replay, Dong et al., arXiv:2606.00395): predictors, feature cache, predictor loss.
 
-Per MoE layer l a bias-free linear predictor ``W_p^l`` (zero-initialised) maps the router input h to a logit bias
-``b = h W_p``. Rollout: the engine selects ``Î = TopK(softmax(logits + b))`` (the controller's ``offsets``
-context); gating weights also use the shifted logits when ``in_weights=True`` (the paper's default). The routes Î
-are recorded for every token and replayed in training exactly like R3, with the predictor OFF. A random subsample
-of sequences contributes predictor-training features ``(h_old, logits_old)`` (:class:`FeatureCache`).
-
-Predictor loss (paper Eq. 15, "post-routing matching"):
-``L_p = Σ_l mean_t KL(ρ_cur^l ‖ softmax(logits_old^l + h_old^l W_p^l))`` with ``ρ_cur = softmax(current router
-logits on the current hidden state of the same token)``, detached; only ``W_p`` gets gradient.
-For sigmoid routers (DeepSeek-V3) the same softmax-over-logits KL is used as a surrogate (ours).
+Per MoE layer a zero-initialised bias-free linear predictor maps the router input h to a logit bias ``b = h W_p``.
+The engine selects ``Î = TopK(softmax(logits + b))`` (weights too when ``in_weights``, the paper's default); Î is
+recorded and replayed in training exactly like R3, predictor OFF, and a subsample of sequences gives features
+``(h_old, logits_old)``.  Predictor loss (paper Eq. 15): ``L_p = Σ_l mean_t KL(ρ_cur^l ‖ softmax(logits_old^l +
+h_old^l W_p^l))``, ``ρ_cur`` the current router's softmax on the same token, detached; only ``W_p`` gets gradient.
+For sigmoid routers (DeepSeek-V3) the same softmax KL is a surrogate (ours).
 """
 from __future__ import annotations
 
@@ -82,14 +78,8 @@ def pr2_param_group(predictors: PR2Predictors, base_lr: float, lr_mult: float = 
 # ------------------------------------------------------------------------------------------------ features
 @dataclass
 class PR2Features:
-    """Cached predictor features of M tokens, aligned with a trace by ``(batch_index, position)``.
-
-    Attributes:
-        batch_index: ``[M]`` int64 row of the rollout batch (as in the trace / ``sequences``).
-        position: ``[M]`` int64 position in the sequence.
-        h: ``[M, L, H]`` router inputs h_old (engine dtype).
-        logits: ``[M, L, E]`` router logits p_old BEFORE the predictor bias (engine dtype).
-    """
+    """Cached predictor features of M tokens, aligned with a trace by ``(batch_index, position)`` (``[M]`` int64):
+    router inputs ``h[M, L, H]`` and router logits ``logits[M, L, E]`` BEFORE the predictor bias (engine dtype)."""
 
     batch_index: torch.Tensor
     position: torch.Tensor
@@ -178,15 +168,9 @@ def cat_features(parts: Sequence[PR2Features], batch_sizes: Sequence[int]) -> PR
 
 
 class FeatureCache:
-    """Collects ``(h, logits)`` for a random subsample of SEQUENCES during a PR2 rollout.
-
-    Use inside ``with ctl.offsets(predictors, feature_cache=cache): model.generate(...)``. At the first router call
-    the cache draws ``n = max(1, round(B * sample_rate))`` of the B sequences (``torch.randperm`` with
-    ``generator``) and then stores, for every MoE layer and every position the model processes (prefill and each
-    decode step), the router input h and the router logits before the predictor bias. ``collect()`` returns a
-    :class:`PR2Features` aligned with the recorded trace. One generate (or one forward) per cache; ``reset()`` to
-    reuse. ``store_device`` (e.g. "cpu") moves features off the accelerator as they arrive.
-    """
+    """Collects ``(h, logits)`` (logits before the predictor bias) at every MoE layer and position for a random
+    subsample of ``max(1, round(B * sample_rate))`` SEQUENCES during a PR2 rollout, drawn at the first router call.
+    One generate (or forward) per cache; ``store_device`` moves features off the accelerator as they arrive."""
 
     def __init__(self, sample_rate: float = 1 / 8, generator: torch.Generator | None = None, store_device=None):
         if not (0.0 < sample_rate <= 1.0):
@@ -259,23 +243,12 @@ def pr2_predictor_loss(predictors: PR2Predictors, features: PR2Features, current
     """PR2 post-routing matching loss and ``pr2/*`` metrics (arXiv:2606.00395, Eq. 15).
 
     ``L_p = Σ_l mean_t KL(ρ_cur ‖ q̂)``, ``q̂ = softmax(logits_old + h_old W_p)``, ``ρ_cur = softmax(current_logits)``
-    (or ``current_logits`` itself when ``current_is_probs``), detached. Only the predictors get gradient.
+    (or ``current_logits`` itself when ``current_is_probs``), detached; only the predictors get gradient.
+    ``current_ids`` default to the top-k of ``current_logits``, ``replayed_ids`` (Î) to the top-k of q̂.
 
-    Args:
-        features: cached ``(h_old, logits_old)`` of M tokens (:class:`PR2Features`).
-        current_logits: ``[M, L, E]`` current router logits at the same tokens (from
-            ``RoutingController.capture_router_logits``).
-        current_ids: ``[M, L, K]`` the current router's own top-k (capture's ``own_ids``); default: top-k of
-            ``current_logits``.
-        replayed_ids: ``[M, L, K]`` the replayed route Î (``features.gather_trace(trace)``); default: top-k of q̂.
-        top_k: K when neither ids tensor is given.
-
-    Metrics, on the M feature tokens (each defined with its formula in docs/metrics.md, ``pr2/``): ``pr2/loss``;
-    ``pr2/pred_kl`` = mean ``KL(ρ_cur ‖ q̂)`` and ``pr2/base_kl`` (the same without the predictor), with
-    ``pr2/skill_ratio = pred_kl / base_kl`` (< 1: the predictor anticipates the drift; left out while ``base_kl <=
-    SKILL_MIN_BASE_KL``); ``pr2/zero_dev_layer``/``_token`` (Î against I_cur) and their ``_r3`` counterfactual
-    (``TopK(logits_old)`` against I_cur); ``pr2/bias_route_change``, ``pr2/topk_agreement``, ``pr2/coverage_gap``,
-    ``pr2/bias_ratio``, ``pr2/num_tokens``.
+    Metrics (docs/metrics.md, ``pr2/``): ``pr2/pred_kl``, ``pr2/base_kl`` (without the predictor),
+    ``pr2/skill_ratio = pred_kl / base_kl`` (< 1: the predictor anticipates the drift; left out while
+    ``base_kl <= SKILL_MIN_BASE_KL``), ``pr2/zero_dev_*`` with their ``_r3`` counterfactual, and more.
     """
     m, nl, e = features.logits.shape
     if tuple(current_logits.shape) != (m, nl, e):

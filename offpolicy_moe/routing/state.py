@@ -1,10 +1,6 @@
-"""The routing state a :class:`~offpolicy_moe.routing.controller.RoutingController` owns, made explicit.
-
-One :class:`RoutingState` per controller holds everything its contexts switch on and off (the trace to replay, the
-PR2 offsets, logit noise, open recorders and captures, the gradient-checkpoint tape) and what a forward's hooks learn
-on the way (each MoE block's ``[B, s]``, whether its router fired). The two routing rules (``AdapterRule`` in
-``routing/adapter_rule.py``, ``GenericRule`` in ``routing/generic.py``) receive this object; nothing reads the
-controller's attributes. Recorders and captures receive only the frozen :class:`ModelShape`.
+"""The routing state a :class:`~offpolicy_moe.routing.controller.RoutingController` owns, made explicit: what its
+contexts switch on and off and what a forward's hooks learn on the way.  The two routing rules receive this object;
+recorders and captures receive only the frozen :class:`ModelShape`.
 """
 from __future__ import annotations
 

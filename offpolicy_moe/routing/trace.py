@@ -5,13 +5,9 @@ A :class:`RouteTrace` holds ``ids[B, S, L_moe, K]`` aligned with a token tensor 
 the rollout engine; R2 (Zheng et al., arXiv:2507.18071, "routing replay") replays traces recorded by the trainer.
 
 Storage: ``uint8`` when ``num_experts <= 255`` (sentinel ``255`` = "not recorded"), ``int16`` otherwise (sentinel
-``-1``). So a stored trace costs ``L_moe * K`` bytes per token (int16: twice that), against ``4 * L_moe * K`` for
-int32. A row is either fully recorded or fully sentinel.
-
-Layout helpers move routes exactly like tokens (the same function can be applied to the token tensors):
-left <-> right padding (:func:`repad`), packing (:meth:`RouteTrace.pack` / :meth:`RouteTrace.unpack`),
-slicing (:meth:`RouteTrace.slice`), batch concatenation (:func:`cat_traces`) and selection
-(:meth:`RouteTrace.index_select`).
+``-1``): ``L_moe * K`` bytes per token (int16: twice that), against ``4 * L_moe * K`` for int32. A row is either
+fully recorded or fully sentinel. The layout helpers move routes exactly like tokens (padding, packing, slicing,
+concatenation, selection).
 """
 from __future__ import annotations
 
@@ -85,12 +81,8 @@ def repad_destinations(mask: torch.Tensor, side: str) -> tuple[torch.Tensor, tor
 
 
 def repad(x: torch.Tensor, mask: torch.Tensor, side: str, fill) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move the valid entries of each row of ``x[B, S, ...]`` to the ``side`` ("left" or "right") of the row.
-
-    The j-th valid entry of row b (``mask[b]`` True) becomes the j-th valid entry of the output row, keeping order;
-    the other slots get ``fill``. Works on token ids, masks, logprobs and route ids alike, so a trace moves exactly
-    like its tokens. Returns ``(x_new, mask_new)``.
-    """
+    """Move the valid entries of each row of ``x[B, S, ...]`` to the ``side`` ("left" or "right") of the row,
+    keeping order; the other slots get ``fill``. Returns ``(x_new, mask_new)``."""
     b, s = x.shape[:2]
     m = _check_mask(mask.to(x.device), b, s, "mask")
     dst, new_mask = repad_destinations(m, side)
@@ -139,15 +131,11 @@ def unpack_tokens(packed: torch.Tensor, cu_seqlens: torch.Tensor, fill, side: st
 class RouteTrace:
     """Expert ids per token and MoE layer, aligned with a token tensor.
 
-    Attributes:
-        ids: ``[B, S, L_moe, K]``; uint8 (sentinel 255) when ``num_experts <= 255``, else int16 (sentinel -1).
-        num_experts: number of routed experts E per MoE layer.
-        top_k: K, experts per token.
-        layer_ids: decoder-layer index of each MoE layer (models with dense first layers skip some).
-        tokens: optional int32 ``[B, S]``: the token id each route was recorded on (-1: unknown). It ties the trace
-            to its tokens: ``RoutingController.replay`` refuses a trace whose tokens differ from the batch's
-            ``input_ids`` at a recorded position, naming the first bad row. Every layout transform below moves the
-            tokens exactly like the routes; a trace without tokens (``None``) is replayed unchecked.
+    ``ids``: ``[B, S, L_moe, K]``; ``layer_ids``: the decoder-layer index of each MoE layer (models with dense first
+    layers skip some). ``tokens``: optional int32 ``[B, S]``, the token id each route was recorded on (-1: unknown);
+    ``RoutingController.replay`` refuses a trace whose tokens differ from the batch's ``input_ids`` at a recorded
+    position, naming the first bad row. Every layout transform moves the tokens exactly like the routes; a trace
+    without tokens (``None``) is replayed unchecked.
     """
 
     ids: torch.Tensor
@@ -207,14 +195,11 @@ class RouteTrace:
                   previous: "RouteTrace | None" = None, unreplayed_layer_ids: Sequence[int] = ()) -> "RouteTrace":
         """One vLLM completion as a ``[1, P + T]`` trace tied to its tokens (layouts: ``routing/engines.py``).
 
-        ``routed_experts``: vLLM >= 0.22's ``choices[i].routed_experts`` (base64 ``.npy``) or the ndarray of the
-        Python API, ``[S - 1 - start, L, K]`` with ``start`` = the request's ``routed_experts_prompt_start``; or
-        vLLM 0.21's completion part (``T`` or ``T - 1`` rows) with ``prompt_routed_experts [P, L, K]``. ``L`` = MoE
-        layers or ``num_hidden_layers`` (then reduced to ``layer_ids``). ``None`` (no routes) is refused.
-        Negative ids, rows before ``start`` and the never-fed last position are "not recorded"; ``previous`` (the
-        last turn's trace of this conversation) fills the rows before ``start``. ``unreplayed_layer_ids``
-        (``ctl.unreplayed_layer_ids``): routed layers the controller leaves to themselves (DeepSeek-V4's hash layer),
-        dropped without the dense-layer zero check. Join completions with ``cat_traces``.
+        ``routed_experts``: vLLM >= 0.22's ``[S - 1 - start, L, K]`` (base64 ``.npy`` or ndarray; ``start`` = the
+        request's ``routed_experts_prompt_start``), or vLLM 0.21's completion part with ``prompt_routed_experts [P, L,
+        K]``; ``L`` = MoE layers or ``num_hidden_layers``.  ``None`` is refused.  Rows before ``start`` come from
+        ``previous`` (the conversation's last turn) or are "not recorded", as is the never-fed last position.
+        ``unreplayed_layer_ids``: routed layers left to themselves, dropped without the dense-layer zero check.
         """
         prompt = rearrange(engines.as_int_tensor(prompt_token_ids, "prompt_token_ids"), "... -> (...)")
         comp = rearrange(engines.as_int_tensor(completion_token_ids, "completion_token_ids"), "... -> (...)")
@@ -344,18 +329,13 @@ class RouteTrace:
     # --------------------------------------------------------------------------------------------- validation
     def validate(self, seq_shape: Sequence[int] | None = None, mask: torch.Tensor | None = None,
                  max_missing: float = 0.25, min_rows_zero_check: int = 16) -> dict[str, float]:
-        """Check that the trace can be replayed; raise :class:`TraceValidationError` (a ValueError) naming the problem.
+        """Check that the trace can be replayed; :class:`TraceValidationError` naming the problem.  Returns
+        ``{"missing_frac": float, "recorded_rows": int}``.
 
-        Checks, in order:
-          1. ``seq_shape`` (the ``[B, S]`` token shape it will be replayed on) equals ``ids.shape[:2]``;
-          2. ids out of range (``>= num_experts`` and not the sentinel; negative ids for int16);
-          3. partially recorded rows (some of a row's K ids, or some layers, missing while others are present);
-          4. a layer whose recorded ids are all 0: a broken (all-zero) capture, as inference engines produce when
-             capture is silently off. Checked when K >= 2 or the layer has >= ``min_rows_zero_check`` rows;
-          5. duplicate ids within one row;
-          6. the fraction of rows missing among ``mask`` (default: all rows) — reported, and refused when above
-             ``max_missing``.
-        Returns ``{"missing_frac": float, "recorded_rows": int}``.
+        Checks, in order: ``seq_shape`` equals ``ids.shape[:2]``; ids out of range; partially recorded rows; a layer
+        whose recorded ids are all 0 (a broken capture, as inference engines produce when capture is silently off;
+        checked when K >= 2 or the layer has >= ``min_rows_zero_check`` rows); duplicate ids within a row; the fraction
+        of rows missing among ``mask`` above ``max_missing``.
         """
         b, s, nl, k = self.ids.shape
         if seq_shape is not None and tuple(seq_shape) != (b, s):
@@ -423,10 +403,8 @@ class RouteTrace:
         return self.slice(prompt_width, None)
 
     def repad(self, attention_mask: torch.Tensor, side: str) -> tuple["RouteTrace", torch.Tensor]:
-        """Move routes like tokens to ``side`` padding ("left"/"right"); returns ``(trace, new_attention_mask)``.
-
-        Pad slots become "not recorded". ``attention_mask[B, S]`` marks the real tokens (any padding layout).
-        """
+        """Move routes like tokens to ``side`` padding ("left"/"right"); pad slots become "not recorded".
+        Returns ``(trace, new_attention_mask)``."""
         ids, m = repad(self.ids, attention_mask, side, self.sentinel)
         tok = None if self.tokens is None else repad(self.tokens, attention_mask, side, -1)[0]
         return self._like(ids, tok), m
@@ -483,10 +461,8 @@ class RouteTrace:
 
 
 def cat_traces(traces: Sequence[RouteTrace], side: str = "right") -> RouteTrace:
-    """Concatenate along the batch, padding shorter sequences with "not recorded" rows on ``side``.
-
-    Pad on the same side as the token tensors are padded when they are concatenated.
-    """
+    """Concatenate along the batch, padding shorter sequences with "not recorded" rows on ``side`` (the side the
+    token tensors are padded on)."""
     if not traces:
         raise ValueError("cat_traces needs at least one trace")
     t0 = traces[0]

@@ -9,37 +9,16 @@ Layout of one checkpoint (format ``offpolicy_moe.checkpoint/2``)::
                            python values only, read with ``torch.load(weights_only=True)``
     rng_<rank>.pt          each process's RNG states (python, numpy, torch, CUDA), ``weights_only=True`` too
 
-Reading never unpickles arbitrary objects.  Safetensors files hold raw tensors only; the two ``.pt`` files go
-through torch's restricted unpickler under :func:`torch.serialization.safe_globals` with the explicit allow-list
-:data:`SAFE_GLOBALS` (empty: every value we store is a tensor, number, string, bool, None, list, tuple or dict,
-which the restricted unpickler admits by itself; numpy RNG state is stored as a tensor, not an ``ndarray``).  A file
-that carries anything else is refused with a one-line :class:`CheckpointError` naming it, before anything in it
-runs.  Class references inside the state (the buffer's ``{"__class__": "module:name"}`` records) are checked
-against :data:`ALLOWED_STATE_CLASSES` before any module is imported by name.
+Reading never unpickles arbitrary objects: the ``.pt`` files go through torch's restricted unpickler with the
+allow-list :data:`SAFE_GLOBALS` (empty), and class references inside the state are checked against
+:data:`ALLOWED_STATE_CLASSES` before any module is imported by name.  ``manifest.json`` is written last and every
+listed file is checked BEFORE anything is deserialised (corruption, not tampering: safety comes from the formats).
+A checkpoint is written into a hidden temporary folder, fsynced, and renamed in one ``os.replace``.
 
-Integrity: ``manifest.json`` is written last; :func:`verify_checkpoint` checks every listed file's size and sha256
-BEFORE anything is deserialised.  :func:`resume_checkpoint` walks the checkpoints newest first and falls back to
-the newest intact one, saying which file was damaged; if none is intact the error names the file.  Checksums
-detect corruption, not tampering (an attacker can rewrite the manifest): safety against payloads comes from the
-formats above.
-
-Atomicity: a checkpoint is written into a hidden temporary folder, fsynced, and renamed to ``step_<n>`` in one
-``os.replace``.  :func:`clean_checkpoint_root` (called on start) removes what interrupted writes leave behind.
-
-Why not Accelerate's ``save_state``/``load_state``: in accelerate 1.15 ``load_custom_state`` (the objects passed to
-``register_for_checkpointing``: our buffer, predictors, counters) always calls ``torch.load(weights_only=False)``,
-and ``load_accelerator_state`` swallows any error reading the RNG file ("Could not load random states"), so a
-damaged or hostile file would run code or be silently ignored.  We keep this small format instead and store RNG
-states per process (``rng_<rank>.pt``, gathered on save, each rank restoring its own).  Optimizer state is saved
-from the main process, which is complete for DDP (replicated optimizer); sharded (FSDP/ZeRO-3) optimizer states
-are not supported by this format.
-
-Full states: a model sharded by FSDP2 is written and read as its full (unsharded) state
-(:func:`full_optimizer_state`, :func:`load_full_model_state`, :func:`load_full_optimizer_state`; the full weights
-come from :func:`~offpolicy_moe.run.full_state.full_model_state`), so a checkpoint does not depend on the sharding.
-
-Checkpoints of the previous format (``model.pt`` + ``state.pt`` pickles) are refused with the command that converts
-them once, which unpickles them and so must be asked for explicitly::
+Not Accelerate's ``save_state``: in accelerate 1.15 ``load_custom_state`` calls ``torch.load(weights_only=False)``
+and ``load_accelerator_state`` swallows errors reading the RNG file, so a damaged or hostile file would run code or
+be silently ignored.  Sharded (FSDP/ZeRO-3) optimizer states are not supported; an FSDP2-sharded model is stored as
+its full state.  The previous pickle format is refused with the command that converts it (and so unpickles it)::
 
     python -m offpolicy_moe.run.checkpoint convert RUN_DIR/checkpoints/step_N --trust-pickle
 """
@@ -247,11 +226,10 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, *, model: Any, opti
                     keep: int = 2) -> Path:
     """Write ``ckpt_root/step_<step>`` atomically; keep the newest ``keep`` checkpoints (0 = keep all).
 
-    ``model``: a module or a tensor mapping (``model.safetensors``).  ``modules``: name -> module / tensor mapping /
-    None (``<name>.safetensors``; None is skipped).  ``optimizer``, ``scheduler`` and each ``extra`` value: objects
-    with ``state_dict()`` are stored as their state dict, anything else as it is; together they form ``state.pt``
-    (keys ``optimizer``, ``scheduler`` and the ``extra`` keys) and must contain only tensors and plain python values.
-    ``rng_states``: one :func:`rng_state` per rank (default: this process's only).
+    ``modules``: name -> module / tensor mapping / None (``<name>.safetensors``; None is skipped).  ``optimizer``,
+    ``scheduler`` and the ``extra`` values form ``state.pt`` (as their ``state_dict()`` when they have one) and must
+    contain only tensors and plain python values.  ``rng_states``: one :func:`rng_state` per rank (default: this
+    process's only).
     """
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
@@ -315,10 +293,9 @@ def _read_manifest(p: Path) -> dict:
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """Check every file listed in ``manifest.json`` (size, then sha256) before anything is deserialised.
-
-    Returns the manifest; raises :class:`CheckpointError` naming the first missing, truncated or corrupted file.
-    A checkpoint of the previous pickle format is refused with the command that converts it."""
+    """Check every file listed in ``manifest.json`` (size, then sha256) before anything is deserialised; returns
+    the manifest.  :class:`CheckpointError` names the first missing, truncated or corrupted file, or gives the command
+    that converts a checkpoint of the previous format."""
     p = Path(path)
     if _is_legacy(p):
         raise CheckpointError(
@@ -340,11 +317,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
 
 def resume_checkpoint(ckpt_root: str | os.PathLike, *,
                       log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> Optional[Path]:
-    """The newest checkpoint that passes :func:`verify_checkpoint`, or None when there is none at all.
-
-    A damaged newer checkpoint is skipped with a message through ``log`` naming its bad file; when every checkpoint
-    is damaged the newest one's error is raised.  A checkpoint of the previous format is returned as it is (loading
-    it gives the conversion message)."""
+    """The newest checkpoint that passes :func:`verify_checkpoint`, or None when there is none at all; a damaged
+    newer one is skipped with a message through ``log``, and when every checkpoint is damaged the newest one's error
+    is raised."""
     root = Path(ckpt_root)
     first_error: Optional[CheckpointError] = None
     for step in sorted(_complete(root), reverse=True):
@@ -467,10 +442,8 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0,
 
 
 def restore_metrics(path: str | os.PathLike, offset: int, checkpoint: str | os.PathLike = "") -> None:
-    """Cut ``metrics.jsonl`` back to the byte ``offset`` a checkpoint recorded; refuse a file that disagrees.
-
-    A file shorter than ``offset``, or whose byte before ``offset`` does not end a line, was cut or replaced after
-    the checkpoint: resuming would pad it with NUL bytes or splice lines, so :class:`CheckpointError` says so."""
+    """Cut ``metrics.jsonl`` back to the byte ``offset`` a checkpoint recorded.  A file shorter than ``offset``, or
+    not ending a line there, was cut or replaced after the checkpoint: :class:`CheckpointError` (never padded)."""
     p = Path(path)
     size = p.stat().st_size if p.exists() else 0
     where = f" recorded by checkpoint {str(checkpoint)!r}" if checkpoint else ""

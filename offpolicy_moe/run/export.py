@@ -1,20 +1,10 @@
-"""Export a trained policy as a standard Hugging Face checkpoint that loads with no project code.
+"""Export a trained policy as a standard Hugging Face checkpoint that loads with no project code
+(``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained``; vLLM or SGLang can serve it).  The exported model
+routes with its own routers: routing replay is a training device.
 
-An export folder holds what ``save_pretrained`` writes for the model (``config.json``, ``model.safetensors``),
-the tokenizer files (for the embedded character tokenizer: a ``tokenizers``-library ``tokenizer.json`` loaded by
-``PreTrainedTokenizerFast``), and ``generation_config.json`` (bos/eos/pad ids from the tokenizer, greedy by default).
-So ``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)`` load it, and vLLM or
-SGLang can serve it.  Routing replay is a training device: the exported model routes with its own routers.
-
-PR2 predictors (``algo.routing.replay=pr2``), when the run has them, are written beside the model in
-``pr2_predictors.safetensors``: tensors ``layers.<l>.weight`` of shape ``[num_experts, hidden_size]``, one per MoE
-layer ``l`` in model order; the predicted router-logit bias of a router input ``h`` is ``h @ W_l.T`` (PR2,
-arXiv:2606.00395).  Its safetensors metadata repeats this (keys ``format``, ``formula``, ``hidden_size``,
-``num_experts``, ``num_layers``).  Transformers ignores the file.
-
-Two entry points: :func:`export_run` (the ``offpolicy-moe export RUN_DIR OUT_DIR [--step N]`` command) rebuilds the
-policy from the run's ``config.yaml`` and a verified checkpoint; :func:`export_final` writes ``RUN_DIR/export`` from
-the in-memory policy at the end of a finished run when ``trainer.export_final`` is on.
+PR2 predictors go beside the model in ``pr2_predictors.safetensors``: ``layers.<l>.weight`` ``[num_experts,
+hidden_size]`` per MoE layer in model order, the router-logit bias of a router input ``h`` being ``h @ W_l.T`` (PR2,
+arXiv:2606.00395); its metadata repeats this, and transformers ignores the file.
 """
 from __future__ import annotations
 
@@ -63,11 +53,9 @@ def _quiet_progress():
 def write_hf_folder(out_dir: str | os.PathLike, model: Any, tokenizer: Any,
                     predictors: Optional[dict[str, torch.Tensor]] = None, *, overwrite: bool = False,
                     state_dict: Optional[dict[str, torch.Tensor]] = None) -> Path:
-    """Write ``model`` + ``tokenizer`` (+ PR2 ``predictors``) as a Hugging Face folder, atomically; ``state_dict``
-    replaces the model's own weights (the full weights of a sharded model).
-
-    Everything is written into a temporary sibling folder that is renamed to ``out_dir`` at the end.  An existing
-    non-empty ``out_dir`` is refused unless ``overwrite``."""
+    """Write ``model`` + ``tokenizer`` (+ PR2 ``predictors``) as a Hugging Face folder, atomically (a temporary
+    sibling renamed at the end); ``state_dict`` replaces the model's own weights (the full weights of a sharded
+    model).  An existing non-empty ``out_dir`` is refused unless ``overwrite``."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"export folder {str(out)!r} is not empty; choose another or remove it")
@@ -119,11 +107,8 @@ def _pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: Optional[int] = None,
                overwrite: bool = False) -> Path:
-    """Export the policy of checkpoint ``step`` (default: the newest intact one) of ``run_dir`` to ``out_dir``.
-
-    The model is rebuilt from the run's ``config.yaml`` (a preset, or the local checkpoint at ``model.path``),
-    loaded with the checkpoint's weights (verified, read without unpickling), and written by
-    :func:`write_hf_folder`."""
+    """Export the policy of checkpoint ``step`` (default: the newest intact one) of ``run_dir`` to ``out_dir``: the
+    model rebuilt from the run's ``config.yaml``, with the checkpoint's verified weights."""
     rd = Path(run_dir)
     cfg_file = rd / "config.yaml"
     if not cfg_file.is_file():

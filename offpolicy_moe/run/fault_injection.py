@@ -1,23 +1,12 @@
 """Test-only fault injection: NaN at a chosen stage of a chosen step, through the real code of that stage.
 
-Used by tests/faults and experiments/nonfinite_faults.py to prove ``trainer.on_nan`` at every stage
-(:data:`~offpolicy_moe.run.nonfinite.STAGES`).  It is not a config key and nothing in a run's config reaches it:
-a run injects nothing unless a test or that script called :func:`arm` in the same process.  Arming installs this
-module as the probe of the step's test seam (:mod:`offpolicy_moe.run.probes`), which the production code calls;
-no production module imports this one (the asynchronous source hands the armed faults to its workers through the
-seam's hand-off, :func:`armed` / :func:`install`).  Unarmed, every point of the seam costs one test of ``None``.
-
-How each stage is hit (the NaN then travels through the production code of that stage):
-
-* ``generation``, ``old_logp``, ``metrics``, ``reference``, ``evaluation``: a weight of the model that stage runs
-  (the engine's copy, the trainer's policy, the reference model) is NaN for the duration of that stage
-  (:func:`poisoned`) and put back afterwards;
-* ``loss``: the update forward's log-probs become NaN (:func:`value`);
-* ``gradients``: one gradient is NaN after the backward pass; ``optimizer``: one parameter is NaN after
-  ``optimizer.step()`` (:func:`poison_`).
-
-``step`` is the 1-based trained step the trainer names in its message; for the stages of the batch sources
-(``generation``, ``old_logp``, ``metrics``) it is the generation iteration + 1 (the same with ``buffer.staleness=0``).
+Used by tests/faults and experiments/nonfinite_faults.py to prove ``trainer.on_nan`` at every stage.  A run injects
+nothing unless a test or that script called :func:`arm` in the same process, which installs this module as the
+probe of the step's test seam (:mod:`offpolicy_moe.run.probes`).  ``generation``, ``old_logp``, ``metrics``,
+``reference``, ``evaluation``: a weight of the model that stage runs is NaN for that stage (:func:`poisoned`);
+``loss``: the update's log-probs (:func:`value`); ``gradients`` / ``optimizer``: one gradient after the backward,
+one parameter after ``optimizer.step()`` (:func:`poison_`).  ``step`` is the 1-based trained step; for the batch
+sources' stages it is the generation iteration + 1.
 """
 from __future__ import annotations
 

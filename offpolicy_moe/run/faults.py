@@ -1,9 +1,5 @@
-"""Fail-fast checks and the non-finite-loss policy.
-
-A run must fail at START when its folder is unwritable or the disk is (nearly) full, not after an hour, and a
-NaN/Inf must never be silently applied (skip-and-count or stop naming the stage and the step:
-:mod:`~offpolicy_moe.run.nonfinite`).
-"""
+"""Fail-fast checks: a run must fail at START when its folder is unwritable or the disk is (nearly) full, not
+after an hour; the non-finite policy itself lives in :mod:`~offpolicy_moe.run.nonfinite`."""
 from __future__ import annotations
 
 import math

@@ -1,12 +1,6 @@
-"""Full (unsharded) tensors of a model whose parameters FSDP2 has sharded into ``DTensor``\\ s: whether it is
-sharded, a full tensor of a sharded one (the gradient norm) and its full weights (what the rollout engine and the
-export receive).
-
-DDP and single-process runs keep plain tensors, and these functions then return them unchanged.  For a sharded
-model they go through PyTorch's distributed-checkpoint state-dict API with ``full_state_dict=True`` (collective:
-every process calls them).  Checkpoints read and write their full states through the storage,
-:mod:`offpolicy_moe.run.checkpoint` (``full_optimizer_state``, ``load_full_model_state``,
-``load_full_optimizer_state``).
+"""Full (unsharded) tensors of a model whose parameters FSDP2 has sharded into ``DTensor``\\ s, through PyTorch's
+distributed-checkpoint state-dict API with ``full_state_dict=True`` (collective: every process calls them).  Plain
+tensors (DDP, one process) are returned unchanged.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Loggers: console progress bar, ``metrics.jsonl`` (the source of truth for tables/plots), optional wandb.
-
-``metrics.jsonl`` holds one JSON object per logged training step: an integer ``"step"`` (the number of trained
-steps so far = the policy version after the step; step 0 is the evaluation before RL) and namespaced float
-metrics (``reward/…``, ``actor/…``, …; see :data:`offpolicy_moe.run.metrics.DOCUMENTED_KEYS`).
-wandb is imported lazily, runs offline unless told otherwise, and is never required.
-"""
+"""Loggers: console progress bar, ``metrics.jsonl`` (the source of truth for tables/plots, keys in
+:mod:`offpolicy_moe.run.metrics`), optional wandb (imported lazily, offline unless told otherwise)."""
 from __future__ import annotations
 
 import json
@@ -29,11 +24,8 @@ def clean_metrics(metrics: dict) -> dict:
 
 
 class JsonlLogger:
-    """Append one JSON line per step to ``<run_dir>/metrics.jsonl``.
-
-    Each line is flushed to the OS at once (a killed process loses nothing); the file is fsynced when a
-    checkpoint asks for its :meth:`offset` and on :meth:`close`, so a machine crash can only lose lines
-    after the last checkpoint, which resume regenerates anyway."""
+    """Append one JSON line per step to ``<run_dir>/metrics.jsonl``, flushed at once; fsynced when a checkpoint
+    asks for its :meth:`offset` and on :meth:`close`, so a machine crash loses only lines that resume regenerates."""
 
     def __init__(self, run_dir: str | os.PathLike, filename: str = "metrics.jsonl"):
         self.path = Path(run_dir) / filename

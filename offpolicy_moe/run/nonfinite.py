@@ -1,19 +1,11 @@
 """One non-finite policy for the whole training step (``trainer.on_nan``, ``trainer.max_nan_skips``).
 
-A NaN or an infinity can first show up in any stage of a step (:data:`STAGES`): sampling from non-finite logits,
-the old-log-prob pass, the reference pass, the mismatch and routing measurements, the loss, the gradient norm, the
-parameters after the optimizer step, evaluation (and, before the first step, the SFT warm start).  Wherever it
-shows up, the code of that stage raises (or is translated into) one :class:`NonFiniteError` naming the stage, and
-the trainer hands it to one :class:`NanCounter`:
-
-* ``stop``: the error propagates; the trainer checkpoints the last finite state and the run ends with status
-  ``diverged`` and one line naming the stage and the step;
-* ``skip``: the batch (or the one optimizer update) is dropped and counted (``actor/nan_skipped``, ``nan/<stage>``);
-  after ``trainer.max_nan_skips`` skips in a row without a clean step in between the run stops as ``diverged``.
-
-The loss library refuses a non-finite input with :class:`~offpolicy_moe.losses.NonFiniteInput` and the engine's
-sampler raises :class:`NonFiniteError` itself; :func:`nonfinite_as` is the one place that turns the former into the
-latter, by type.
+Wherever a NaN or an infinity first shows up (:data:`STAGES`), that stage raises (or is translated into) one
+:class:`NonFiniteError` naming the stage, and the trainer hands it to one :class:`NanCounter`.  ``stop``: the trainer
+checkpoints the last finite state and the run ends ``diverged``, naming the stage and the step.  ``skip``: the batch
+(or update) is dropped and counted (``actor/nan_skipped``, ``nan/<stage>``), and after ``trainer.max_nan_skips`` in a
+row the run stops as ``diverged``.  :func:`nonfinite_as` turns the loss library's
+:class:`~offpolicy_moe.losses.NonFiniteInput` into a :class:`NonFiniteError`, by type.
 """
 from __future__ import annotations
 

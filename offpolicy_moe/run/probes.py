@@ -1,12 +1,9 @@
 """The test seam of a training step: named points where an installed probe may change a value.
 
-The stages of a step (:data:`~offpolicy_moe.run.nonfinite.STAGES`) call the three functions below at their
-values; with no probe installed (every real run) each is one test of ``None`` and returns the value untouched.
-A test installs a probe (:func:`install`; the fault injection of :mod:`offpolicy_moe.run.fault_injection` is one)
-to make a stage's values non-finite through that stage's own code.  A probe that must also reach the rollout
-worker processes gives a picklable hand-off (:func:`handoff`) that each worker passes to :func:`receive`.
-
-No production module imports a probe: they import this seam only.
+The stages of a step call the functions below at their values; with no probe installed (every real run) each is
+one test of ``None``.  A test installs a probe (:func:`install`; :mod:`offpolicy_moe.run.fault_injection` is one);
+a probe that must reach the rollout worker processes gives a picklable :func:`handoff` that each worker passes to
+:func:`receive`.  No production module imports a probe: they import this seam only.
 """
 from __future__ import annotations
 

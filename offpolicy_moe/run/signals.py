@@ -53,9 +53,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def graceful_stop(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[StopRequest]:
-    """Record the first of ``signals`` in the yielded :class:`StopRequest` instead of dying; a second one raises
-    ``KeyboardInterrupt``.  Outside the main thread (where Python cannot install handlers) nothing is installed and
-    the request never fires."""
+    """Record the first of ``signals`` in the yielded :class:`StopRequest` instead of dying (see the module
+    docstring).  Outside the main thread nothing is installed and the request never fires."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request

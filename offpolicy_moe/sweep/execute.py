@@ -10,11 +10,9 @@ Layout::
         train.log                  the trainer's stdout and stderr
         metrics.jsonl summary.json env.json   written by the trainer
 
-A run is ``<train_cmd> <run>/config.yaml run_dir=<run>``; the default ``train_cmd`` is
-``<python> -m offpolicy_moe train`` (``--train-cmd`` or ``$OFFPOLICY_MOE_TRAIN_CMD`` replace it, e.g. for tests).
 A run is completed iff the command exits 0 and ``summary.json`` says ``"status": "completed"``; otherwise it is
-recorded as failed (in ``run.json``, ``summary.json`` and ``sweep.json``, with the log's tail) and the sweep goes
-on. ``resume=True`` skips runs whose ``summary.json`` says completed and restarts the others from scratch.
+recorded as failed (with the log's tail) and the sweep goes on.  ``resume=True`` skips completed runs and restarts
+the others from scratch.
 """
 from __future__ import annotations
 
@@ -98,15 +96,12 @@ def run_sweep(
     dry_run: bool = False,
     log: Callable[[str], None] = print,
 ) -> SweepResult:
-    """Plan, validate (all runs, before any compute) and execute a sweep. Returns per-run results.
+    """Plan, validate (all runs, before any compute) and execute a sweep.
 
-    Each run gets ``threads`` CPU threads (``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` unless already set); the
-    small models of the CPU-scale experiments gain nothing from more, and several multi-threaded runs on a few
-    cores oversubscribe them badly, so use ``jobs`` (about the number of cores) for parallelism.
-
-    Raises :class:`ConfigError` if any run's config is invalid, if an entry of ``report.claims`` is malformed or
-    names an axis the grid does not have, or if the sweep folder already holds runs and neither ``resume`` nor
-    ``overwrite`` is set.
+    Each run gets ``threads`` CPU threads (``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` unless already set): the small CPU
+    models gain nothing from more, and several multi-threaded runs on a few cores oversubscribe them, so ``jobs`` is
+    the parallelism.  Raises :class:`ConfigError` for an invalid run config or ``report.claims`` entry, or a sweep
+    folder that already holds runs without ``resume`` or ``overwrite``.
     """
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
     runs = plan_runs(exp, seeds=seeds, overrides=overrides)

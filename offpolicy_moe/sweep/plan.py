@@ -1,29 +1,5 @@
-"""Experiment files: a base config, a grid of named axes, seeds -> a list of planned runs.
-
-Format (YAML)::
-
-    name: m2po_staleness          # sweep folder name (default: the file's stem)
-    description: one line
-    seeds: [0, 1, 2]              # --seeds on the command line replaces this
-    base:                         # a TrainConfig YAML dict (dotted keys allowed), may list `preset:`
-      preset: []
-      trainer: {steps: 60}
-    grid:                         # axes, in this order (the Cartesian product is taken)
-      algorithm:                  # mapping form: value label -> config fragment
-        grpo: {preset: [grpo]}
-        m2po: {preset: [m2po]}
-      staleness:                  # key form: one config key, a list of values
-        key: buffer.staleness
-        values: [0, 4, 16]
-      trainer.updates_per_step: [1, 4]   # shorthand: the axis is named after the key
-    exclude:                      # optional: drop grid points matching every listed axis label
-      - {algorithm: m2po, staleness: 0}
-    report:                       # optional: tables and plots that `offpolicy-moe table/plot SWEEP` render
-      tables: [{rows: algorithm, cols: staleness, metric: eval/accuracy, agg: "mean_last:3"}]
-      plots:  [{metrics: [reward/mean], by: algorithm}]
-      claims: [...]               # checked at plan time (see offpolicy_moe.report.claims): the entries' keys and
-                                  # values when the file is parsed, their axis names against the grid and the
-                                  # planned configs by check_claims, before any run starts
+"""Experiment files: a base config, a grid of named axes, seeds -> a list of planned runs (the format is in
+docs/sweeps.md, "Experiment files").
 
 Merging for one run: ``base`` < each axis's fragment (in grid order) < ``seed=<s>`` < command-line overrides.
 ``preset`` lists CONCATENATE (base's first, then the axes'), every other key is replaced by the later layer.

@@ -1,13 +1,6 @@
-"""``OffPolicyGRPOConfig``: TRL's ``GRPOConfig`` plus this library's loss, correction and routing-replay keys.
-
-Every key is checked when the config is built (``__post_init__``), so a bad loss name, a bad loss option or a
-TRL setting the plug-in would silently override fails in one line before any model is touched.
-
-The keys mirror the project's own config (docs/config.md): ``policy_loss`` / ``policy_loss_options`` /
-``loss_agg`` / ``loss_norm_length`` are ``algo.loss.{name, options, agg, norm_length}``; ``correction_*`` are
-``algo.correction.*`` (TIS / MIS / IcePop, :func:`offpolicy_moe.losses.correction_weights`); ``routing_replay``
-is ``algo.routing.replay`` (``none`` or ``r3``); ``router_perturb`` is ``rollout.router_perturb`` (a fixed,
-seeded perturbation of the generation-time router, :func:`offpolicy_moe.routing.router_perturbation`).
+"""``OffPolicyGRPOConfig``: TRL's ``GRPOConfig`` plus this library's loss, correction and routing-replay keys
+(docs/trl.md).  Every key is checked when the config is built, so a bad loss name or option, or a TRL setting the
+plug-in would silently override, fails in one line before any model is touched.
 """
 from __future__ import annotations
 
@@ -62,28 +55,17 @@ def _trl_default(name: str) -> Any:
 
 @dataclass
 class OffPolicyGRPOConfig(GRPOConfig):
-    """``GRPOConfig`` with this library's policy loss, correction weights and routing replay.
+    """``GRPOConfig`` with this library's policy loss, correction weights and routing replay; the keys mirror the
+    project's own config (docs/config.md), each described in docs/trl.md.
 
-    * ``policy_loss``: any registered loss (:func:`offpolicy_moe.losses.list_policy_losses`: ``grpo``, ``gspo``,
-      ``m2po``, ``cispo``, ``unclipped``, ...); ``policy_loss_options`` its own options
-      (:func:`offpolicy_moe.losses.policy_loss_options`), e.g. ``{"tau": 0.04}`` for M2PO;
-    * ``loss_agg``: aggregation mode (None: the loss's default), with global token / sequence counts over the
-      optimizer step's micro-batches; ``loss_norm_length``: the Dr. GRPO constant (default
-      ``max_completion_length``); ``count_masked_rows``: the sequence count of the ``seq-mean-*`` modes counts every
-      row, all-masked ones included (``mask_truncated_completions``, tool masks), as TRL's ``grpo``, ``sapo`` and
-      ``dr_grpo`` divide (the default); ``False``: rows with a valid token only (this library's and verl's
-      ``agg_loss`` convention);
-    * ``correction_mode`` (``none`` | ``truncate`` (TIS) | ``mask`` (MIS / IcePop) | ``opsm`` and any other mode of
-      :func:`offpolicy_moe.losses.correction_weights`), ``correction_level``, ``correction_high``,
-      ``correction_low``, ``correction_opsm_delta``: weights ``w(exp(old_logp - behav_logp))`` per token (OPSM,
-      DeepSeek-V3.2 arXiv 2512.02556, also reads the advantages);
-    * ``routing_replay``: ``r3`` records the routes in TRL's ``model.generate`` and replays them in the old-log-prob,
-      reference and loss forwards (Ma et al. 2025, arXiv 2510.11370); ``none`` records them only for the
-      ``mismatch/k3_kl_r3`` counterfactual;
-    * ``router_perturb``: sigma of a fixed, seeded router-weight perturbation applied in generation only (a
-      controllable train/inference mismatch, as another inference kernel would give; 0 = off);
-    * ``mismatch_metrics``: log ``mismatch/*`` (k3 KL of the trainer's log-probs to the generation-time ones),
-      with and without replay on an MoE model.
+    * ``policy_loss`` / ``policy_loss_options`` / ``loss_agg`` / ``loss_norm_length`` are
+      ``algo.loss.{name, options, agg, norm_length}``; ``count_masked_rows``: the sequence count of the ``seq-mean-*``
+      modes counts all-masked rows too, as TRL divides (the default), else rows with a valid token only (this
+      library's and verl's convention);
+    * ``correction_*`` are ``algo.correction.*`` (:func:`offpolicy_moe.losses.correction_weights`);
+    * ``routing_replay``: ``r3`` replays the routes recorded in TRL's ``model.generate`` in the old-log-prob, reference
+      and loss forwards (arXiv 2510.11370); ``router_perturb``: sigma of a fixed, seeded router-weight perturbation in
+      generation only; ``mismatch_metrics``: log ``mismatch/*``, with and without replay on an MoE model.
     """
 
     policy_loss: str = field(default="grpo", metadata={"help": "offpolicy_moe policy loss name (registry)."})

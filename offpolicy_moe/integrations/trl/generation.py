@@ -22,13 +22,9 @@ __all__ = ["GenerationRecord", "behaviour_logprobs", "capture_generate"]
 
 
 def behaviour_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probs ``[B, T]`` (float32) of the sampled ``tokens[B, T]`` under the sampling distribution.
-
-    ``scores`` are ``generate``'s processed scores (``output_scores=True``): the logits after every logits processor
-    and warper (temperature, top-k, top-p), so ``log_softmax(scores_t)[token_t]`` is the log-probability with which
-    token ``t`` was drawn, the behaviour policy ``mu`` of the TIS / MIS / IcePop weights
-    (``w = f(exp(log pi_old - log mu))``, Yao et al. 2025).
-    """
+    """Log-probs ``[B, T]`` (float32) of the sampled ``tokens[B, T]`` under ``generate``'s processed scores
+    (``output_scores=True``, after every warper): the behaviour policy ``mu`` of the TIS / MIS / IcePop weights
+    (Yao et al. 2025)."""
     if len(scores) != tokens.shape[1]:
         raise ValueError(f"{len(scores)} score steps for {tokens.shape[1]} generated tokens")
     cols = [torch.log_softmax(s.float(), -1).gather(1, tokens[:, t:t + 1].to(s.device)) for t, s in enumerate(scores)]
@@ -78,11 +74,8 @@ class GenerationRecord:
 
 @contextlib.contextmanager
 def capture_generate(model: nn.Module, sink: list) -> Iterator[None]:
-    """While open, ``model.generate`` also returns its processed scores to us: each call appends
-    ``(sequences, prompt_width, behaviour_logprobs)`` to ``sink`` and returns ``sequences`` as the caller asked.
-
-    The wrapper is an instance attribute, removed on exit (also on exceptions); nothing is patched at class level.
-    """
+    """While open, ``model.generate`` also appends ``(sequences, prompt_width, behaviour_logprobs)`` to ``sink`` and
+    returns ``sequences`` as the caller asked; the wrapper is an instance attribute, removed on exit."""
     had = "generate" in model.__dict__
     orig = model.generate
 

@@ -1,19 +1,10 @@
 """``OffPolicyGRPOTrainer``: TRL's ``GRPOTrainer`` with this library's losses, correction weights and R3.
 
-It overrides four methods of ``GRPOTrainer`` (TRL 1.16), each around TRL's own code (``super()``):
-
-* ``_generate_single_turn``: ``model.generate`` runs inside :meth:`RoutingController.record` (on an MoE model) and
-  returns its processed scores, which give the behaviour log-probs; ``router_perturb`` shifts the generation-time
-  router there;
-* ``_get_per_token_logps_and_entropies``: every forward of the policy (old-log-prob pass, loss) and of the reference
-  model runs under :meth:`RoutingController.replay` of the recorded routes when ``routing_replay="r3"``;
-* ``_generate_and_score_completions``: adds the routes (``route_ids``), the behaviour log-probs
-  (``sampling_per_token_logps``), ``old_per_token_logps`` when the correction or the mismatch metrics need them,
-  and the correction weights (``correction_weights``) to TRL's batch, which TRL then shuffles and splits with the
-  rest;
-* ``_compute_loss``: the registered loss, called as the project's trainer calls it: global token / sequence counts
-  over the optimizer step's micro-batches, a mini-batch-wide selection pass for losses that declare one (M2PO's
-  global mask), the correction weights, TRL's advantages and ``beta`` k3 KL to the reference.
+It overrides four methods of ``GRPOTrainer`` (TRL 1.16), each around TRL's own code (``super()``): generation
+records the routes and keeps the behaviour log-probs; every policy and reference forward replays the routes under
+``routing_replay="r3"``; the batch gains the routes, behaviour log-probs and correction weights; and the loss is the
+registered one, called as the project's trainer calls it (global counts, a mini-batch-wide selection pass where the
+loss declares one, TRL's advantages and ``beta`` k3 KL).  docs/trl.md describes each.
 """
 from __future__ import annotations
 
@@ -43,13 +34,12 @@ for _name in _OVERRIDDEN:
 
 
 class ReplayCheckpointContext(str):
-    """``context_fn`` of ``torch.utils.checkpoint`` for TRL's activation checkpointing under replay: the recompute in
-    backward uses the routes the forward used (:meth:`RoutingController.checkpoint_context_fn`).
+    """``context_fn`` of ``torch.utils.checkpoint`` for TRL's activation checkpointing under replay
+    (:meth:`RoutingController.checkpoint_context_fn`).
 
-    It sits in ``args.activation_checkpointing_kwargs``, which TRL re-applies after each no-grad pass, so it must
-    survive what is done to training args: it is a ``str`` (its name), so ``args.to_json_string()`` works; a deep
-    copy shares the controller; a pickle (a checkpoint's ``training_args.bin``) keeps only the name, never the
-    model, and calling the unpickled one says to rebuild the trainer."""
+    It sits in ``args.activation_checkpointing_kwargs``, so it must survive what is done to training args: a ``str``
+    (its name) for ``args.to_json_string()``; a deep copy shares the controller; a pickle keeps only the name, and
+    calling the unpickled one says to rebuild the trainer."""
 
     def __new__(cls, controller: Optional[RoutingController] = None):
         obj = super().__new__(cls, "offpolicy_moe.ReplayCheckpointContext")
@@ -74,12 +64,7 @@ class ReplayCheckpointContext(str):
 
 class OffPolicyGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer(model, reward_funcs, args=OffPolicyGRPOConfig(...), ...)`` with this library's loss and R3.
-
-    ``args`` must be an :class:`OffPolicyGRPOConfig`.  On an MoE model (any family :class:`RoutingController`
-    supports) the routes of ``model.generate`` are always recorded; ``routing_replay="r3"`` replays them.  Metrics
-    added to TRL's logs: the loss's own (``actor/*``, ``m2po/*``, ...), the correction's (``mismatch/is_mean``, ...)
-    and the mismatch (``mismatch/k3_kl``, ``mismatch/k3_kl_r3``, ``mismatch/k3_kl_no_r3``, ...).
-    """
+    On an MoE model the routes of ``model.generate`` are always recorded; ``routing_replay="r3"`` replays them."""
 
     def __init__(self, *args, **kwargs):
         cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
