@@ -7,8 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.run.faults import is_finite
-from offpolicy_moe.run.nonfinite import STAGES, NonFiniteError
+from offpolicy_moe.run.nonfinite import STAGES, NonFiniteError, is_finite
 
 __all__ = ["FiniteAgreement", "agree_on_stage"]
 

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import contextlib
+import math
 
 import torch
 
 from offpolicy_moe.losses import NonFiniteInput
 
-__all__ = ["STAGES", "SKIPPABLE", "NonFiniteError", "NanCounter", "nonfinite_as", "all_finite", "watch_logits"]
+__all__ = ["STAGES", "SKIPPABLE", "NonFiniteError", "NanCounter", "nonfinite_as", "is_finite", "all_finite",
+           "watch_logits"]
 
 #: the stages of a step, in order (``nan/<stage>`` counts each); ``sft`` is the warm start before step 1
 STAGES = ("sft", "generation", "old_logp", "reference", "metrics", "loss", "gradients", "optimizer", "evaluation")
@@ -73,6 +75,13 @@ def nonfinite_as(stage: str, what: str) -> Iterator[None]:
         yield
     except NonFiniteInput as exc:
         raise NonFiniteError(stage, f"{what} ({str(exc).strip().splitlines()[0]})") from exc
+
+
+def is_finite(x: torch.Tensor | float) -> bool:
+    """True iff every element is finite."""
+    if isinstance(x, torch.Tensor):
+        return bool(torch.isfinite(x).all())
+    return math.isfinite(float(x))
 
 
 def all_finite(x: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None) -> bool:

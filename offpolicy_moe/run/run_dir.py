@@ -15,7 +15,7 @@ import torch
 from offpolicy_moe.config.load import to_dict, to_yaml
 from offpolicy_moe.run.checkpoint import (clean_checkpoint_root, latest_checkpoint, restore_metrics,
                                              resume_checkpoint)
-from offpolicy_moe.run.faults import RunDirError, check_run_dir
+from offpolicy_moe.run.run_dir_checks import RunDirError, check_run_dir
 from offpolicy_moe.run.loggers import ConsoleLogger, JsonlLogger, MultiLogger, WandbLogger
 from offpolicy_moe.run.run_lock import RunLock
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Optional
 
-from offpolicy_moe.run.faults import RunDirError
+from offpolicy_moe.run.run_dir_checks import RunDirError
 
 __all__ = ["RunLock", "LOCK_NAME"]
 

@@ -31,7 +31,7 @@ from offpolicy_moe.config.load import load_config
 from offpolicy_moe.config.ranges import Rule, declared_rules
 from offpolicy_moe.config.schema import TrainConfig
 from offpolicy_moe.config.validate import LOSS_RULES, ConfigError, vocabularies
-from offpolicy_moe.run.faults import RunDirError
+from offpolicy_moe.run.run_dir_checks import RunDirError
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from tests.tiny import TINY
 

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 from offpolicy_moe.config.load import to_yaml
 from offpolicy_moe.trainer.callbacks import FunctionCallback
-from offpolicy_moe.run.faults import RunDirError
+from offpolicy_moe.run.run_dir_checks import RunDirError
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.trainer.launch import train
 from offpolicy_moe.trainer.optim import adamw

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from offpolicy_moe.run.checkpoint import CheckpointError
-from offpolicy_moe.run.faults import RunDirError
+from offpolicy_moe.run.run_dir_checks import RunDirError
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.run.metrics import DOCUMENTED_KEYS, is_documented
 from offpolicy_moe.trainer.callbacks import FunctionCallback

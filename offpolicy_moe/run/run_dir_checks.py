@@ -1,18 +1,13 @@
-"""Fail-fast checks: a run must fail at START when its folder is unwritable or the disk is (nearly) full, not
-after an hour; the non-finite policy itself lives in :mod:`~offpolicy_moe.run.nonfinite`."""
+"""Whether a run folder can be used: a run must fail at START when its folder is unwritable or the disk is (nearly)
+full, not after an hour."""
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import uuid
 from pathlib import Path
 
-import torch
-
-from offpolicy_moe.run.nonfinite import NonFiniteError
-
-__all__ = ["RunDirError", "NonFiniteError", "check_run_dir", "is_finite"]
+__all__ = ["RunDirError", "check_run_dir"]
 
 
 class RunDirError(RuntimeError):
@@ -48,10 +43,3 @@ def check_run_dir(run_dir: str | os.PathLike, min_free_mb: float = 50.0) -> Path
         raise RunDirError(f"run folder {str(path)!r} has only {free_mb:.1f} MiB free; at least {min_free_mb:.0f} "
                           "MiB are needed (trainer.min_free_mb)")
     return path
-
-
-def is_finite(x: torch.Tensor | float) -> bool:
-    """True iff every element is finite."""
-    if isinstance(x, torch.Tensor):
-        return bool(torch.isfinite(x).all())
-    return math.isfinite(float(x))
