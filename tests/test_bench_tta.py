@@ -224,6 +224,17 @@ def test_the_long_job_is_the_chain_task_scored_on_the_final_answer():
     assert min(len(x) for x in task.train_answers) + 1 >= 32                # generation-heavy: >= 32 tokens
 
 
+def test_the_longtail_job_fits_its_longest_reference_and_writes_its_own_folder():
+    a = bench_tta.parse_args(["--job", "longtail", "--arms", "sync", "--headline", "sync"])
+    assert (a.metric, a.out.name, a.steps % a.eval_every) == ("eval/reward", "longtail", 0)
+    cfg = load_config(None, bench_tta.job_overrides(a, 7, None))
+    assert cfg.task.name == "longtail" and not [w for w in validate(cfg) if "error" in str(w).lower()]
+    from offpolicy_moe.tasks import make_task
+    task = make_task(cfg.task)
+    assert task.max_answer_chars + 1 == cfg.rollout.max_new_tokens       # the longest reference fits, with its eos
+    assert bench_tta.parse_args(["--job", "long", "--arms", "sync", "--headline", "sync"]).out.name == "long"
+
+
 def test_threads_go_to_trl_and_sync_and_one_each_to_an_async_arm():
     a = bench_tta.parse_args(["--arms", "trl,sync,async-k1-grpo,fixed-k1-grpo", "--headline", "sync",
                               "--threads", "2"])

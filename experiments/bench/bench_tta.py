@@ -33,7 +33,12 @@ lr 3e-4, 500 steps, accuracy ``eval/accuracy`` (exact match).  ``long`` = the sa
 (``task.name=chain``, 7 one-digit terms with worked steps, ``3+8+5=`` -> ``11+5=16``; answers of 41-47 characters +
 eos, ``max_new_tokens=48``), SFT warm start 400 steps, lr 3e-5 (at 1e-4 on-policy GRPO first lowers the greedy
 accuracy, at 3e-4 it collapses: docs/benchmarks.md), 120 steps, evaluation every 15, accuracy ``eval/reward`` (greedy final-answer accuracy, what
-the RL reward checks; ``eval/accuracy`` there is the exact match of every worked step).  Both: 16 prompts x 8
+the RL reward checks; ``eval/accuracy`` there is the exact match of every worked step).  ``longtail`` = the same
+model on the long-tailed chain task (``task.name=longtail`` at its defaults: 4 to 15 one-digit terms, the number of
+terms drawn from a truncated Zipf law with exponent 2, references of 11 to 224 characters with a median of 14,
+docs/tasks.md; ``max_new_tokens=225``), otherwise as ``long`` (SFT 400 steps, lr 3e-5, 120 steps, evaluation every
+15, ``eval/reward``): of 3e-5, 5e-5 and 1e-4 only 3e-5 ended above its start (one seed, 0.336 -> 0.398; the issue's
++0.10 was not reached: experiments/results/tta/longtail/probes.md).  All three: 16 prompts x 8
 samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
 routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
 problems (plus as many training prompts, as our trainer does).
@@ -75,8 +80,9 @@ kept in runs.json.
 the ratio from process start the clock allows if both arms need the same number of steps to the target; an arm
 beats it only by needing fewer.
 
-**Output** (``--out``, default experiments/results/tta/<full|long|quick>/): ``runs.json`` (every run: arm, seed,
-eval curve on every clock, TTA, phases, start-up, loads, diagnostics), ``table.md`` (printed too), ``tta.png``
+**Output** (``--out``, default experiments/results/tta/<full|long|longtail|quick>/, ``full`` for the default job):
+``runs.json`` (every run: arm, seed, eval curve on every clock, TTA, phases, start-up, loads, diagnostics),
+``table.md`` (printed too), ``tta.png``
 (accuracy against the clock from process start).  ``--reanalyse RUNS_JSON`` summarises an earlier record again
 (another ``--target``) without running anything; a record from before the process clock has no process ratios.
 """
@@ -103,13 +109,15 @@ DIAGNOSTICS = ("actor/clipfrac", "actor/clipfrac_low", "actor/clipfrac_high", "o
                "reward/mean", "reward/frac_zero_std", "actor/grad_norm", "mismatch/k3_kl")
 QUICK = {"arms": "trl,sync,async-k2-m2po_tis", "seeds": 2, "steps": 200}
 FULL = {"arms": "trl,sync,async", "seeds": 5}
-#: the two jobs (module docstring): task overrides and the defaults of --max-new-tokens, --lr, --sft-steps, --steps,
+#: the jobs (module docstring): task overrides and the defaults of --max-new-tokens, --lr, --sft-steps, --steps,
 #: --eval-every, --metric
 JOBS = {
     "default": {"task": [], "max_new_tokens": 3, "lr": 3e-4, "sft_steps": 60, "steps": 500, "eval_every": 25,
                 "metric": "eval/accuracy"},
     "long": {"task": ["task.name=chain", "task.num_terms=7"], "max_new_tokens": 48, "lr": 3e-5, "sft_steps": 400,
              "steps": 120, "eval_every": 15, "metric": "eval/reward"},
+    "longtail": {"task": ["task.name=longtail"], "max_new_tokens": 225, "lr": 3e-5, "sft_steps": 400,
+                 "steps": 120, "eval_every": 15, "metric": "eval/reward"},
 }
 #: target sensitivity: the headline's ratios are also reported at target -/+ this
 SENSITIVITY = 0.05
@@ -457,7 +465,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch threads of trl and sync (one process each; measure TRL's best first, see the "
                         "docstring); an asynchronous arm's trainer and worker have one each")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for our arms")
-    p.add_argument("--out", default=None, help="output folder (default experiments/results/tta/<full|quick|long>)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default experiments/results/tta/<full|quick|long|longtail>)")
     p.add_argument("--warm-cache", default=None, metavar="DIR",
                    help="keep each seed's SFT warm start here and reuse it (invocations on the same seeds share it)")
     p.add_argument("--reanalyse", default=None, metavar="RUNS_JSON",
@@ -504,7 +513,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--headline ARM is required: name the pre-registered arm before the run (one of ours in --arms)")
         if args.headline not in names or args.headline == "trl":
             p.error(f"--headline {args.headline!r} must be one of our arms among --arms ({', '.join(names)})")
-    default_out = "quick" if args.quick else ("long" if args.job == "long" else "full")
+    default_out = "quick" if args.quick else ("full" if args.job == "default" else args.job)
     args.out = Path(args.out or HERE.parent / "results" / "tta" / default_out)
     return args
 

@@ -42,12 +42,16 @@ class TaskConfig:
     """The procedural arithmetic task (or a local dataset on disk)."""
 
     # arithmetic | reverse (digit strings, long answers) | chain (sums with worked steps, long answers) |
-    # dataset:<folder or file> | jsonl:<path> (docs/tasks.md)
+    # longtail (chain sums, a long-tailed number of terms) | dataset:<folder or file> | jsonl:<path> (docs/tasks.md)
     name: str = "arithmetic"
     min_digits: int = ranged(1, ge=1)
     max_digits: int = ranged(1, ge=1)
     # operands per problem (1-digit, 3 terms: 1,000 problems, SFT generalises)
     num_terms: int = ranged(3, ge=2)
+    # longtail: the most terms of a problem, the tail's reach (6, 8, 11: max/median reference length 2.4, 4.4, 8.5)
+    max_terms: int = ranged(15, ge=5, le=15)
+    # longtail: alpha of the truncated Zipf law of the number of terms, P(n) ~ (n - 3) ** -alpha (0: uniform)
+    length_tail: float = ranged(2.0, ge=0)
     operators: str = "+"              # subset of "+-*"
     reward: str = ranged("exact", choices=REWARD_KINDS)            # exact | partial (per-digit credit) | math
     train_size: int = ranged(4096, ge=1)

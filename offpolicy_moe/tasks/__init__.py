@@ -21,6 +21,7 @@ _EXPORTS = {
     "evaluation": ("evaluate_greedy", "greedy_completions"),
     "jsonl": ("JsonlTask", "read_jsonl_records"),
     "local_data": ("load_rows",),
+    "longtail": ("LongTailTask",),
     "make": ("make_task",),
     "math_answer": ("MathVerifier", "extract_final_answer"),
     "reverse": ("ReverseTask",),

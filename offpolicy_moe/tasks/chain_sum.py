@@ -17,7 +17,7 @@ Splits as the arithmetic task (:func:`offpolicy_moe.tasks.arithmetic.disjoint_sp
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -81,28 +81,43 @@ def draw_chain(rng: np.random.Generator, min_digits: int, max_digits: int, num_t
 class ChainSumTask(PromptAnswerTask):
     """Sums with worked steps (module docstring).  ``ChainSumTask(cfg)`` with a ``TaskConfig`` (``min_digits``,
     ``max_digits``, ``num_terms``, ``train_size``, ``eval_size``, ``seed``; ``reward`` must be ``exact``: the
-    final answer's exact match), or those keywords."""
+    final answer's exact match), or those keywords.
+
+    A subclass with another way of drawing problems (:class:`~offpolicy_moe.tasks.longtail.LongTailTask`) sets
+    :attr:`DEFAULTS` (the options it reads, with their defaults) and overrides :meth:`generator`; the splits, the
+    reward check and the final-answer reward are this class's."""
+
+    #: the options read from the config (or keywords), with the defaults used when the config lacks one
+    DEFAULTS: dict = _DEFAULTS
+    #: the name in error messages (``task.name``)
+    TASK_NAME = "chain"
 
     def __init__(self, cfg: Optional[object] = None, **overrides: Any) -> None:
-        fields = {k: getattr(cfg, k, d) for k, d in _DEFAULTS.items()}
+        fields = {k: getattr(cfg, k, d) for k, d in self.DEFAULTS.items()}
         unknown = set(overrides) - set(fields)
         if unknown:
-            raise TypeError(f"unknown ChainSumTask option(s): {sorted(unknown)}")
+            raise TypeError(f"unknown {type(self).__name__} option(s): {sorted(unknown)}")
         fields.update(overrides)
+        draw, space = self.generator(fields)
+        if fields["reward"] != "exact":
+            raise ValueError(f"task.reward={fields['reward']!r}: the {self.TASK_NAME} task scores the final answer's "
+                             "exact match (task.rewards can name other reward functions)")
+        train, eval_ = disjoint_splits(draw, space, int(fields["train_size"]), int(fields["eval_size"]),
+                                       int(fields["seed"]))
+        super().__init__(train, eval_, reward="exact", seed=int(fields["seed"]))
+        self.configure_rewards()
+
+    def generator(self, fields: dict) -> tuple[Callable[[np.random.Generator], tuple[str, str]], int]:
+        """Check the options and keep them on ``self``; the ``(prompt, answer)`` drawing function and the number of
+        distinct problems it can draw (for :func:`~offpolicy_moe.tasks.arithmetic.disjoint_splits`)."""
         lo, hi, n = int(fields["min_digits"]), int(fields["max_digits"]), int(fields["num_terms"])
         if not 1 <= lo <= hi <= 3:
             raise ValueError(f"task.min_digits/max_digits must satisfy 1 <= min <= max <= 3 for the chain task, "
                              f"got {lo}, {hi}")
         if not 2 <= n <= MAX_TERMS:
             raise ValueError(f"task.num_terms must be in 2..{MAX_TERMS} for the chain task, got {n}")
-        if fields["reward"] != "exact":
-            raise ValueError(f"task.reward={fields['reward']!r}: the chain task scores the final answer's exact "
-                             "match (task.rewards can name other reward functions)")
         self.min_digits, self.max_digits, self.num_terms = lo, hi, n
-        train, eval_ = disjoint_splits(lambda rng: draw_chain(rng, lo, hi, n), chain_space(lo, hi, n),
-                                       int(fields["train_size"]), int(fields["eval_size"]), int(fields["seed"]))
-        super().__init__(train, eval_, reward="exact", seed=int(fields["seed"]))
-        self.configure_rewards()
+        return (lambda rng: draw_chain(rng, lo, hi, n)), chain_space(lo, hi, n)
 
     def configure_rewards(self, entries: Any = None, *, on_error: str = "stop", math_timeout_s: float = 5.0) -> None:
         """The ``task.rewards`` entries when there are any, else :func:`final_answer_reward` alone (metric

@@ -6,6 +6,7 @@ from .base import PromptAnswerTask
 from .chain_sum import ChainSumTask
 from .dataset_task import DatasetTask
 from .jsonl import JsonlTask
+from .longtail import LongTailTask
 from .reverse import ReverseTask
 from .vocabulary import TASK_NAMES
 
@@ -23,6 +24,8 @@ def make_task(cfg, **overrides) -> PromptAnswerTask:
         task = ReverseTask(cfg, **overrides)
     elif name == "chain":
         task = ChainSumTask(cfg, **overrides)
+    elif name == "longtail":
+        task = LongTailTask(cfg, **overrides)
     elif isinstance(name, str) and name.startswith("jsonl:"):
         path = name[len("jsonl:"):]
         if not path:
@@ -35,7 +38,7 @@ def make_task(cfg, **overrides) -> PromptAnswerTask:
         task = DatasetTask(source, cfg, **overrides)
     else:
         raise ValueError(f"unknown task.name={name!r}; expected 'arithmetic', 'reverse', 'chain', "
-                         "'dataset:<folder or file>' or 'jsonl:<path>'")
+                         "'longtail', 'dataset:<folder or file>' or 'jsonl:<path>'")
     task.configure_rewards(getattr(cfg, "rewards", None), on_error=getattr(cfg, "on_reward_error", "stop"),
                            math_timeout_s=getattr(cfg, "math_timeout_s", 5.0))
     return task

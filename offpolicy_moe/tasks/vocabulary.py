@@ -3,7 +3,7 @@ module, not the task code)."""
 from __future__ import annotations
 
 #: ``task.name``: the built-in tasks and the two forms that read a dataset
-TASK_NAMES = ("arithmetic", "reverse", "chain", "dataset:<folder or file>", "jsonl:<file>")
+TASK_NAMES = ("arithmetic", "reverse", "chain", "longtail", "dataset:<folder or file>", "jsonl:<file>")
 #: ``task.reward``: exact match, per-digit partial credit, or math-verify equivalence
 REWARD_KINDS = ("exact", "partial", "math")
 #: ``task.on_reward_error``: stop the run (after a checkpoint), or score the failed rows 0 and count them

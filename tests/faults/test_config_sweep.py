@@ -215,6 +215,8 @@ from offpolicy_moe.config.validate import UNREAD_UNLESS, validate  # noqa: E402
 #: PR2 trains its predictors at off-policy mini-steps: two updates per step, one step stale
 PR2_ON = ["algo.routing.replay=pr2", "trainer.updates_per_step=2", "buffer.staleness=1", "trainer.steps=3",
           "trainer.log_every=1"]
+#: the longtail task (final-answer reward: the tiny job's partial credit is refused) with room for its short answers
+LONGTAIL_ON = ["task.name=longtail", "task.reward=exact", "rollout.max_new_tokens=15"]
 #: a non-default value of each unread key, and the switch that makes the run read it
 UNREAD_CASES = {
     "algo.correction.level": ("sequence", ["algo.correction.mode=truncate", "algo.correction.high=1.001"]),
@@ -225,6 +227,8 @@ UNREAD_CASES = {
     "algo.routing.pr2_lr_mult": (1e5, PR2_ON),
     "algo.routing.pr2_feature_sample_rate": (1.0, PR2_ON),
     "algo.routing.pr2_bias_in_weights": (False, PR2_ON),
+    "task.max_terms": (8, LONGTAIL_ON),
+    "task.length_tail": (0.5, LONGTAIL_ON),
 }
 
 
