@@ -46,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .chain_sum import ChainSumTask, chain_space, draw_chain
+from .tokenizer import build_char_tokenizer, encode_texts
 
 #: the fewest terms of a problem (the head of the law)
 MIN_TERMS = 4
@@ -123,8 +124,6 @@ def num_terms(prompt: str) -> int:
 
 def reference_lengths(task: Any, tokenizer: Any = None, split: str = "train") -> list[int]:
     """Token counts (embedded character tokenizer unless ``tokenizer``; no eos) of the references of ``split``."""
-    from .tokenizer import build_char_tokenizer, encode_texts
-
     tok = tokenizer if tokenizer is not None else build_char_tokenizer()
     answers = task.train_answers if split == "train" else task.eval_answers
     return [len(ids) for ids in encode_texts(tok, list(answers))]
