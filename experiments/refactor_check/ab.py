@@ -1,7 +1,7 @@
 """Speed of a refactor: ``python experiments/refactor_check/ab.py OLD_TREE NEW_TREE PAIRS``.
 
-Interleaved A/B (old, new, new, old, ...) of a tiny CLI job (16 steps, one step stale, TIS, two micro-batches) in
-fresh processes: each run's median ``perf/time_step_s`` (the first step left out) and the CPU seconds of its
+Interleaved A/B (old, new, new, old, ...) of a tiny CLI job (16 steps, one step stale, TIS, two micro-batches;
+``key=value`` arguments after PAIRS change it, e.g. ``buffer.mode=async rollout.workers=1``) in fresh processes: each run's median ``perf/time_step_s`` (the first step left out) and the CPU seconds of its
 process; then the median over runs of each tree and new/old.  Prints ``uptime`` before and after."""
 import argparse
 import json, os, resource, statistics, subprocess, sys, tempfile
@@ -11,12 +11,13 @@ parser = argparse.ArgumentParser(description="interleaved speed A/B of a tiny tr
 parser.add_argument("old", help="the tree before the change (a checkout)")
 parser.add_argument("new", help="the tree after the change")
 parser.add_argument("pairs", type=int, help="old/new pairs (runs = 2 x pairs)")
+parser.add_argument("overrides", nargs="*", help="key=value settings over the job's (e.g. buffer.mode=async)")
 opts = parser.parse_args()
 old, new, pairs = opts.old, opts.new, opts.pairs
 sys.path.insert(0, new)
 from tests.tiny import TINY
 args = [*TINY, "trainer.steps=16", "trainer.threads=1", "trainer.checkpoint_every=0", "buffer.staleness=1",
-        "algo.correction.mode=truncate", "trainer.grad_accum=2"]
+        "algo.correction.mode=truncate", "trainer.grad_accum=2", *opts.overrides]
 work = Path(tempfile.mkdtemp(prefix="refactor_ab_"))
 res = {"old": [], "new": []}
 cpu = {"old": [], "new": []}

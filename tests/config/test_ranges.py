@@ -79,7 +79,7 @@ def test_every_lower_bound_is_enforced_naming_the_key(key):
 @pytest.mark.parametrize("key", sorted(k for k, r in RULES.items() if r.le is not None or r.lt is not None))
 def test_every_upper_bound_is_enforced_naming_the_key(key):
     rule = RULES[key]
-    bad = rule.le + 0.5 if rule.le is not None else rule.lt
+    bad = (rule.le + (1 if key in INT_KEYS else 0.5)) if rule.le is not None else rule.lt
     assert f"{key}: must be {rule.describe()}" in _errors(f"{key}={bad}")
 
 

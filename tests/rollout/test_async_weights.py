@@ -10,10 +10,14 @@ from offpolicy_moe.rollout.weights import WeightBoard, WeightWaitTimeout
 
 
 class _Engine:
-    """The engine interface the board needs: ``version`` and ``sync(state, version)`` (a copy of the tensors)."""
+    """The engine interface the board needs: ``version``, ``sync(state, version)`` (a copy of the tensors) and
+    ``forget_version()``."""
 
     def __init__(self, during_copy=None):
         self.version, self.weights, self.during_copy = -1, {}, during_copy
+
+    def forget_version(self):
+        self.version = -1
 
     def sync(self, state, version):
         self.weights = {"a": state["a"].clone()}
