@@ -37,9 +37,11 @@ the RL reward checks; ``eval/accuracy`` there is the exact match of every worked
 model on the long-tailed chain task (``task.name=longtail`` at its defaults: 4 to 15 one-digit terms, the number of
 terms drawn from a truncated Zipf law with exponent 2, references of 11 to 224 characters with a median of 14,
 docs/tasks.md; ``max_new_tokens=225``), otherwise as ``long`` (SFT 400 steps, lr 3e-5, 120 steps, evaluation every
-15, ``eval/reward``): of 3e-5, 5e-5 and 1e-4 only 3e-5 ended above its start (one seed, 0.336 -> 0.398; the issue's
-+0.10 was not reached: experiments/results/tta/longtail/probes.md).  All three: 16 prompts x 8
-samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
+15, ``eval/reward``): of 3e-5, 5e-5 and 1e-4 only 3e-5 ended above its start (one seed, 0.336 -> 0.398); the issue's
++0.10 was not reached in any probe, neither over 240 steps nor with 32 prompts or groups of 16 (best +0.090: seed
+0, groups of 16, at step 60 of 120; +0.055 and +0.062 on two more RL seeds; the sampled training reward stays near
+0.24 throughout: experiments/results/tta/longtail/probes.md), so the job keeps these defaults.  All three: 16
+prompts x 8 samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
 routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
 problems (plus as many training prompts, as our trainer does).
 

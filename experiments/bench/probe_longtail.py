@@ -55,6 +55,9 @@ def accuracy_by_terms(model_dir: str, overrides: list[str], max_new_tokens: int)
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-seed", type=int, default=None,
+                   help="start from this seed's warm start (bench_tta.py --warm-seed): the seeds then vary the RL "
+                        "run alone")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=None)
@@ -72,8 +75,10 @@ def main(argv=None) -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     t0, load0 = time.time(), os.getloadavg()
-    warm, warm_s = bench_tta.cached_warm_start(args, a.seed, work)
-    name = f"sync-seed{a.seed}-lr{args.lr:g}-sft{args.sft_steps}" + "".join(f"-{s}" for s in a.set)
+    warm_seed = a.seed if a.warm_seed is None else a.warm_seed
+    warm, warm_s = bench_tta.cached_warm_start(args, warm_seed, work)
+    name = (f"sync-seed{a.seed}" + (f"-warm{warm_seed}" if warm_seed != a.seed else "")
+            + f"-lr{args.lr:g}-sft{args.sft_steps}-steps{args.steps}" + "".join(f"-{s}" for s in a.set))
     run_dir = work / name.replace("/", "_")
     sync = parse_arms("sync")[0].overrides()          # preset=[grpo], buffer.mode=fixed, buffer.staleness=0
     over = bench_tta.job_overrides(args, a.seed, warm, a.threads) + [*sync, "trainer.export_final=true", *a.set]
@@ -87,13 +92,14 @@ def main(argv=None) -> None:
     curve = [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
     before = accuracy_by_terms(warm, over, args.max_new_tokens)
     after = accuracy_by_terms(str(run_dir / "export"), over, args.max_new_tokens)
-    rec = {"seed": a.seed, "lr": args.lr, "sft_steps": args.sft_steps, "steps": args.steps, "set": a.set,
+    rec = {"seed": a.seed, "warm_seed": warm_seed, "lr": args.lr, "sft_steps": args.sft_steps, "steps": args.steps,
+           "set": a.set,
            "curve": curve, "before": before, "after": after, "warm_s": warm_s, "run_s": run_s,
            "wall_s": time.time() - t0, "load_before": load0, "load_after": os.getloadavg(), "command": cmd}
     (run_dir / "probe.json").write_text(json.dumps(rec, indent=1))
     by = " ".join(f"{n}:{before['by_terms'][n][0]:.2f}->{after['by_terms'][n][0]:.2f}"
                   for n in before["by_terms"])
-    print(f"| {a.seed} | {args.lr:g} | {args.sft_steps} | {args.steps} | {' '.join(a.set) or '-'} | "
+    print(f"| {a.seed} (warm {warm_seed}) | {args.lr:g} | {args.sft_steps} | {args.steps} | {' '.join(a.set) or '-'} | "
           f"{curve[0][1]:.3f} | {curve[-1][1]:.3f} | {max(v for _, v in curve):.3f} | "
           f"{' '.join(f'{v:.2f}' for _, v in curve)} | {by} | {warm_s:.0f} + {run_s:.0f} | "
           f"{' / '.join(f'{x:.2f}' for x in load0)} -> {' / '.join(f'{x:.2f}' for x in os.getloadavg())} |")
