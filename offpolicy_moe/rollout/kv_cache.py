@@ -71,6 +71,63 @@ class PreallocatedLayer(DynamicLayer):
             self._vbuf = self._vbuf.index_select(0, indices)
             self._expose()
 
+    # ---------------------------------------------------------------- per-row use (rollout/slots.py)
+    @property
+    def allocated(self) -> int:
+        """Columns the buffers hold (0 before the first write)."""
+        return 0 if self._kbuf is None else int(self._kbuf.shape[-2])
+
+    def _realloc(self, rows: int, like: torch.Tensor, vlike: torch.Tensor, cols: int, shift: int = 0) -> None:
+        """Zeroed ``[rows, H, cols, D]`` buffers holding the filled columns moved ``shift`` to the right (masked
+        columns must stay finite: ``0 * NaN`` would reach attention's output)."""
+        kbuf = like.new_zeros((rows, like.shape[1], cols, like.shape[-1]))
+        vbuf = vlike.new_zeros((rows, vlike.shape[1], cols, vlike.shape[-1]))
+        if self._kbuf is not None and self._len:
+            kbuf[:, :, shift:shift + self._len] = self._kbuf[:, :, :self._len]
+            vbuf[:, :, shift:shift + self._len] = self._vbuf[:, :, :self._len]
+        self._kbuf, self._vbuf = kbuf, vbuf
+
+    def write_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int,
+                   batch: int) -> None:
+        """Write ``keys[i], values[i]`` (``[a, H, n, D]``) into row ``rows[i]`` at columns ``[end - n, end)``; the
+        filled length becomes ``max(length, end)``.  The first write allocates ``batch`` zeroed rows."""
+        n = keys.shape[-2]
+        if end < n:
+            raise ValueError(f"write_rows: {n} columns do not end at column {end}")
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        if self._kbuf is None:
+            self._realloc(int(batch), keys, values, max(self.capacity, end))
+        elif end > self._kbuf.shape[-2]:
+            self._realloc(self._kbuf.shape[0], self._kbuf, self._vbuf, max(2 * self._kbuf.shape[-2], end))
+        rows = rows.to(self._kbuf.device)
+        self._kbuf[rows, :, end - n:end] = keys.to(self._kbuf.dtype)
+        self._vbuf[rows, :, end - n:end] = values.to(self._vbuf.dtype)
+        self._len = max(self._len, int(end))
+        self._expose()
+
+    def pad_left(self, n: int) -> None:
+        """Insert ``n`` zero columns before the filled ones of every row (positions are in the keys already)."""
+        if n <= 0 or self._kbuf is None:
+            return
+        cols = self._kbuf.shape[-2]
+        need = self._len + n
+        self._realloc(self._kbuf.shape[0], self._kbuf, self._vbuf, cols if need <= cols else max(2 * cols, need), n)
+        self._len = need
+        self._expose()
+
+    def trim_left(self, m: int) -> None:
+        """Drop columns ``[0, m)`` of every row (no row attends to them any more)."""
+        if m <= 0 or self._kbuf is None:
+            return
+        if m > self._len:
+            raise ValueError(f"trim_left: cannot drop {m} of {self._len} columns")
+        keep = self._len - m
+        self._kbuf[:, :, :keep] = self._kbuf[:, :, m:self._len].clone()
+        self._vbuf[:, :, :keep] = self._vbuf[:, :, m:self._len].clone()
+        self._len = keep
+        self._expose()
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("PreallocatedLayer is a sampling cache: cropping is not supported")
 
