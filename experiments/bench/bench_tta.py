@@ -148,7 +148,7 @@ def _env(threads: int = 1) -> dict:
 def arm_threads(args, arm: Arm) -> int:
     """Torch threads of the arm's trainer: ``--threads`` for trl and our synchronous arms (one process), 1 for an
     asynchronous arm (its trainer and its worker get one each)."""
-    return 1 if arm.mode == "async" else args.threads
+    return 1 if arm.mode in ("async", "stream") else args.threads
 
 
 def _call(cmd: list[str], what: str) -> float:
@@ -388,7 +388,7 @@ def phase_table(runs: list[dict], arms: list[Arm], steps: int) -> str:
             vals = [v / n for v in vals if v is not None]
             cells.append(f"{statistics.median(vals):.4f}" if vals else "—")
         step = statistics.median(r["s_per_step"] for r in mine)
-        gen_key = "async/worker_generate_s" if a.mode == "async" else "perf/time_generate_s"
+        gen_key = "async/worker_generate_s" if a.mode in ("async", "stream") else "perf/time_generate_s"
         gens = [r["curve"].get("phases", {}).get(gen_key) for r in mine]
         gens = [g / n for g in gens if g is not None]
         share = f"{statistics.median(gens) / step:.0%}" if gens and step > 0 else "—"

@@ -23,8 +23,9 @@ from offpolicy_moe.tasks.vocabulary import ANSWER_FORMATS, CHAT_TEMPLATE_MODES, 
 # Vocabularies this package's config owns (no other module defines them).
 REPLAY_MODES = ("none", "r2", "r3", "pr2")
 OLD_LOGP_SOURCES = ("trainer", "engine", "proximal")
-BUFFER_MODES = ("fixed", "bounded", "async")
+BUFFER_MODES = ("fixed", "bounded", "async", "stream")
 STALE_POLICIES = ("wait", "drop")       # buffer.mode=async (docs/async.md)
+ADMISSION_RULES = ("deadline", "first_finished")    # buffer.mode=stream: which complete groups a step trains
 WORKER_DEATH = ("restart", "stop")
 SAMPLERS = ("native", "hf")
 DECODE_ATTENTION = ("single_query", "sdpa")
@@ -129,6 +130,9 @@ class RolloutConfig:
     early_start: bool = True
     # a sequence may continue across a weight update (each token keeps the version that sampled it)
     update_in_flight: bool = False
+    # buffer.mode=stream: rows each worker decodes at once (continuous batching: a finished row's slot takes the
+    # next sample at once)
+    stream_slots: int = ranged(64, ge=1)
     # restart (re-issue its iterations) | stop (checkpoint, then stop)
     on_worker_death: str = ranged("restart", choices=WORKER_DEATH)
     # the longest wait for a batch / a policy version before a timeout that names it
@@ -168,7 +172,8 @@ class BufferConfig:
     """Staleness buffer (docs/algorithms.md, 'Staleness')."""
 
     staleness: int = ranged(0, ge=0)               # k: a batch generated at step v is consumed at step v + k
-    # fixed (exact delay line) | bounded (drop batches older than k) | async (rollout worker processes)
+    # fixed (exact delay line) | bounded (drop batches older than k) | async (rollout worker processes) | stream
+    # (workers with continuous batching, groups trained as they complete, weights loaded between tokens)
     mode: str = ranged("fixed", choices=BUFFER_MODES)
     # bounded mode: simulated arrival latency ~ U{0..max_delay} (None = k)
     max_delay: Optional[int] = ranged(None, ge=0, optional=True)
@@ -176,6 +181,9 @@ class BufferConfig:
     on_stale: str = ranged("wait", choices=STALE_POLICIES)
     # async + drop: iterations handed out beyond k (None = rollout.workers)
     max_ahead: Optional[int] = ranged(None, ge=0, optional=True)
+    # stream: deadline (the groups issued first, waiting for a late long one; none dropped) | first_finished (the
+    # first complete groups; a group past the bound is dropped: the naive rule, biased to short answers)
+    admission: str = ranged("deadline", choices=ADMISSION_RULES)
 
 
 @dataclass

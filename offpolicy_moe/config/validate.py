@@ -207,9 +207,35 @@ def check_routing(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
                    "measured at off-policy mini-steps only")
 
 
+def stream_problems(cfg: Any) -> list[str]:
+    """What ``buffer.mode=stream`` cannot run: its rows always span weight updates (R2's one recorded route per
+    token cannot hold, PR2's predictors do not reach the workers), its slots are the built-in engine's native
+    sampler over the full distribution, its workers run on this machine."""
+    rt, ro = cfg.algo.routing, cfg.rollout
+    out = []
+    if rt.replay in ("r2", "pr2"):
+        out.append(f"buffer.mode=stream does not support algo.routing.replay={rt.replay}: its rows continue across "
+                   "weight updates, so the trainer cannot record one version's routes for them; use r3 or none")
+    if ro.engine != "hf" or ro.sampler != "native":
+        out.append(f"buffer.mode=stream runs the built-in engine's slots (rollout.engine=hf, rollout.sampler=native); "
+                   f"got rollout.engine={ro.engine}, rollout.sampler={ro.sampler}")
+    if ro.top_k > 0 or ro.top_p < 1:
+        out.append("buffer.mode=stream samples the full distribution: set rollout.top_k=0 and rollout.top_p=1")
+    if ro.backend != "local":
+        out.append("buffer.mode=stream runs its workers on this machine: set rollout.backend=local")
+    if ro.publish_every > cfg.buffer.staleness + 1:
+        out.append(f"rollout.publish_every={ro.publish_every} with buffer.mode=stream and buffer.staleness="
+                   f"{cfg.buffer.staleness}: a group must be trained within k versions of the newest published one "
+                   "when it was issued; lower rollout.publish_every to <= k + 1")
+    return out
+
+
 def async_problems(cfg: Any) -> list[str]:
     """What ``buffer.mode=async`` cannot run: PR2 (the rollout workers do not receive the predictors), and R2 with
-    sequences continuing across weight updates (one recorded route for tokens of several versions)."""
+    sequences continuing across weight updates (one recorded route for tokens of several versions); for
+    ``buffer.mode=stream``, :func:`stream_problems`."""
+    if cfg.buffer.mode == "stream":
+        return stream_problems(cfg)
     if cfg.buffer.mode != "async":
         if cfg.rollout.backend == "ray":
             return [f"rollout.backend=ray places rollout workers of buffer.mode=async; buffer.mode="
@@ -250,6 +276,13 @@ def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
     if ro.ray_num_gpus is not None and ro.backend != "ray":
         found.warn(f"rollout.ray_num_gpus={ro.ray_num_gpus} has no effect with rollout.backend={ro.backend}: it is "
                    "read only with rollout.backend=ray")
+    if cfg.buffer.mode != "stream":
+        if ro.stream_slots != RolloutConfig().stream_slots:
+            found.warn(f"rollout.stream_slots={ro.stream_slots} has no effect with buffer.mode={cfg.buffer.mode}: "
+                       "it is read only with buffer.mode=stream")
+        if cfg.buffer.admission != "deadline":
+            found.warn(f"buffer.admission={cfg.buffer.admission} has no effect with buffer.mode={cfg.buffer.mode}: "
+                       "it is read only with buffer.mode=stream")
     if ro.engine == "vllm" and ro.update_in_flight:
         found.error("rollout.update_in_flight=true with rollout.engine=vllm: vLLM takes new weights between "
                     "generations only; turn update_in_flight off")

@@ -44,6 +44,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "offpolicy/dropped": "cumulative batches dropped by the bounded buffer",
     "offpolicy/buffer_size": "batches waiting in the buffer after the step",
     "offpolicy/staleness_max": "largest lag over the consumed batch's response tokens (<= buffer.staleness)",
+    "offpolicy/versions_per_row_max": "most policy versions among one row's response tokens (2+: a row continued across a weight update)",
     # asynchronous pipeline (buffer.mode=async, docs/async.md), seconds since the previous step
     "async/trainer_wait_s": "seconds the trainer waited for the batch (old-log-prob passes excluded)",
     "async/weight_sync_s": "seconds publishing weights to the workers",
@@ -52,6 +53,13 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "async/worker_cpu_s": "CPU seconds of the workers (weight loading and generation)",
     "async/worker_restarts": "cumulative rollout worker restarts",
     "async/trained_tokens": "response tokens of the consumed batch",
+    # streaming rollouts (buffer.mode=stream, docs/async.md "Streaming")
+    "stream/generated_len_mean": "mean response length of the rows received since the previous step",
+    "stream/trained_len_mean": "mean response length of the rows the step trained",
+    "stream/ks_trained_vs_generated": "Kolmogorov-Smirnov distance between the lengths of every row trained so far and every row received",
+    "stream/dropped_late": "cumulative groups dropped for exceeding buffer.staleness (buffer.admission=first_finished)",
+    "stream/outstanding": "groups issued and neither trained nor dropped, after the step",
+    "stream/worker_tokens": "response tokens the workers finished since the previous step",
     # the update's levers
     "actor/zero_adv_share": "share of the consumed batch's rows whose advantage is exactly 0",
     "actor/rows_skipped_share": "share of rows whose update forward and backward were skipped (skip_zero_advantage)",
@@ -96,6 +104,7 @@ DOCUMENTED_PREFIXES: tuple[str, ...] = (
     "drift/",      # engine route vs the current router's own top-k at off-policy mini-steps (drift_metrics)
     "dynamic_sampling/",   # dropped_groups, kept_share (algo.dynamic_sampling=drop)
     "dppo/", "sapo/", "gmpo/", "vespo/",
+    "offpolicy/lag_tokens_",    # offpolicy/lag_tokens_<j>: response tokens of the consumed batch with lag j
     "eval/reward/",  # one per configured reward: eval/reward/<name>, the mean of that reward before its weight   # the 2026 objectives' own statistics (docs/losses.md)
 )
 

@@ -17,7 +17,7 @@ from typing import Any
 __all__ = ["PRELOAD", "context", "start_early", "wants_early_start"]
 
 #: what the server imports once, before it forks any worker
-PRELOAD = ("offpolicy_moe.rollout.worker", "transformers.modeling_utils", "transformers.generation.utils")
+PRELOAD = ("offpolicy_moe.rollout.worker", "offpolicy_moe.rollout.stream_worker", "transformers.modeling_utils", "transformers.generation.utils")
 
 
 def context() -> Any:
@@ -29,9 +29,10 @@ def context() -> Any:
 
 
 def wants_early_start(cfg: Any) -> bool:
-    """Whether ``cfg``'s run forks local rollout workers (``buffer.mode=async``, ``rollout.backend=local``) and
+    """Whether ``cfg``'s run forks local rollout workers (``buffer.mode=async`` or ``stream``, ``rollout.backend=local``) and
     starts them early (``rollout.early_start``)."""
-    return (cfg.buffer.mode == "async" and cfg.rollout.backend == "local" and bool(cfg.rollout.early_start))
+    return (cfg.buffer.mode in ("async", "stream") and cfg.rollout.backend == "local"
+            and bool(cfg.rollout.early_start))
 
 
 def start_early(cfg: Any) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 
 from offpolicy_moe.rollout.devices import worker_environment
+from offpolicy_moe.rollout.stream_worker import GroupDone, GroupsNonFinite, stream_main
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import (BatchDone, BatchNonFinite, Order, Shutdown, WorkerFailed, WorkerSpec,
                                           pid_alive, unpack, worker_main)
@@ -81,7 +82,8 @@ class ProcessTransport:
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
                           update_in_flight=bool(ro.update_in_flight), probe=probes.handoff(),
                           env=worker_environment(self.cfg, rank=self.rank, index=index))
-        proc = self._ctx.Process(target=worker_main, args=(spec, self._board, o_recv, r_send),
+        main = stream_main if self.cfg.buffer.mode == "stream" else worker_main
+        proc = self._ctx.Process(target=main, args=(spec, self._board, o_recv, r_send),
                                  name=f"offpolicy-moe-rollout-{self.rank}-{index}", daemon=True)
         proc.start()
         o_recv.close()
@@ -115,7 +117,7 @@ class ProcessTransport:
                 continue                    # the process is gone: its sentinel reports it
             if isinstance(msg, WorkerFailed):
                 p.failed(msg.traceback_text)
-            elif isinstance(msg, (BatchDone, BatchNonFinite)):
+            elif isinstance(msg, (BatchDone, BatchNonFinite, GroupDone, GroupsNonFinite)):
                 yield msg
         for obj in got:
             if obj in by_sentinel and self._procs.get(by_sentinel[obj][0]) is by_sentinel[obj][1]:

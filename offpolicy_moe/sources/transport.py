@@ -25,6 +25,7 @@ from typing import Iterator, Mapping, Protocol, Union
 
 import torch
 
+from offpolicy_moe.rollout.stream_worker import GroupDone, GroupsNonFinite
 from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
 from offpolicy_moe.sources.base import SourceStopped
 
@@ -49,7 +50,7 @@ class WorkerLost:
     node_lost: bool = False
 
 
-Event = Union[BatchDone, BatchNonFinite, WorkerLost]
+Event = Union[BatchDone, BatchNonFinite, GroupDone, GroupsNonFinite, WorkerLost]
 
 
 class WorkerTransport(Protocol):

@@ -29,6 +29,7 @@ from offpolicy_moe.run.run_dir import RunDir
 from offpolicy_moe.sources import fork_server
 from offpolicy_moe.sources.asynchronous import AsyncBatchSource
 from offpolicy_moe.sources.base import BatchSource
+from offpolicy_moe.sources.stream import StreamBatchSource
 from offpolicy_moe.sources.sync import SyncBatchSource
 from offpolicy_moe.tasks import apply_chat_template, make_task
 from offpolicy_moe.trainer.checks import CheckedConfig, check_config
@@ -87,11 +88,13 @@ def build_engine(model: torch.nn.Module, tok: Any, cfg: Any, predictors: Optiona
 
 
 def build_source(cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, stage: PreparationStage, rank: int,
-                 world: int) -> BatchSource:
-    """The batch source of ``buffer.mode``: workers for ``async`` (Ray actors with ``rollout.backend=ray``), this
-    process's ``engine`` otherwise; each hands its batches to ``stage``."""
+                 world: int, pad_id: int = 0) -> BatchSource:
+    """The batch source of ``buffer.mode``: workers for ``async`` (Ray actors with ``rollout.backend=ray``),
+    streaming workers for ``stream``, this process's ``engine`` otherwise; each hands its batches to ``stage``."""
     if cfg.buffer.mode == "async":
         return AsyncBatchSource(cfg, model=model, stage=stage, rank=rank, world=world)
+    if cfg.buffer.mode == "stream":
+        return StreamBatchSource(cfg, model=model, stage=stage, pad_id=pad_id, rank=rank, world=world)
     return SyncBatchSource(cfg, engine=engine, task=task, stage=stage, rank=rank, world=world)
 
 
@@ -145,7 +148,7 @@ def past_versions_kept(cfg: Any) -> int:
     """How many published versions the preparation stage keeps: ``k + 1`` for workers that sample ahead
     (``buffer.mode=async``), the one generation holds when it lags behind the trainer (``rollout.publish_every``
     > 1), else none."""
-    if cfg.buffer.mode == "async":
+    if cfg.buffer.mode in ("async", "stream"):
         return int(cfg.buffer.staleness) + 1
     return 1 if int(cfg.rollout.publish_every) > 1 else 0
 
@@ -211,7 +214,7 @@ def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig
         predictors.to(accelerator.device)
     # the synchronous source's engine: its own copy of the bare model, before FSDP can shard it
     engine = (build_engine(model, tok, cfg, predictors, is_moe=moe, measure_routing=measure_routing,
-                           device=accelerator.device) if cfg.buffer.mode != "async" else None)
+                           device=accelerator.device) if cfg.buffer.mode not in ("async", "stream") else None)
     wrapped, optimizer = accelerator.prepare(model, optimizer)
     bare = accelerator.unwrap_model(wrapped)
     forward = RoutedForward(device=accelerator.device, controller=controller, replay=rt.replay,
@@ -228,7 +231,8 @@ def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig
     policy = TrainedPolicy(wrapped, bare, optimizer, scheduler, predictors)
     policy_update = PolicyUpdate(cfg, loss=loss, forward=forward, old_logps=strategy, policy=policy,
                                  accelerator=accelerator, task=task)
-    source = build_source(cfg, engine=engine, task=task, model=bare, stage=stage, rank=rank, world=world)
+    source = build_source(cfg, engine=engine, task=task, model=bare, stage=stage, rank=rank, world=world,
+                          pad_id=int(tok.pad_token_id))
     run_checkpoints = RunCheckpoints(accelerator=accelerator, run_dir=run_dir, model=bare, keep=tc.keep_checkpoints)
     return RunParts(cfg=cfg, run_dir=run_dir, accelerator=accelerator, task=task, tok=tok, chat=chat, is_moe=moe,
                     controller=controller, predictors=predictors, optimizer=optimizer, scheduler=scheduler,

@@ -10,7 +10,7 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.sources.base import BatchSource
 from offpolicy_moe.sources.schedule import lag
 
-__all__ = ["offpolicy_metrics", "mean_over_processes", "token_lag"]
+__all__ = ["offpolicy_metrics", "mean_over_processes", "token_lag", "row_versions_max", "lag_histogram"]
 
 
 def token_lag(step: int, batch: RolloutBatch) -> tuple[float, float]:
@@ -23,13 +23,32 @@ def token_lag(step: int, batch: RolloutBatch) -> tuple[float, float]:
     return float(lags.mean()), float(lags.max())
 
 
+def row_versions_max(batch: RolloutBatch) -> int:
+    """The most distinct versions among one row's response tokens (1 without per-token versions)."""
+    if batch.token_versions is None:
+        return 1
+    mask = batch.response_mask.bool()
+    return max((int(v[m].unique().numel()) for v, m in zip(batch.token_versions, mask) if bool(m.any())), default=1)
+
+
+def lag_histogram(step: int, batch: RolloutBatch, bound: int) -> dict[str, float]:
+    """``offpolicy/lag_tokens_<j>`` for ``j = 0 .. bound``: the batch's response tokens with lag ``j`` at ``step``
+    (the same keys every step and on every process; a lag above ``bound`` shows in ``offpolicy/staleness_max``)."""
+    mask = batch.response_mask.bool()
+    versions = (batch.token_versions[mask] if batch.token_versions is not None
+                else torch.full((int(mask.sum()),), int(batch.version)))
+    counts = torch.bincount(lag(step, versions).clamp(0, bound + 1).long(), minlength=bound + 2)
+    return {f"offpolicy/lag_tokens_{j}": float(counts[j]) for j in range(bound + 1)}
+
+
 def offpolicy_metrics(step: int, batch: RolloutBatch, source: BatchSource, updates_per_step: int, tokens: float,
-                      t_update: float) -> dict[str, float]:
+                      t_update: float, lag_bound: int = 0) -> dict[str, float]:
     """How stale the batch trained at policy version ``step`` was (over its response tokens' versions, in steps
-    and in optimizer updates), what the source dropped and holds, and the update's throughput (``tokens`` in
-    ``t_update`` seconds), with the batch's own extras."""
+    and in optimizer updates, and their histogram up to ``lag_bound``), what the source dropped and holds, and the
+    update's throughput (``tokens`` in ``t_update`` seconds), with the batch's own extras."""
     mean_lag, max_lag = token_lag(step, batch)
     return {**batch.extras,
+            **lag_histogram(step, batch, lag_bound), "offpolicy/versions_per_row_max": float(row_versions_max(batch)),
             "offpolicy/staleness_steps": mean_lag, "offpolicy/staleness_max": max_lag,
             "offpolicy/staleness_updates": mean_lag * updates_per_step,
             "offpolicy/batch_version": float(batch.version),

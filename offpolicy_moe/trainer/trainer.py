@@ -369,7 +369,9 @@ class Trainer:
                               fn=exc.fn, row=exc.row) from exc
         t_update = time.perf_counter() - t0
         m.update(source_metrics)
-        m.update(offpolicy_metrics(self.step, batch, self.source, tc.updates_per_step, m.pop("_tokens"), t_update))
+        bound = int(self.cfg.buffer.staleness) + int(self.cfg.rollout.publish_every) - 1
+        m.update(offpolicy_metrics(self.step, batch, self.source, tc.updates_per_step, m.pop("_tokens"), t_update,
+                                   lag_bound=bound))
         self.step += 1
         if due:           # before publishing: generation only ever gets weights known to be finite
             m.update(self._evaluate_step())

@@ -20,7 +20,7 @@ LOSSES = ("grpo", "m2po", "m2po_tis", "vespo", "gmpo")
 #: region, importance-weighted policy gradient) is never part of ``async``: it isolates what clipping does (item 4)
 LOSS_PRESETS = {"grpo": "grpo", "m2po": "m2po", "m2po_tis": "m2po,tis", "vespo": "vespo", "gmpo": "gmpo",
                 "unclipped": "unclipped"}
-ASYNC_ARM = re.compile(r"(async|ray|fixed)-k(\d+)-([a-z0-9_+]+)")
+ASYNC_ARM = re.compile(r"(async|ray|fixed|stream)-k(\d+)-([a-z0-9_+]+)")
 #: the default target: the on-policy (sync) arm's median final accuracy minus this
 TARGET_MARGIN = 0.03
 
@@ -35,7 +35,7 @@ class Arm:
 
     name: str
     system: str                 # trl | ours
-    mode: str = "fixed"         # ours: buffer.mode (fixed | async)
+    mode: str = "fixed"         # ours: buffer.mode (fixed | async | stream)
     staleness: int = 0
     loss: str = "grpo"
     backend: str = "local"      # ours, async: rollout.backend (local | ray)
@@ -45,7 +45,7 @@ class Arm:
         if self.system != "ours":
             raise ValueError(f"arm {self.name!r} is not one of ours")
         out = [f"preset=[{LOSS_PRESETS[self.loss]}]", f"buffer.mode={self.mode}", f"buffer.staleness={self.staleness}"]
-        if self.mode == "async":
+        if self.mode in ("async", "stream"):
             out += ["rollout.workers=1", "rollout.worker_threads=1"]
         if self.backend != "local":
             out.append(f"rollout.backend={self.backend}")
@@ -65,10 +65,17 @@ def async_arm(k: int, loss: str, backend: str = "local") -> Arm:
     return Arm(f"{prefix}-k{k}-{loss}", "ours", "async", k, loss, backend)
 
 
+def stream_arm(k: int, loss: str) -> Arm:
+    """Ours streaming at staleness ``k`` with ``loss`` (``buffer.mode=stream``: one worker with continuous
+    batching, groups trained as they complete under the deadline rule): ``stream-k<k>-<loss>``."""
+    return Arm(f"stream-k{k}-{loss}", "ours", "stream", k, loss)
+
+
 def parse_arms(text: str) -> list[Arm]:
     """``--arms`` comma list -> arms, in order, duplicates dropped.  ``async`` expands to ``async-k<K>-<loss>`` for
     K in :data:`ASYNC_STALENESS` x loss in :data:`LOSSES`; a single one is named ``async-k2-m2po_tis`` (``+`` for
-    ``_`` accepted); ``ray-k<K>-<loss>`` is the same arm with its worker a Ray actor.  :class:`ValueError` with one
+    ``_`` accepted); ``ray-k<K>-<loss>`` is the same arm with its worker a Ray actor; ``stream`` is
+    ``stream-k1-grpo``.  :class:`ValueError` with one
     line naming the arm for anything else."""
     arms: list[Arm] = []
     names = [t.strip() for t in text.split(",")]
@@ -81,16 +88,20 @@ def parse_arms(text: str) -> list[Arm]:
             new = [Arm("sync", "ours", "fixed", 0, "grpo")]
         elif name == "async":
             new = [async_arm(k, loss) for k in ASYNC_STALENESS for loss in LOSSES]
+        elif name == "stream":
+            new = [stream_arm(1, "grpo")]
         else:
             m = ASYNC_ARM.fullmatch(name)
             loss = m.group(3).replace("+", "_") if m else None
             if m is None or loss not in LOSS_PRESETS or int(m.group(2)) < 1:
-                raise ValueError(f"unknown arm {name!r} in --arms: expected trl, sync, async, async-k<K>-<loss>, "
-                                 f"ray-k<K>-<loss> or fixed-k<K>-<loss> with K >= 1 and loss in "
+                raise ValueError(f"unknown arm {name!r} in --arms: expected trl, sync, async, stream, "
+                                 f"async-k<K>-<loss>, ray-k<K>-<loss>, fixed-k<K>-<loss> or stream-k<K>-<loss> with "
+                                 f"K >= 1 and loss in "
                                  f"{', '.join(LOSS_PRESETS)}")
             k = int(m.group(2))
-            new = [fixed_arm(k, loss) if m.group(1) == "fixed"
-                   else async_arm(k, loss, "local" if m.group(1) == "async" else "ray")]
+            kind = m.group(1)
+            new = [fixed_arm(k, loss) if kind == "fixed" else stream_arm(k, loss) if kind == "stream"
+                   else async_arm(k, loss, "local" if kind == "async" else "ray")]
         arms += [a for a in new if a.name not in {b.name for b in arms}]
     return arms
 

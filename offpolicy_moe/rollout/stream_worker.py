@@ -1,0 +1,183 @@
+"""The streaming rollout worker (``buffer.mode=stream``): continuous batching, groups sent as they complete.
+
+Where :func:`~offpolicy_moe.rollout.worker.worker_main` generates one whole iteration per order, this worker keeps
+``rollout.stream_slots`` rows decoding (:class:`~offpolicy_moe.rollout.slots.SlotSampler`): a finished row's slot
+takes the next queued sample at the next decode step, so no row waits for the longest one.  Orders name groups
+(:class:`GroupOrder`: group ``g`` is prompt ``g mod P`` of iteration ``g div P``, the prompt the synchronous trainer
+gives that group id; each of its ``G`` samples has its own seed).  Newer weights are loaded from the board before
+every decode step (updates in flight): each token keeps the version whose forward gave its scores, and a sample is
+admitted only after that load, so its first token is sampled by the newest published version.  A group is sent
+back (:class:`GroupDone`) when its last sample finishes.  Sampling that meets NaN/Inf ends every group in the slots
+(:class:`GroupsNonFinite`; the trainer issues them again) and the worker goes on.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from offpolicy_moe.models import load_policy
+from offpolicy_moe.rollout.group_batch import group_batch
+from offpolicy_moe.rollout.seeds import iteration_seed
+from offpolicy_moe.rollout.slots import SlotSampler, StreamSample
+from offpolicy_moe.rollout.weights import WeightBoard
+from offpolicy_moe.rollout.worker import (Shutdown, WorkerFailed, WorkerReady, WorkerSpec, build_engine, pack,
+                                          pid_alive)
+from offpolicy_moe.run import probes
+from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite
+from offpolicy_moe.tasks import apply_chat_template, encode_prompts, make_task
+
+__all__ = ["GroupOrder", "GroupDone", "GroupsNonFinite", "sample_seed", "stream_main"]
+
+_ALIVE_CHECK_STEPS = 64         # decode steps between checks that the trainer still runs
+
+
+@dataclass(frozen=True)
+class GroupOrder:
+    """Generate group ``group`` (attempt ``attempt``; re-issues count up) with sampling seed ``seed``."""
+
+    group: int
+    seed: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class GroupDone:
+    """Group ``group``'s ``G`` samples as :meth:`RolloutBatch.state_dict`, with the worker's ``timings`` since its
+    previous message (``generate_s``, ``wait_s``, ``cpu_s``, ``tokens``: response tokens finished meanwhile)."""
+
+    index: int
+    group: int
+    attempt: int
+    state: dict
+    timings: dict
+
+
+@dataclass(frozen=True)
+class GroupsNonFinite:
+    """Sampling met NaN/Inf at ``stage`` (``what``); ``groups`` (with their ``attempts``) were in the slots and are
+    lost; the worker goes on."""
+
+    index: int
+    groups: tuple[int, ...]
+    attempts: tuple[int, ...]
+    stage: str
+    what: str
+
+
+def sample_seed(group_seed: int, sample: int) -> int:
+    """The sampling seed of sample ``sample`` of a group whose seed is ``group_seed``."""
+    return iteration_seed(group_seed, sample)
+
+
+@dataclass
+class _Open:
+    order: GroupOrder
+    answer: str
+    done: dict = field(default_factory=dict)      # sample index -> FinishedSample
+
+
+class _Clock:
+    """The worker's time since its last report: decoding, waiting for orders, CPU, tokens finished."""
+
+    def __init__(self):
+        self.generate_s = self.wait_s = 0.0
+        self.tokens = 0
+        self.cpu0 = time.process_time()
+
+    def report(self) -> dict:
+        out = {"generate_s": self.generate_s, "wait_s": self.wait_s, "cpu_s": time.process_time() - self.cpu0,
+               "tokens": float(self.tokens)}
+        self.__init__()
+        return out
+
+
+def stream_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any) -> None:
+    """Entry point of a streaming worker process (module docstring); messages on ``results`` (packed):
+    :class:`~offpolicy_moe.rollout.worker.WorkerReady`, then :class:`GroupDone` / :class:`GroupsNonFinite`, or
+    :class:`~offpolicy_moe.rollout.worker.WorkerFailed` before it exits."""
+    group = -1
+    try:
+        os.environ.update(spec.env or {})
+        probes.receive(spec.probe)
+        torch.set_num_threads(max(int(spec.threads), 1))
+        cfg = spec.cfg
+        ro = cfg.rollout
+        task = make_task(cfg.task)
+        model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+        apply_chat_template(task, tok, cfg.task.chat_template)
+        engine = build_engine(cfg, model, tok)
+        engine.forget_version()
+        engine.call_between_tokens(board.load_into)      # weights in flight: the newest before every decode step
+        board.wait_for(0, spec.weight_timeout_s, what=f"streaming worker {spec.index}")
+        board.load_into(engine)
+        sampler = SlotSampler(engine, int(ro.stream_slots))
+        route_shape = engine.controller.shape if engine.controller is not None and engine.record_routes else None
+        results.send_bytes(pack(WorkerReady(spec.index, os.getpid())))
+        P, G = int(ro.prompts_per_step), int(ro.group_size)
+        open_groups: dict[int, _Open] = {}
+        clock, steps = _Clock(), 0
+        while True:
+            busy = sampler.active > 0 or sampler.queued > 0
+            t0 = time.perf_counter()
+            wait = 0.0 if busy else 1.0
+            while orders.poll(wait):
+                try:
+                    msg = orders.recv()
+                except EOFError:
+                    return
+                if isinstance(msg, Shutdown):
+                    return
+                row = task.sample_prompts(msg.group // P, P)[msg.group % P]
+                prompt = encode_prompts(tok, [row["prompt"]])[0][0]
+                sampler.submit(StreamSample((msg.group, j), prompt, sample_seed(msg.seed, j)) for j in range(G))
+                open_groups[msg.group] = _Open(msg, row["answer"])
+                wait = 0.0
+            clock.wait_s += time.perf_counter() - t0
+            if sampler.active == 0 and sampler.queued == 0:
+                if not pid_alive(spec.parent_pid):
+                    return
+                continue
+            steps += 1
+            if steps % _ALIVE_CHECK_STEPS == 0 and not pid_alive(spec.parent_pid):
+                return
+            t1 = time.perf_counter()
+            try:
+                finished = sampler.step()
+            except NonFiniteError as exc:
+                lost = sorted(open_groups)
+                results.send_bytes(pack(GroupsNonFinite(spec.index, tuple(lost),
+                                                        tuple(open_groups[g].order.attempt for g in lost),
+                                                        exc.stage, exc.what)))
+                open_groups.clear()
+                sampler = SlotSampler(engine, int(ro.stream_slots))
+                continue
+            clock.generate_s += time.perf_counter() - t1
+            for sample in finished:
+                group, j = sample.key
+                clock.tokens += int(sample.response_ids.numel())
+                entry = open_groups.get(group)
+                if entry is None:
+                    continue
+                entry.done[j] = sample
+                if len(entry.done) < G:
+                    continue
+                del open_groups[group]
+                batch = group_batch([entry.done[i] for i in range(G)], answer=entry.answer, group=group,
+                                    tokenizer=tok, route_shape=route_shape)
+                if not all_finite(batch.behav_logp, batch.response_mask):
+                    results.send_bytes(pack(GroupsNonFinite(spec.index, (group,), (entry.order.attempt,),
+                                                            "generation", "behaviour log-probs of the sampled "
+                                                            "tokens")))
+                    continue
+                results.send_bytes(pack(GroupDone(spec.index, group, entry.order.attempt, batch.state_dict(),
+                                                  clock.report())))
+    except Exception:  # noqa: BLE001 - reported to the trainer, which names this worker
+        try:
+            results.send_bytes(pack(WorkerFailed(spec.index, group, traceback.format_exc())))
+        finally:
+            raise SystemExit(1)

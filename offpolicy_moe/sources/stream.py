@@ -1,0 +1,323 @@
+"""The trainer's side of streaming rollouts (``buffer.mode=stream``, docs/async.md "Streaming").
+
+:class:`StreamBatchSource` keeps ``rollout.workers`` streaming workers
+(:func:`~offpolicy_moe.rollout.stream_worker.stream_main`) busy with groups: whenever a version is published it
+issues new groups, up to ``P (k + 1)`` outstanding (:func:`~offpolicy_moe.sources.admission.may_issue`), each with
+the deadline ``published + k``.  Workers send each group when its last sample finishes; a step trains ``P`` complete
+groups chosen by ``buffer.admission`` (:mod:`~offpolicy_moe.sources.admission`), concatenated into one batch and
+handed to the preparation stage (old log-probs per token under the version that sampled it; the stage keeps the
+last ``k + 1`` published versions).
+
+A worker's death is answered as in the asynchronous source (restart and re-issue its groups, or stop); a group whose
+sampling met NaN/Inf comes back as the step's error (the loop applies ``trainer.on_nan``) and is issued again.
+
+A checkpoint holds the complete groups not yet trained (with their per-token versions and routes), every outstanding
+group's deadline and attempt, the counters and the length records; groups in flight are not saved: on resume they
+are issued again under the same seeds.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from statistics import fmean
+from typing import Any, Mapping, Optional
+
+import torch
+
+from offpolicy_moe.config.validate import ConfigError, async_problems
+from offpolicy_moe.logprobs.stage import PreparedBatch
+from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.rollout.group_batch import cat_batches
+from offpolicy_moe.rollout.seeds import iteration_seed
+from offpolicy_moe.rollout.stream_worker import GroupDone, GroupOrder, GroupsNonFinite
+from offpolicy_moe.run.full_state import is_sharded
+from offpolicy_moe.run.nonfinite import NonFiniteError
+from offpolicy_moe.sources.admission import Ticket, deadline_choice, first_finished_choice, ks_distance, may_issue
+from offpolicy_moe.sources.base import BatchSource, Preparation
+from offpolicy_moe.sources.process_transport import ProcessTransport
+from offpolicy_moe.sources.transport import PipelineTimeout, WorkerDied, WorkerLost, WorkerTransport
+
+__all__ = ["StreamBatchSource", "check_stream_config"]
+_MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
+
+
+def check_stream_config(cfg: Any, world: int = 1) -> None:
+    """One-line ``ValueError`` for a config ``buffer.mode=stream`` cannot run (before any process starts)."""
+    problems = async_problems(cfg)
+    if problems:
+        raise ValueError(problems[0])
+    if world != 1:
+        raise ValueError(f"buffer.mode=stream trains in one process; this run has {world}: use buffer.mode=async "
+                         "for several trainer processes")
+
+
+def _lengths(batch: RolloutBatch) -> list[int]:
+    return [int(n) for n in batch.response_mask.sum(1).tolist()]
+
+
+class StreamBatchSource(BatchSource):
+    """Streaming workers and the admission of their groups (module docstring).  ``model``: the trainer's bare
+    policy (refused when sharded); ``stage``: the preparation of each step's batch; ``pad_id``: the tokenizer's
+    padding id; ``transport``: the workers (default: processes on this machine)."""
+
+    mode = "stream"
+
+    def __init__(self, cfg: Any, *, model: torch.nn.Module, stage: Preparation, pad_id: int, rank: int = 0,
+                 world: int = 1, transport: Optional[WorkerTransport] = None):
+        check_stream_config(cfg, world)
+        if is_sharded(model):
+            raise ConfigError("buffer.mode=stream with a sharded (FSDP) policy: the workers' weights and the "
+                              "per-version old log-probs need full copies of the policy")
+        b, ro = cfg.buffer, cfg.rollout
+        self.cfg, self.rank, self.pad_id = cfg, int(rank), int(pad_id)
+        self.stage = stage
+        self.k, self.per_step = int(b.staleness), int(ro.prompts_per_step)
+        self.rule = b.admission
+        self.n_workers = int(ro.workers)
+        self.on_death = ro.on_worker_death
+        self.timeout = float(ro.worker_timeout_s)
+        self.publish_every = int(ro.publish_every)
+        self.early_start = bool(ro.early_start)
+        self.version = 0
+        self.published = 0
+        self.cursor = 0                          # the next step to train
+        self.next_group = 0                      # the next group never issued
+        self.tickets: dict[int, Ticket] = {}     # outstanding groups: issued, neither trained nor dropped
+        self.ready: dict[int, RolloutBatch] = {}
+        self.attempts: dict[int, int] = {}
+        self.holder: dict[int, int] = {}         # group in flight -> worker slot
+        self.arrivals = 0
+        self.dropped_late = 0
+        self.restarts = 0
+        self.errors: list[NonFiniteError] = []
+        self.generated_lengths: list[int] = []   # response lengths of every row received
+        self.trained_lengths: list[int] = []     # ... and of every row trained
+        self.trained_groups: list[int] = []      # every group trained, in order
+        self._arrived_since: list[int] = []
+        self.timing = {"worker_generate_s": 0.0, "worker_wait_s": 0.0, "worker_cpu_s": 0.0, "worker_tokens": 0.0,
+                       "weight_sync_s": 0.0}
+        self._before = dict(self.timing)
+        self._slots: dict[int, int] = {}
+        self._started = False
+        self.transport: WorkerTransport = transport if transport is not None else ProcessTransport(cfg, rank=rank)
+
+    # ------------------------------------------------------------------ the BatchSource seam
+    @property
+    def iteration(self) -> int:
+        """The newest version the trainer holds (a step's groups span several iterations' prompts)."""
+        return self.version
+
+    @property
+    def dropped(self) -> int:
+        """Groups dropped for exceeding the bound (``buffer.admission=first_finished`` only)."""
+        return self.dropped_late
+
+    def __len__(self) -> int:
+        return len(self.ready)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to resume without losing or repeating a group (module docstring)."""
+        return {"mode": "stream", "k": self.k, "cursor": self.cursor, "published": self.published,
+                "next_group": self.next_group, "arrivals": self.arrivals, "dropped": self.dropped_late,
+                "restarts": self.restarts, "attempts": dict(self.attempts),
+                "tickets": {g: [t.deadline, t.done, t.oldest_version] for g, t in self.tickets.items()},
+                "ready": {g: b.state_dict() for g, b in self.ready.items()},
+                "generated_lengths": list(self.generated_lengths), "trained_lengths": list(self.trained_lengths),
+                "trained_groups": list(self.trained_groups)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; groups that were in flight are issued again when the workers start."""
+        if state.get("mode") != "stream" or state.get("k") != self.k:
+            raise ValueError(f"checkpointed buffer has staleness={state.get('k')} mode={state.get('mode')!r}, "
+                             f"but the config asks for staleness={self.k} mode='stream'")
+        self.cursor, self.published = int(state["cursor"]), int(state["published"])
+        self.next_group, self.arrivals = int(state["next_group"]), int(state["arrivals"])
+        self.dropped_late, self.restarts = int(state["dropped"]), int(state["restarts"])
+        self.attempts = {int(g): int(a) for g, a in state["attempts"].items()}
+        self.ready = {int(g): RolloutBatch.from_state_dict(b) for g, b in state["ready"].items()}
+        self.tickets = {int(g): Ticket(int(g), int(d), done, oldest)
+                        for g, (d, done, oldest) in state["tickets"].items()}
+        self.generated_lengths = list(state["generated_lengths"])
+        self.trained_lengths = list(state["trained_lengths"])
+        self.trained_groups = list(state["trained_groups"])
+
+    def next(self, step: int) -> tuple[PreparedBatch, dict[str, float]]:
+        """The prepared batch of step ``step``: ``P`` complete groups chosen by the admission rule, waiting for
+        those it must have; or the error of a group whose sampling met NaN/Inf."""
+        if step != self.cursor:
+            raise RuntimeError(f"stream: the trainer asks for step {step}, the next one is {self.cursor} (a checkpoint "
+                               "from another buffer mode?)")
+        if not self._started:
+            self._start()
+        t0 = time.perf_counter()
+        last = t0
+        while True:
+            self._receive(timeout=0)
+            if self.errors:
+                return PreparedBatch(None, self.errors.pop(0)), {}
+            choice = self._choose(step)
+            if not choice.wait:
+                break
+            if self._receive(timeout=min(1.0, self.timeout)):
+                last = time.perf_counter()
+            elif time.perf_counter() - last > self.timeout:
+                raise PipelineTimeout(f"waited {self.timeout:.0f} s (rollout.worker_timeout_s) for the groups of "
+                                      f"step {step} ({len(self.ready)} complete, {len(self.holder)} in flight)")
+        waited = time.perf_counter() - t0
+        groups = [self.ready.pop(g) for g in choice.train]
+        for g in choice.train:
+            del self.tickets[g]
+        self.trained_groups.extend(choice.train)
+        batch = cat_batches(groups, self.pad_id)
+        trained = _lengths(batch)
+        self.trained_lengths.extend(trained)
+        self.cursor = step + 1
+        t1 = time.perf_counter()
+        prepared = self.stage.prepare(batch, current=self.version)
+        prep = time.perf_counter() - t1
+        delta = {k: self.timing[k] - self._before[k] for k in self.timing}
+        self._before = dict(self.timing)
+        generated = self._arrived_since or self.generated_lengths or trained
+        self._arrived_since = []
+        return prepared, {
+            "async/trainer_wait_s": waited, "perf/time_old_logp_s": prep,
+            "async/weight_sync_s": delta["weight_sync_s"], "async/worker_wait_s": delta["worker_wait_s"],
+            "async/worker_generate_s": delta["worker_generate_s"], "async/worker_cpu_s": delta["worker_cpu_s"],
+            "async/worker_restarts": float(self.restarts), "async/trained_tokens": float(sum(trained)),
+            "stream/worker_tokens": delta["worker_tokens"],
+            "stream/generated_len_mean": fmean(generated), "stream/trained_len_mean": fmean(trained),
+            "stream/ks_trained_vs_generated": ks_distance(self.trained_lengths, self.generated_lengths),
+            "stream/dropped_late": float(self.dropped_late), "stream/outstanding": float(len(self.tickets))}
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int,
+                predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
+        """``weights`` are version ``version``; published (to the workers and the stage's ring) when it is a multiple
+        of ``rollout.publish_every`` or ``force``, and then new groups are issued."""
+        self.version = int(version)
+        if not (force or version % self.publish_every == 0):
+            return
+        self.stage.keep(version, weights)
+        self.published = int(version)
+        if self._started:
+            self.timing["weight_sync_s"] += self.transport.publish(weights, version)
+            self._issue()
+        elif self.early_start:
+            self._start()
+
+    # ------------------------------------------------------------------ groups
+    def _choose(self, step: int):
+        tickets = list(self.tickets.values())
+        if self.rule == "deadline":
+            return deadline_choice(tickets, step, self.per_step)
+        choice = first_finished_choice(tickets, step, self.per_step, self.k)
+        if choice.drop:
+            for g in choice.drop:
+                del self.tickets[g]
+                self.ready.pop(g)
+            self.dropped_late += len(choice.drop)
+            self._issue()
+        return choice
+
+    def _start(self) -> None:
+        """Start the workers with the newest published weights; issue the outstanding groups not in hand (a
+        resumed run's groups in flight, same seeds) and new ones."""
+        self.transport.start(self.stage.weights(self.published), self.published)
+        self._started = True
+        for i in range(self.n_workers):
+            self.transport.spawn(i, 0)
+            self._slots[i] = 0
+        self._reissue([g for g in sorted(self.tickets) if g not in self.ready])
+        self._issue()
+
+    def _send(self, group: int) -> None:
+        busy = {i: 0 for i in self._slots}
+        for w in self.holder.values():
+            if w in busy:
+                busy[w] += 1
+        worker = min(busy, key=lambda i: (busy[i], i))
+        self.holder[group] = worker
+        self.transport.send(worker, GroupOrder(group, iteration_seed(self.cfg.seed, group, self.rank, salt=1),
+                                               self.attempts[group]))
+
+    def _issue(self) -> None:
+        """New groups, as many as :func:`may_issue` allows, due ``k`` versions after the newest published."""
+        for _ in range(may_issue(len(self.tickets), self.per_step, self.k)):
+            g = self.next_group
+            self.next_group += 1
+            self.attempts[g] = 0
+            self.tickets[g] = Ticket(g, self.published + self.k)
+            self._send(g)
+
+    def _reissue(self, groups: list[int]) -> None:
+        """Issue ``groups`` again (same seeds, the next attempt), due ``k`` versions after the newest published."""
+        for g in groups:
+            self.attempts[g] = self.attempts.get(g, -1) + 1
+            self.tickets[g] = Ticket(g, max(self.tickets[g].deadline, self.published + self.k))
+            self.holder.pop(g, None)
+            self._send(g)
+
+    # ------------------------------------------------------------------ receiving
+    def _receive(self, timeout: float) -> bool:
+        got = False
+        for event in self.transport.receive(timeout):
+            got = True
+            if isinstance(event, WorkerLost):
+                self._on_death(event)
+            elif isinstance(event, GroupsNonFinite):
+                self._on_nonfinite(event)
+            elif isinstance(event, GroupDone):
+                self._on_group(event)
+            else:
+                raise TypeError(f"stream: unexpected message {type(event).__name__} from a transport")
+        return got
+
+    def _current(self, group: int, attempt: int) -> bool:
+        return group in self.tickets and group not in self.ready and self.attempts.get(group) == attempt
+
+    def _on_group(self, msg: GroupDone) -> None:
+        for key in ("generate_s", "wait_s", "cpu_s"):
+            self.timing[f"worker_{key}"] += float(msg.timings[key])
+        self.timing["worker_tokens"] += float(msg.timings["tokens"])
+        if not self._current(msg.group, msg.attempt):
+            return                                # a superseded attempt, or a dropped group
+        self.holder.pop(msg.group, None)
+        batch = RolloutBatch.from_state_dict({**msg.state, "extras": {}})
+        self.ready[msg.group] = batch
+        t = self.tickets[msg.group]
+        self.tickets[msg.group] = Ticket(t.group, t.deadline, self.arrivals, int(batch.version))
+        self.arrivals += 1
+        lengths = _lengths(batch)
+        self.generated_lengths.extend(lengths)
+        self._arrived_since.extend(lengths)
+
+    def _on_nonfinite(self, msg: GroupsNonFinite) -> None:
+        lost = [g for g, a in zip(msg.groups, msg.attempts) if self._current(g, a)]
+        if not lost:
+            return
+        self.errors.append(NonFiniteError(msg.stage, f"{msg.what} (streaming worker {msg.index}, groups {lost})",
+                                          iteration=self.cursor - 1))
+        self._reissue(lost)
+
+    def _on_death(self, lost_worker: WorkerLost) -> None:
+        index = lost_worker.index
+        lost = sorted(g for g, w in self.holder.items() if w == index)
+        msg = f"{self.transport.describe(index)} died while generating group(s) {lost[:8]}: {lost_worker.reason}"
+        restarts = self._slots.pop(index)
+        self.transport.retire(index)
+        if self.on_death == "stop" or restarts >= _MAX_RESTARTS:
+            why = "rollout.on_worker_death=stop" if self.on_death == "stop" else f"{_MAX_RESTARTS} restarts"
+            raise WorkerDied(f"{msg}; stopping ({why})")
+        print(f"offpolicy-moe: {msg}; restarting it (rollout.on_worker_death=restart)", file=sys.stderr)
+        self.restarts += 1
+        self.transport.spawn(index, restarts + 1)
+        self._slots[index] = restarts + 1
+        self._reissue(lost)
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live workers (slot order)."""
+        return self.transport.pids()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the workers; idempotent."""
+        self.transport.close(timeout)
+        self._slots = {}

@@ -1,0 +1,145 @@
+"""buffer.mode=stream end to end: a real streaming worker process beside the trainer (docs/async.md, "Streaming")."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.config.validate import stream_problems
+from offpolicy_moe.sources.stream import StreamBatchSource
+from offpolicy_moe.trainer.callbacks import FunctionCallback
+from offpolicy_moe.trainer.trainer import Trainer
+
+STREAM = ("buffer.mode=stream", "buffer.staleness=1", "rollout.stream_slots=6", "rollout.prompts_per_step=2",
+          "rollout.group_size=2", "trainer.threads=1")
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl") if line.strip()]
+
+
+def _train(cfg, **hooks):
+    trainer = Trainer(cfg, callbacks=[FunctionCallback(**hooks)])
+    return trainer.run(), trainer
+
+
+def test_a_stream_trains_every_group_once_within_the_bound_and_replays_its_routes(make_cfg):
+    cfg = make_cfg(*STREAM, "trainer.steps=6", "algo.routing.replay=r3", "algo.routing.metrics=true",
+                   "algo.correction.mode=truncate")
+    batches = []
+    summary, trainer = _train(cfg, on_batch=lambda tr, b: batches.append(b))
+    assert summary["status"] == "completed"
+    rows = _rows(cfg.run_dir)[1:]
+    assert len(rows) == 6 and len(batches) == 6
+    groups = [int(g) for b in batches for g in b.group_ids.unique()]
+    assert len(groups) == len(set(groups)) == 6 * 2                 # P groups a step, each once
+    assert trainer.source.trained_groups == groups
+    for step, (b, r) in enumerate(zip(batches, rows)):
+        assert r["offpolicy/staleness_max"] <= 1
+        versions = b.token_versions[b.response_mask.bool()]
+        assert int(versions.min()) >= step - 1 and int(versions.max()) <= step
+        assert r["routing/replay_fallback"] == 0.0                   # every fed position has the engine's route
+        assert r["stream/trained_len_mean"] == pytest.approx(float(b.response_mask.sum(1).float().mean()))
+        assert sum(r[f"offpolicy/lag_tokens_{j}"] for j in range(2)) == float(b.response_mask.sum())
+        assert r["stream/dropped_late"] == 0.0 and r["stream/outstanding"] <= 2 * 2
+        # every group's G rows answer one prompt: the group's own, as the synchronous loop would pose it
+        for g in b.group_ids.unique():
+            rows_g = b.input_ids[b.group_ids == g]
+            assert bool((rows_g[:, :b.prompt_len] == rows_g[:1, :b.prompt_len]).all())
+    assert rows[-1]["stream/ks_trained_vs_generated"] >= 0.0
+
+
+def test_a_killed_stream_worker_is_restarted_and_its_groups_issued_again(make_cfg, capfd):
+    cfg = make_cfg(*STREAM, "trainer.steps=4")
+    killed = []
+
+    def kill(trainer, step, m):
+        if step == 1:
+            pid = trainer.source.worker_pids()[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    summary, trainer = _train(cfg, on_step_end=kill)
+    assert summary["status"] == "completed" and killed
+    assert "restarting it" in capfd.readouterr().err
+    groups = trainer.source.trained_groups
+    assert len(groups) == len(set(groups)) == 4 * 2
+    assert all(r["offpolicy/staleness_max"] <= 1 for r in _rows(cfg.run_dir)[1:])
+
+
+def test_the_naive_rule_is_selectable_and_counts_what_it_drops(make_cfg):
+    cfg = make_cfg(*STREAM, "trainer.steps=3", "buffer.admission=first_finished")
+    summary, trainer = _train(cfg)
+    assert summary["status"] == "completed"
+    rows = _rows(cfg.run_dir)[1:]
+    assert all(r["offpolicy/staleness_max"] <= 1 for r in rows)
+    assert rows[-1]["stream/dropped_late"] == float(trainer.source.dropped)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("algo.routing.replay=r2", "does not support algo.routing.replay=r2"),
+    ("algo.routing.replay=pr2", "does not support algo.routing.replay=pr2"),
+    ("rollout.top_p=0.9", "samples the full distribution"),
+    ("rollout.sampler=hf", "rollout.sampler=native"),
+    ("rollout.engine=vllm", "rollout.engine=hf"),
+    ("rollout.publish_every=3", "lower rollout.publish_every"),
+])
+def test_what_a_stream_cannot_run_is_refused_in_one_line(override, words):
+    cfg = load_config(None, [*STREAM, override])
+    problems = stream_problems(cfg)
+    assert problems and words in problems[0] and "\n" not in problems[0]
+
+
+def test_a_stream_state_of_another_mode_is_refused(make_cfg):
+    cfg = make_cfg(*STREAM)
+    src = StreamBatchSource(cfg, model=torch.nn.Linear(1, 1), stage=None, pad_id=0, transport=object())
+    with pytest.raises(ValueError, match="mode='stream'"):
+        src.load_state_dict({"mode": "async", "k": 1})
+
+
+def test_sigkill_of_a_stream_then_resume_trains_every_step_and_every_group_once(tmp_path):
+    """The trainer (and with it the stream) is killed after its second checkpoint; ``--resume`` goes on from it,
+    issuing the groups that were in flight again under their seeds: every step is trained once, no group twice."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from offpolicy_moe.config.load import to_yaml
+    from offpolicy_moe.run.checkpoint import STATE_FILE
+    from tests.tiny import tiny_config
+
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(to_yaml(tiny_config(run_dir, *STREAM, "trainer.steps=5", "trainer.checkpoint_every=1",
+                                            "trainer.keep_checkpoints=0")))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(repo))
+    cmd = [sys.executable, "-m", "offpolicy_moe", "train", str(cfg_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while not (run_dir / "checkpoints" / "step_2").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "no checkpoint of step 2"
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"streaming workers still running after the trainer died: {alive}"
+    res = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))                  # no step lost or repeated
+    assert all(r["offpolicy/staleness_max"] <= 1 for r in rows[1:])
+    state = torch.load(run_dir / "checkpoints" / "step_5" / STATE_FILE, map_location="cpu", weights_only=False)
+    trained = state["source"]["trained_groups"]
+    assert len(trained) == len(set(trained)) == 5 * 2                   # no group trained twice
+    issued = set(range(state["source"]["next_group"]))
+    assert set(trained) | set(state["source"]["tickets"]) == issued     # ... and none lost
