@@ -4,8 +4,9 @@ Built once in :func:`~offpolicy_moe.trainer.build.build_run` and handed to the b
 one: the source calls down into the stage, never back into the trainer), the stage is the
 run's old-log-prob strategy, its passes and the ring of past versions' weights.  For each version that sampled the
 batch's tokens it runs the strategy's passes under that version's weights (the live model when it holds that
-version, else a scratch copy loaded from the ring), so ``old_logp[b, t] = log pi_{v(b,t)}(x_t)``; the whole
-measurement (routing metrics, R2 routes) comes from the oldest version's pass.  A NaN or Inf becomes the returned
+version, else a scratch copy loaded from the ring), so ``old_logp[b, t] = log pi_{v(b,t)}(x_t)``; the oldest
+version's pass runs on every row and gives the whole measurement (routing metrics, R2 routes), a newer version's
+only on the rows that hold its tokens.  A NaN or Inf becomes the returned
 batch's ``error``; nothing is raised to the source and nothing is called back.
 """
 from __future__ import annotations
@@ -60,11 +61,19 @@ class PreparationStage:
         try:
             for j, version in enumerate(versions_of(batch)):
                 model = self.model if version == current else self._past(version)
-                taken = self._pass(model, batch)
                 if j == 0:
+                    taken = self._pass(model, batch)
                     old, trainer_routes, extras = taken.old_logp, taken.trainer_routes, taken.extras
-                elif old is not None and taken.old_logp is not None:
-                    old = torch.where(batch.token_versions == version, taken.old_logp, old)
+                    if old is None:
+                        break
+                    continue
+                # a newer version's pass runs only on the rows holding its tokens
+                mine = batch.token_versions == version
+                rows = (mine & batch.response_mask.bool()).any(1).nonzero().flatten()
+                taken = self._pass(model, batch.index_select(rows))
+                if taken.old_logp is not None:
+                    old = old.clone() if j == 1 else old
+                    old[rows] = torch.where(mine[rows], taken.old_logp.to(old.dtype), old[rows])
         except NonFiniteError as err:
             return PreparedBatch(None, err)
         routes = trainer_routes if trainer_routes is not None else batch.trainer_routes

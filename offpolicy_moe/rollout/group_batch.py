@@ -72,7 +72,6 @@ def _widen(batch: RolloutBatch, prompt_len: int, response_len: int, pad: int) ->
                    attention_mask=F.pad(batch.attention_mask, (left, right)),
                    response_mask=F.pad(batch.response_mask, (0, right)),
                    behav_logp=F.pad(batch.behav_logp, (0, right)),
-                   old_logp=None if batch.old_logp is None else F.pad(batch.old_logp, (0, right)),
                    token_versions=None if last_version is None else torch.cat(
                        [batch.token_versions, last_version.expand(-1, right)], 1),
                    routes=routes, prompt_len=prompt_len)
@@ -80,10 +79,12 @@ def _widen(batch: RolloutBatch, prompt_len: int, response_len: int, pad: int) ->
 
 def cat_batches(batches: Sequence[RolloutBatch], pad: int) -> RolloutBatch:
     """The rows of ``batches`` as one batch (prompts left-padded and responses right-padded to the longest);
-    ``version`` and ``generated_at`` are the oldest.  Kept sets and PR2 features are not carried (a stream samples the
+    ``version`` and ``generated_at`` are the oldest.  Batches are joined before preparation (no old log-probs).  Kept sets and PR2 features are not carried (a stream samples the
     full distribution and refuses PR2)."""
     if not batches:
         raise ValueError("cat_batches needs at least one batch")
+    if any(b.old_logp is not None for b in batches):
+        raise ValueError("cat_batches joins generated batches before their preparation (old log-probs present)")
     P = max(b.prompt_len for b in batches)
     T = max(b.response_len for b in batches)
     wide = [_widen(b, P, T, pad) for b in batches]
