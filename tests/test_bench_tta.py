@@ -537,3 +537,27 @@ def test_the_equal_steps_ceiling_charges_start_up_and_tends_to_the_step_cost_rat
         equal_steps_ceiling("sync", "a", {"sync": [1.0]}, {"sync": [1.0]}, 100)
     with pytest.raises(ValueError, match=">= 2 steps"):
         equal_steps_ceiling("sync", "a", {"sync": [1.0], "a": [1.0]}, {"sync": [1.0], "a": [1.0]}, 1)
+
+
+def test_the_split_is_the_system_share_times_the_objective_share():
+    """stream-k1 vs sync splits into stream / fixed-k1 (the system) and fixed-k1 / sync (the objective), paired by
+    seed on the process clock; their product is the headline's ratio over sync."""
+    rec = _process_record({"sync": [1.0, 1.0], "fixed-k1-grpo": [0.8, 0.8], "stream-k1-grpo": [0.4, 0.4]},
+                          {"sync": 5.0, "fixed-k1-grpo": 5.0, "stream-k1-grpo": 5.0})
+    arms = parse_arms(",".join(rec["arms"]))
+    text = bench_tta.split_table(rec["runs"], arms, 0.5, "stream-k1-grpo")
+    proc = lambda f: 5 + 8.5 * f        # noqa: E731  (the process clock at the crossing, as above)
+    system, objective = proc(0.8) / proc(0.4), proc(1.0) / proc(0.8)
+    assert f"| stream-k1-grpo / fixed-k1-grpo | the system's share" in text and f"{system:.2f}x" in text
+    assert f"| fixed-k1-grpo / sync | the objective's share" in text and f"{objective:.2f}x" in text
+    assert f"{system * objective:.2f}x" in text
+    assert bench_tta.split_table(rec["runs"], arms, 0.5, "sync") == ""          # no split for a one-process arm
+    assert bench_tta.split_table(rec["runs"], parse_arms("sync,stream-k1-grpo"), 0.5, "stream-k1-grpo") == ""
+
+
+def test_stream_arms_run_the_streaming_source_with_one_thread_each():
+    arm = parse_arms("stream")[0]
+    assert arm.name == "stream-k1-grpo" and arm.mode == "stream"
+    assert {"buffer.mode=stream", "buffer.staleness=1", "rollout.workers=1"} <= set(arm.overrides())
+    assert parse_arms("stream-k2-m2po")[0].staleness == 2
+    assert bench_tta.arm_threads(Namespace(threads=2), arm) == 1

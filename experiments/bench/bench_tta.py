@@ -418,6 +418,34 @@ def ceiling_table(runs: list[dict], headline: str, steps: int) -> str:
     return "\n".join(lines)
 
 
+def split_table(runs: list[dict], arms: list[Arm], target: float, headline: str) -> str:
+    """The headline's speed-up over sync on the clock from process start, split in two paired ratios by seed: over
+    the one-process arm of the same staleness and loss (``fixed-k<K>-<loss>``: what the system buys, i.e. the
+    worker process, streaming, updates in flight) and that arm over sync (what the stale objective buys).  Empty when
+    the headline is not asynchronous or streaming, or its fixed arm did not run."""
+    by_name = {a.name: a for a in arms}
+    h = by_name.get(headline)
+    if h is None or h.mode not in ("async", "stream"):
+        return ""
+    fixed = f"fixed-k{h.staleness}-{h.loss}"
+    if fixed not in by_name or "sync" not in by_name:
+        return ""
+    tta: dict[str, dict[int, float]] = {}
+    for r in runs:
+        t = time_to_accuracy(Curve(**r["curve"]), target)
+        if t.seconds_process is not None and t.seconds_process == t.seconds_process and t.step != 0:
+            tta.setdefault(r["arm"], {})[r["seed"]] = t.seconds_process
+    lines = [f"split of the headline's time to accuracy (from process start; paired ratios by seed, geometric mean "
+             f"[95%]; censored runs at their end)", "",
+             "| ratio | what it measures | estimate [95%] | seeds |", "| --- | --- | --- | --- |"]
+    for ref, arm, what in ((fixed, headline, "the system's share (same staleness and loss, one process vs this)"),
+                           ("sync", fixed, "the objective's share (stale batches at k vs on-policy, one process)"),
+                           ("sync", headline, "both (the headline vs sync)")):
+        cmp = speedup(tta.get(ref, {}), tta.get(arm, {}))
+        lines.append(f"| {arm} / {ref} | {what} | {_fmt_cmp(cmp)} | {cmp.n if cmp else 0} |")
+    return "\n".join(lines)
+
+
 def headline_line(summary: dict, headline: str) -> str:
     """``time to accuracy (from process start): <arm> <x>x TRL, <y>x ours sync``: the pre-registered arm's geometric
     mean paired ratios on the clock from process start (``n/a`` where a ratio has no seed)."""
@@ -623,6 +651,9 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "", he
     text += "\n\n" + phase_table(runs, arms, int(steps))
     if any(r.get("startup_s") is not None for r in runs) and int(steps) >= 2:
         text += "\n\n" + ceiling_table(runs, headline, int(steps))
+    split = split_table(runs, arms, target, headline) if any(r["curve"].get("time_process_s") for r in runs) else ""
+    if split:
+        text += "\n\n" + split
     load_start, load_end = record["load_start"], record["load_end"]
     header = (f"# bench_tta {record['date']}\n\ncommand: `{record['command']}`{note}"
               f"\n\npre-registered headline arm: **{headline}** (named on the command line before the run); job "
