@@ -7,19 +7,7 @@
 # so the whole script needs more than one 560 s device call allows unless SKIP_BENCH=1 or limits are cut.
 set -uo pipefail
 out="${1:-/tmp/gpu_out}"; mkdir -p "$out"
-if ! python3 -c "import omegaconf" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /tmp/site .whl/* \
-    && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-# offpolicy_moe.algorithms is the top-level algorithms/ (pyproject's package-dir), which PYTHONPATH=$PWD cannot import
-# (every train run failed on 2026-11-27 with ModuleNotFoundError): install a copy of the project without deps, put it
-# first, and keep the working directory off sys.path (PYTHONSAFEPATH) so `python -m` does not shadow it with the tree.
-if ! python3 -c "import offpolicy_moe.algorithms" 2>/dev/null; then
-  src=$(mktemp -d); cp -r pyproject.toml README.md offpolicy_moe algorithms "$src"/ \
-    && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /tmp/site_om "$src" \
-    && export PYTHONPATH="/tmp/site_om:${PYTHONPATH:-}" PYTHONSAFEPATH=1
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1
+. "$(dirname "$0")/setup.sh"
 python3 -c "import offpolicy_moe.algorithms, offpolicy_moe; print('offpolicy_moe from', offpolicy_moe.__file__)"
 nvidia-smi -L; uptime
 python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, torch.cuda.get_device_name(0))"
