@@ -3,8 +3,9 @@
 A streaming step trains the groups that complete; short answers complete first.  For each admission rule
 (``buffer.admission=deadline | first_finished``) and seed this runs the ``longtail`` job as ``buffer.mode=stream``
 from a warm start and reads the run's last metric row: the Kolmogorov-Smirnov distance between the response lengths
-of every row trained and every row received (``stream/ks_trained_vs_generated``), the mean lengths, the groups
-dropped for lateness and the largest per-token lag.  Usage::
+of every row trained and every row received (``stream/ks_trained_vs_generated``), the mean trained length, the mean
+of the per-step means of the rows received (a step of a few long arrivals weighs as much as one of many short ones:
+not the mean over rows), the groups dropped for lateness and the largest per-token lag.  Usage::
 
     python experiments/bench/stream_length_bias.py --warm WARM_DIR --seeds 0,1,2 --steps 30 --out OUT.md
 
@@ -72,8 +73,8 @@ def main() -> None:
     load0 = os.getloadavg()
     results = [run(args, seed, rule) for seed in seeds for rule in RULES]     # seed-major, rules interleaved
     load1 = os.getloadavg()
-    lines = ["| rule | seed | KS trained vs received | groups dropped | mean trained length | mean received length "
-             "| max lag | max versions in a row | median trainer wait s | median step s |",
+    lines = ["| rule | seed | KS trained vs received | groups dropped | mean trained length | mean of per-step received "
+             "means | max lag | max versions in a row | median trainer wait s | median step s |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         lines.append(f"| {r['rule']} | {r['seed']} | {r['ks']:.3f} | {r['dropped']:.0f} | {r['trained_len']:.1f} | "
