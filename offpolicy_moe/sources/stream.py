@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from statistics import fmean
 from typing import Any, Mapping, Optional
 
@@ -164,17 +165,20 @@ class StreamBatchSource(BatchSource):
                 raise PipelineTimeout(f"waited {self.timeout:.0f} s (rollout.worker_timeout_s) for the groups of "
                                       f"step {step} ({len(self.ready)} complete, {len(self.holder)} in flight)")
         waited = time.perf_counter() - t0
-        groups = [self.ready.pop(g) for g in choice.train]
-        for g in choice.train:
-            del self.tickets[g]
-        self.trained_groups.extend(choice.train)
-        batch = cat_batches(groups, self.pad_id)
-        trained = _lengths(batch)
-        self.trained_lengths.extend(trained)
-        self.cursor = step + 1
+        # a step's batch counts as iteration ``step`` (its groups come from several), as in the other sources
+        batch = replace(cat_batches([self.ready.pop(g) for g in choice.train], self.pad_id), generated_at=step)
         t1 = time.perf_counter()
         prepared = self.stage.prepare(batch, current=self.version)
         prep = time.perf_counter() - t1
+        if prepared.error is not None:         # not trained: the groups are generated again under their seeds
+            self._reissue(list(choice.train))
+            return prepared, {}
+        for g in choice.train:
+            del self.tickets[g]
+        self.trained_groups.extend(choice.train)
+        trained = _lengths(batch)
+        self.trained_lengths.extend(trained)
+        self.cursor = step + 1
         delta = {k: self.timing[k] - self._before[k] for k in self.timing}
         self._before = dict(self.timing)
         generated = self._arrived_since or self.generated_lengths or trained

@@ -38,6 +38,7 @@ CASES: dict[str, list[str]] = {
     "evaluation": [f"trainer.eval_every={STEP}"],
     "generation/async": ["buffer.mode=async", "rollout.workers=1"],
     "old_logp/async": ["buffer.mode=async", "rollout.workers=1"],
+    "old_logp/stream": ["buffer.mode=stream", "buffer.staleness=1", "rollout.stream_slots=8"],
 }
 POLICIES = ("skip", "stop")
 

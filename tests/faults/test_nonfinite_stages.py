@@ -43,3 +43,10 @@ def test_async_worker_reports_nan_sampling_and_keeps_serving(tmp_path):
                                          ("old_logp/async", "skip")])
 def test_async_stages(case, policy, tmp_path):
     assert problems(run_case(case, policy, tmp_path / "run")) == []
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_stream_batch_whose_old_log_probs_are_not_finite_is_generated_again_or_stops_the_run(policy, tmp_path):
+    """The step's groups are not trained: under skip they are issued again (same seeds) and the step is asked for
+    again; under stop the run checkpoints and stops, and --resume completes it."""
+    assert problems(run_case("old_logp/stream", policy, tmp_path / "run")) == []
