@@ -45,7 +45,8 @@ final answers are only loosely tied to its worked steps, so the final-answer rew
 consistent credit and any lr that moves the policy (1e-4 and up, with or without warmup, sequence-mean
 aggregation or temperature 0.7) mostly degrades its fit (a KL penalty holds the fit but does not raise the sampled
 reward); an 800-step warm start (0.60 at step 0)
-lets RL raise the sampled reward, but the greedy score gains +0.04 to +0.06 in 120-240 steps.  The job keeps these
+lets RL raise the sampled reward, but the greedy score gains +0.04 to +0.06 in 120-240 steps (600 steps: 0.46,
++0.047 at step 120).  The job keeps these
 defaults.  All three: 16
 prompts x 8 samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
 routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
