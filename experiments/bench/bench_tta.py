@@ -40,7 +40,14 @@ docs/tasks.md; ``max_new_tokens=225``), otherwise as ``long`` (SFT 400 steps, lr
 15, ``eval/reward``): of 3e-5, 5e-5 and 1e-4 only 3e-5 ended above its start (one seed, 0.336 -> 0.398); the issue's
 +0.10 was not reached in any probe, neither over 240 steps nor with 32 prompts or groups of 16 (best +0.090: seed
 0, groups of 16, at step 60 of 120; +0.055 and +0.062 on two more RL seeds; the sampled training reward stays near
-0.24 throughout: experiments/results/tta/longtail/probes.md), so the job keeps these defaults.  All three: 16
+0.24 throughout: experiments/results/tta/longtail/probes.md).  Why (its third round): the 400-step warm start's
+final answers are only loosely tied to its worked steps, so the final-answer reward gives the step tokens no
+consistent credit and any lr that moves the policy (1e-4 and up, with or without warmup, sequence-mean
+aggregation or temperature 0.7) mostly degrades its fit (a KL penalty holds the fit but does not raise the sampled
+reward); an 800-step warm start (0.60 at step 0)
+lets RL raise the sampled reward, but the greedy score gains +0.04 to +0.06 in 120-240 steps (600 steps: 0.46,
++0.047 at step 120).  The job keeps these
+defaults.  All three: 16
 prompts x 8 samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
 routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
 problems (plus as many training prompts, as our trainer does).

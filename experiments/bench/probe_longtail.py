@@ -4,7 +4,8 @@
 
 One run of bench_tta.py's ``sync`` arm on ``--job longtail`` (the same overrides, :func:`bench_tta.job_overrides`,
 and the same SFT warm start, :func:`bench_tta.cached_warm_start`, kept under ``--work``/warm so runs of one seed at
-other learning rates share it), with the run folder kept; then the greedy final-answer accuracy of the held-out split
+other learning rates share it; it is built under ``--work``/build-sft<N>, so warm starts of one seed with other
+``--sft-steps`` do not collide), with the run folder kept; then the greedy final-answer accuracy of the held-out split
 by number of terms, before (the warm start) and after (the run's final export).  Prints one markdown row for
 experiments/results/tta/longtail/probes.md and writes ``--work``/<run>/probe.json.  Any other job key: ``--set
 KEY=VALUE`` (trainer overrides), ``--steps``, ``--eval-every``, ``--sft-steps``, ``--max-new-tokens``.
@@ -76,7 +77,9 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     t0, load0 = time.time(), os.getloadavg()
     warm_seed = a.seed if a.warm_seed is None else a.warm_seed
-    warm, warm_s = bench_tta.cached_warm_start(args, warm_seed, work)
+    # the warm start is built in its own folder per SFT length (bench_tta.warm_start writes sft-<seed>/ and
+    # warm-<seed>/ there), so a second SFT length of one seed does not collide with the first one's run folder
+    warm, warm_s = bench_tta.cached_warm_start(args, warm_seed, work / f"build-sft{args.sft_steps}")
     name = (f"sync-seed{a.seed}" + (f"-warm{warm_seed}" if warm_seed != a.seed else "")
             + f"-lr{args.lr:g}-sft{args.sft_steps}-steps{args.steps}" + "".join(f"-{s}" for s in a.set))
     run_dir = work / name.replace("/", "_")
