@@ -13,7 +13,7 @@ orders, weights and results (worker processes on this machine, or Ray actors wit
   each kept batch to the preparation stage at once (old log-probs under the generating weights, which the stage
   keeps for the last ``k + 1`` published versions), and releases iteration ``t`` to trainer step ``t``;
 * answers a worker's death (its transport names the worker and the cause): restarts it and re-issues its orders
-  (``rollout.on_worker_death=restart``, at most ``_MAX_RESTARTS`` times a slot) or raises :class:`WorkerDied`
+  (``rollout.on_worker_death=restart``, at most ``transport.MAX_RESTARTS`` times a slot) or raises :class:`WorkerDied`
   (``stop``); when a Ray actor's node left the cluster, ``rollout.ray_on_node_loss`` decides instead: go on with
   the remaining workers (``continue``) or stop.  A wait longer than ``rollout.worker_timeout_s`` without news
   raises :class:`PipelineTimeout` naming what it waited for;
@@ -46,10 +46,10 @@ from offpolicy_moe.logprobs.stage import PreparedBatch
 from offpolicy_moe.sources.base import BatchSource, Preparation
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.schedule import Dispatcher
-from offpolicy_moe.sources.transport import PipelineTimeout, WorkerDied, WorkerLost, WorkerTransport
+from offpolicy_moe.sources.transport import (PipelineTimeout, WorkerDied, WorkerLost, WorkerTransport,
+                                             handle_events, restart_or_stop)
 
 __all__ = ["AsyncBatchSource", "WorkerDied", "PipelineTimeout", "check_async_config", "make_transport"]
-_MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
 
 
 def check_async_config(cfg: Any) -> None:
@@ -256,18 +256,8 @@ class AsyncBatchSource(BatchSource):
 
     def _receive(self, timeout: float) -> bool:
         """Handle what the workers sent within ``timeout`` seconds (batches, errors, deaths); True if anything."""
-        got = False
-        for event in self.transport.receive(timeout):
-            got = True
-            if isinstance(event, WorkerLost):
-                self._on_death(event)
-            elif isinstance(event, BatchNonFinite):
-                self._on_nonfinite_sample(event)
-            elif isinstance(event, BatchDone):
-                self._on_batch(event)
-            else:
-                raise TypeError(f"async pipeline: unexpected message {type(event).__name__} from a transport")
-        return got
+        return handle_events(self.transport, timeout, {WorkerLost: self._on_death, BatchDone: self._on_batch,
+                                                       BatchNonFinite: self._on_nonfinite_sample}, "async pipeline")
 
     def _on_nonfinite_sample(self, msg: BatchNonFinite) -> None:
         """A worker's sampling met NaN/Inf (the worker goes on)."""
@@ -323,13 +313,8 @@ class AsyncBatchSource(BatchSource):
             print(f"offpolicy-moe: {msg}; going on with {len(self._slots)} {noun}(s) "
                   "(rollout.ray_on_node_loss=continue)", file=sys.stderr)
         else:
-            if self.on_death == "stop" or restarts >= _MAX_RESTARTS:
-                why = "rollout.on_worker_death=stop" if self.on_death == "stop" else f"{_MAX_RESTARTS} restarts"
-                raise WorkerDied(f"{msg}; stopping ({why})")
-            print(f"offpolicy-moe: {msg}; restarting it (rollout.on_worker_death=restart)", file=sys.stderr)
+            self._slots[index] = restart_or_stop(self.transport, index, restarts, msg, self.on_death)
             self.restarts += 1
-            self.transport.spawn(index, restarts + 1)
-            self._slots[index] = restarts + 1
         self._issue(self.published)
 
     # ------------------------------------------------------------------ shutdown

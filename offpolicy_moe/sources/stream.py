@@ -17,7 +17,6 @@ are issued again under the same seeds.
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import replace
 from statistics import fmean
@@ -36,10 +35,9 @@ from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.admission import Ticket, deadline_choice, first_finished_choice, ks_distance, may_issue
 from offpolicy_moe.sources.base import BatchSource, Preparation
 from offpolicy_moe.sources.process_transport import ProcessTransport
-from offpolicy_moe.sources.transport import PipelineTimeout, WorkerDied, WorkerLost, WorkerTransport
+from offpolicy_moe.sources.transport import PipelineTimeout, WorkerLost, WorkerTransport, handle_events, restart_or_stop
 
 __all__ = ["StreamBatchSource", "check_stream_config"]
-_MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
 
 
 def check_stream_config(cfg: Any, world: int = 1) -> None:
@@ -262,18 +260,8 @@ class StreamBatchSource(BatchSource):
 
     # ------------------------------------------------------------------ receiving
     def _receive(self, timeout: float) -> bool:
-        got = False
-        for event in self.transport.receive(timeout):
-            got = True
-            if isinstance(event, WorkerLost):
-                self._on_death(event)
-            elif isinstance(event, GroupsNonFinite):
-                self._on_nonfinite(event)
-            elif isinstance(event, GroupDone):
-                self._on_group(event)
-            else:
-                raise TypeError(f"stream: unexpected message {type(event).__name__} from a transport")
-        return got
+        return handle_events(self.transport, timeout, {WorkerLost: self._on_death, GroupDone: self._on_group,
+                                                       GroupsNonFinite: self._on_nonfinite}, "stream")
 
     def _current(self, group: int, attempt: int) -> bool:
         return group in self.tickets and group not in self.ready and self.attempts.get(group) == attempt
@@ -308,13 +296,8 @@ class StreamBatchSource(BatchSource):
         msg = f"{self.transport.describe(index)} died while generating group(s) {lost[:8]}: {lost_worker.reason}"
         restarts = self._slots.pop(index)
         self.transport.retire(index)
-        if self.on_death == "stop" or restarts >= _MAX_RESTARTS:
-            why = "rollout.on_worker_death=stop" if self.on_death == "stop" else f"{_MAX_RESTARTS} restarts"
-            raise WorkerDied(f"{msg}; stopping ({why})")
-        print(f"offpolicy-moe: {msg}; restarting it (rollout.on_worker_death=restart)", file=sys.stderr)
+        self._slots[index] = restart_or_stop(self.transport, index, restarts, msg, self.on_death)
         self.restarts += 1
-        self.transport.spawn(index, restarts + 1)
-        self._slots[index] = restarts + 1
         self._reissue(lost)
 
     def worker_pids(self) -> list[int]:

@@ -21,7 +21,8 @@ Two transports exist: worker processes on this machine
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Protocol, Union
+import sys
+from typing import Any, Callable, Iterator, Mapping, Protocol, Union
 
 import torch
 
@@ -29,7 +30,10 @@ from offpolicy_moe.rollout.stream_worker import GroupDone, GroupsNonFinite
 from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
 from offpolicy_moe.sources.base import SourceStopped
 
-__all__ = ["WorkerTransport", "WorkerLost", "Event", "WorkerDied", "PipelineTimeout"]
+__all__ = ["WorkerTransport", "WorkerLost", "Event", "WorkerDied", "PipelineTimeout", "MAX_RESTARTS", "handle_events",
+           "restart_or_stop"]
+
+MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
 
 
 class WorkerDied(SourceStopped):
@@ -92,3 +96,29 @@ class WorkerTransport(Protocol):
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop every worker (waiting up to ``timeout`` seconds where that applies); idempotent."""
+
+
+def handle_events(transport: WorkerTransport, timeout: float, handlers: Mapping[type, Callable[[Any], None]],
+                  who: str) -> bool:
+    """Hand each event the transport receives within ``timeout`` seconds to the handler of its type, in order;
+    True if any came.  :class:`TypeError` naming ``who`` for an event no handler takes."""
+    got = False
+    for event in transport.receive(timeout):
+        got = True
+        handler = handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"{who}: unexpected message {type(event).__name__} from a transport")
+        handler(event)
+    return got
+
+
+def restart_or_stop(transport: WorkerTransport, index: int, restarts: int, msg: str, on_death: str) -> int:
+    """The worker of slot ``index`` died (``msg`` says how; it was restarted ``restarts`` times): start it again
+    and return its new restart count, or raise :class:`WorkerDied` under ``rollout.on_worker_death=stop`` or after
+    :data:`MAX_RESTARTS` restarts."""
+    if on_death == "stop" or restarts >= MAX_RESTARTS:
+        why = "rollout.on_worker_death=stop" if on_death == "stop" else f"{MAX_RESTARTS} restarts"
+        raise WorkerDied(f"{msg}; stopping ({why})")
+    print(f"offpolicy-moe: {msg}; restarting it (rollout.on_worker_death=restart)", file=sys.stderr)
+    transport.spawn(index, restarts + 1)
+    return restarts + 1

@@ -16,7 +16,8 @@ import torch
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
 from offpolicy_moe.run.nonfinite import NonFiniteError
-from offpolicy_moe.sources.asynchronous import _MAX_RESTARTS, AsyncBatchSource, make_transport
+from offpolicy_moe.sources.asynchronous import AsyncBatchSource, make_transport
+from offpolicy_moe.sources.transport import MAX_RESTARTS as _MAX_RESTARTS
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.transport import Event, PipelineTimeout, WorkerDied, WorkerLost
 from tests.sources.seam import KeepAsIs
