@@ -222,12 +222,16 @@ class StreamBatchSource(BatchSource):
 
     def _start(self) -> None:
         """Start the workers with the newest published weights; issue the outstanding groups not in hand (a
-        resumed run's groups in flight, same seeds) and new ones."""
+        resumed run's groups in flight, same seeds) and new ones.  A resumed run's complete groups sampled by a
+        version older than the one it resumes at are generated again too: the weights of those versions are not
+        in the checkpoint, so their old log-probs could not be taken."""
         self.transport.start(self.stage.weights(self.published), self.published)
         self._started = True
         for i in range(self.n_workers):
             self.transport.spawn(i, 0)
             self._slots[i] = 0
+        for g in [g for g, b in self.ready.items() if int(b.version) < self.published]:
+            del self.ready[g]
         self._reissue([g for g in sorted(self.tickets) if g not in self.ready])
         self._issue()
 

@@ -143,3 +143,66 @@ def test_sigkill_of_a_stream_then_resume_trains_every_step_and_every_group_once(
     assert len(trained) == len(set(trained)) == 5 * 2                   # no group trained twice
     issued = set(range(state["source"]["next_group"]))
     assert set(trained) | set(state["source"]["tickets"]) == issued     # ... and none lost
+
+
+class _Transport:
+    """A transport that records what it is asked to do (no workers)."""
+
+    noun = "worker"
+
+    def __init__(self):
+        self.sent = []
+
+    def start(self, weights, version):
+        self.started_at = version
+
+    def spawn(self, index, restarts=0):
+        pass
+
+    def send(self, index, order):
+        self.sent.append(order)
+
+    def publish(self, weights, version):
+        return 0.0
+
+
+class _Stage:
+    """Keeps published weights by version, as the preparation stage does (only those published since start)."""
+
+    def __init__(self):
+        self.kept = {}
+
+    def keep(self, version, weights):
+        self.kept[version] = weights
+
+    def weights(self, version):
+        return self.kept[version]
+
+
+def _group(version: int, group: int):
+    from offpolicy_moe.rollout.batch import RolloutBatch
+    ids = torch.tensor([[1, 5, 6, 2], [1, 5, 7, 2]])
+    return RolloutBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=torch.ones(2, 2).long(),
+                        behav_logp=torch.zeros(2, 2), group_ids=torch.full((2,), group), answers=["1", "1"],
+                        completions=["6", "7"], prompt_len=2, version=version,
+                        token_versions=torch.full((2, 2), version))
+
+
+def test_a_resumed_stream_generates_again_the_complete_groups_whose_versions_it_no_longer_holds(make_cfg):
+    """A checkpoint of step 2 holds complete groups sampled by versions 1 and 2; after the resume the stage holds
+    version 2 only, so group 2 (version 1) is issued again under its seed (next attempt) and group 3 is kept.
+    The old code kept both, and preparing group 2 failed: policy version 1 is not kept."""
+    cfg = make_cfg(*STREAM)
+    transport = _Transport()
+    src = StreamBatchSource(cfg, model=torch.nn.Linear(1, 1), stage=_Stage(), pad_id=0, transport=transport)
+    state = {"mode": "stream", "k": 1, "cursor": 2, "published": 2, "next_group": 4, "arrivals": 2, "dropped": 0,
+             "restarts": 0, "attempts": {0: 0, 1: 0, 2: 0, 3: 0}, "tickets": {2: [3, 0, 1], 3: [3, 1, 2]},
+             "ready": {2: _group(1, 2).state_dict(), 3: _group(2, 3).state_dict()}, "generated_lengths": [2] * 4,
+             "trained_lengths": [], "trained_groups": [0, 1]}
+    src.load_state_dict(state)
+    src.publish({"w": torch.zeros(1)}, 2, force=True)           # the resumed trainer's first publish
+    assert sorted(src.ready) == [3]
+    again = [o for o in transport.sent if o.group == 2]
+    assert len(again) == 1 and again[0].attempt == 1
+    assert src.tickets[2].done is None and src.tickets[2].deadline == 3
+    assert not any(o.group == 3 for o in transport.sent)
