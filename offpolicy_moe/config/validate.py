@@ -210,15 +210,15 @@ def check_routing(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
 def stream_problems(cfg: Any) -> list[str]:
     """What ``buffer.mode=stream`` cannot run: its rows always span weight updates (R2's one recorded route per
     token cannot hold, PR2's predictors do not reach the workers), its slots are the built-in engine's native
-    sampler over the full distribution, its workers run on this machine."""
+    sampler or vLLM's scheduler, over the full distribution, its workers run on this machine."""
     rt, ro = cfg.algo.routing, cfg.rollout
     out = []
     if rt.replay in ("r2", "pr2"):
         out.append(f"buffer.mode=stream does not support algo.routing.replay={rt.replay}: its rows continue across "
                    "weight updates, so the trainer cannot record one version's routes for them; use r3 or none")
-    if ro.engine != "hf" or ro.sampler != "native":
-        out.append(f"buffer.mode=stream runs the built-in engine's slots (rollout.engine=hf, rollout.sampler=native); "
-                   f"got rollout.engine={ro.engine}, rollout.sampler={ro.sampler}")
+    if ro.engine == "hf" and ro.sampler != "native":
+        out.append(f"buffer.mode=stream with rollout.engine=hf runs the built-in engine's slots, which need "
+                   f"rollout.sampler=native; got rollout.sampler={ro.sampler}")
     if ro.top_k > 0 or ro.top_p < 1:
         out.append("buffer.mode=stream samples the full distribution: set rollout.top_k=0 and rollout.top_p=1")
     if ro.backend != "local":
@@ -283,9 +283,10 @@ def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
         if cfg.buffer.admission != "deadline":
             found.warn(f"buffer.admission={cfg.buffer.admission} has no effect with buffer.mode={cfg.buffer.mode}: "
                        "it is read only with buffer.mode=stream")
-    if ro.engine == "vllm" and ro.update_in_flight:
+    if ro.engine == "vllm" and ro.update_in_flight and cfg.buffer.mode != "stream":
         found.error("rollout.update_in_flight=true with rollout.engine=vllm: vLLM takes new weights between "
-                    "generations only; turn update_in_flight off")
+                    "generations only, except in a stream (buffer.mode=stream, between engine steps); turn "
+                    "update_in_flight off")
     if ro.engine != "vllm":
         defaults = RolloutConfig()
         for key in (f.name for f in fields(RolloutConfig) if f.name.startswith("vllm_")):

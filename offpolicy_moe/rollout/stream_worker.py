@@ -1,7 +1,8 @@
 """The streaming rollout worker (``buffer.mode=stream``): continuous batching, groups sent as they complete.
 
 Where :func:`~offpolicy_moe.rollout.worker.worker_main` generates one whole iteration per order, this worker keeps
-``rollout.stream_slots`` rows decoding (:class:`~offpolicy_moe.rollout.slots.SlotSampler`): a finished row's slot
+``rollout.stream_slots`` rows decoding (:class:`~offpolicy_moe.rollout.slots.SlotSampler` on the built-in engine,
+:class:`~offpolicy_moe.rollout.vllm_stream.VLLMStreamSampler` on vLLM's own scheduler): a finished row's slot
 takes the next queued sample at the next decode step, so no row waits for the longest one.  Orders name groups
 (:class:`GroupOrder`: group ``g`` is prompt ``g mod P`` of iteration ``g div P``, the prompt the synchronous trainer
 gives that group id; each of its ``G`` samples has its own seed).  Newer weights are loaded from the board before
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,14 +25,17 @@ from offpolicy_moe.models import load_policy
 from offpolicy_moe.rollout.group_batch import group_batch
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.rollout.slots import SlotSampler, StreamSample
+from offpolicy_moe.rollout.vllm_engine import VLLMRolloutEngine
+from offpolicy_moe.rollout.vllm_stream import VLLMStreamSampler
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import (Shutdown, WorkerFailed, WorkerReady, WorkerSpec, build_engine, pack,
-                                          pid_alive)
+                                          pid_alive, records_routes)
+from offpolicy_moe.routing.state import ModelShape
 from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite
 from offpolicy_moe.tasks import apply_chat_template, encode_prompts, make_task
 
-__all__ = ["GroupOrder", "GroupDone", "GroupsNonFinite", "sample_seed", "stream_main"]
+__all__ = ["GroupOrder", "GroupDone", "GroupsNonFinite", "sample_seed", "stream_sampler", "stream_main"]
 
 _ALIVE_CHECK_STEPS = 64         # decode steps between checks that the trainer still runs
 
@@ -96,6 +100,25 @@ class _Clock:
         return out
 
 
+def stream_sampler(cfg: Any, model: torch.nn.Module, tok: Any) -> tuple[Any, Any, Any]:
+    """``(engine, sampler, route shape)`` of a streaming worker: the built-in engine's
+    :class:`~offpolicy_moe.rollout.slots.SlotSampler`, or for ``rollout.engine=vllm`` a vLLM engine started for
+    stepping (``stream=True``, ``rollout.stream_slots`` sequences at once) and its
+    :class:`~offpolicy_moe.rollout.vllm_stream.VLLMStreamSampler`; the route shape is None when no routes are
+    recorded."""
+    ro = cfg.rollout
+    slots = int(ro.stream_slots)
+    if ro.engine == "vllm":
+        engine = VLLMRolloutEngine(model, tok, replace(ro, batch_size=slots), record_routes=records_routes(cfg, model),
+                                   seed=cfg.seed, stream=True)
+        shape = (ModelShape(engine.num_experts, engine.top_k_experts, tuple(engine.layer_ids))
+                 if engine.record_routes else None)
+        return engine, VLLMStreamSampler(engine), shape
+    engine = build_engine(cfg, model, tok)
+    shape = engine.controller.shape if engine.controller is not None and engine.record_routes else None
+    return engine, SlotSampler(engine, slots), shape
+
+
 def stream_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any) -> None:
     """Entry point of a streaming worker process (module docstring); messages on ``results`` (packed):
     :class:`~offpolicy_moe.rollout.worker.WorkerReady`, then :class:`GroupDone` / :class:`GroupsNonFinite`, or
@@ -110,13 +133,11 @@ def stream_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
         task = make_task(cfg.task)
         model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
         apply_chat_template(task, tok, cfg.task.chat_template)
-        engine = build_engine(cfg, model, tok)
+        engine, sampler, route_shape = stream_sampler(cfg, model, tok)
         engine.forget_version()
         engine.call_between_tokens(board.load_into)      # weights in flight: the newest before every decode step
         board.wait_for(0, spec.weight_timeout_s, what=f"streaming worker {spec.index}")
         board.load_into(engine)
-        sampler = SlotSampler(engine, int(ro.stream_slots))
-        route_shape = engine.controller.shape if engine.controller is not None and engine.record_routes else None
         results.send_bytes(pack(WorkerReady(spec.index, os.getpid())))
         P, G = int(ro.prompts_per_step), int(ro.group_size)
         open_groups: dict[int, _Open] = {}
@@ -154,7 +175,10 @@ def stream_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
                                                         tuple(open_groups[g].order.attempt for g in lost),
                                                         exc.stage, exc.what)))
                 open_groups.clear()
-                sampler = SlotSampler(engine, int(ro.stream_slots))
+                if isinstance(sampler, VLLMStreamSampler):
+                    sampler.abort()
+                else:
+                    sampler = SlotSampler(engine, int(ro.stream_slots))
                 continue
             clock.generate_s += time.perf_counter() - t1
             for sample in finished:

@@ -130,6 +130,7 @@ class StartOptions:
     native_routes: bool = False                        # ask vLLM for its routed_experts (vllm_start.route_source)
     gpu_memory_utilization: Optional[float] = None     # passed on a GPU only
     device: Optional[int] = None                       # the GPU (as this process sees it); None: vLLM's own choice
+    stream: bool = False                               # stepped one engine step at a time (rollout/vllm_stream.py)
 
     @classmethod
     def from_rollout(cls, rollout: Any, model_config: Any, *, seed: int = 0,
@@ -277,11 +278,15 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(str(exc)) from None
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
-                 seed: int = 0, device: Optional[torch.device] = None, in_process: Optional[bool] = None):
+                 seed: int = 0, device: Optional[torch.device] = None, in_process: Optional[bool] = None,
+                 stream: bool = False):
         """Write ``policy`` as a Hugging Face folder and start vLLM on it (refused in one line, before the start,
         when it cannot succeed: :func:`preflight`, :meth:`_decide_start`).  ``device``: the trainer's device; a
         CUDA one places the engine by the rule of :mod:`offpolicy_moe.rollout.devices`.  ``in_process``: vLLM's
-        engine core in this process (default: only in a daemon process, which may not start one of its own)."""
+        engine core in this process (default: only in a daemon process, which may not start one of its own).
+        ``stream``: for :class:`~offpolicy_moe.rollout.vllm_stream.VLLMStreamSampler`, which steps the engine
+        itself: the engine core in this process and no asynchronous scheduling, so each ``LLMEngine.step`` is one
+        forward whose tokens were all scored by the weights loaded before it."""
         self.tokenizer = tokenizer
         self.max_new_tokens = int(rollout.max_new_tokens)
         self.temperature = float(rollout.temperature)
@@ -302,9 +307,11 @@ class VLLMRolloutEngine(RolloutEngine):
         if in_process is None:
             in_process = multiprocessing.current_process().daemon    # a daemon may not start an engine process
         try:
-            self.opts = StartOptions.from_rollout(rollout, cfg, seed=seed, in_process=in_process)
+            self.opts = StartOptions.from_rollout(rollout, cfg, seed=seed, in_process=in_process or stream)
         except ValueError as exc:
             raise VLLMEngineError(str(exc)) from None
+        self.opts = dataclasses.replace(self.opts, stream=bool(stream))
+        self.unchecked_syncs = 0            # syncs whose probe check was left out: requests were in flight
         preflight(cfg, self.opts, type(policy).__name__)
         self.routes_from = ""               # where the routes come from: "native" | "hooks" | "" (not recorded)
         self.opts = self._decide_start(rollout, device)
@@ -437,14 +444,21 @@ class VLLMRolloutEngine(RolloutEngine):
         named = self.checkpoint_tensors(state_dict)
         try:
             self._retrying(lambda: self._load(named))
-            if self.check_sync:
+            if self.check_sync and self._idle():
                 self._check(state_dict)
+            elif self.check_sync:
+                self.unchecked_syncs += 1
         except _LoadFailed as exc:
             self._restart(exc, count=False)
             raise VLLMEngineError(f"rollout.engine=vllm: the weight sync failed (the engine was restarted on "
                                   f"version {self.version}): {exc}") from None
         self._last_sync = named
         self.version = int(version)
+
+    def _idle(self) -> bool:
+        """True when no request is in flight (the probe generates, and a generate would also run a stream's
+        requests to their end)."""
+        return not self.llm.llm_engine.has_unfinished_requests()
 
     def _check(self, state_dict: dict) -> None:
         """Hold the engine's probe log-probs against the trainer's on ``state_dict``; :class:`_LoadFailed` when
@@ -477,18 +491,26 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------------- sampling
     def _requests(self, prompt_rows: list[list[int]], group_size: int, seed: int) -> tuple[list, list]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts, params = [], []
         for i, row in enumerate(prompt_rows):
             for g in range(group_size):
-                n = i * group_size + g
                 prompts.append(TokensPrompt(prompt_token_ids=row))
-                params.append(SamplingParams(n=1, temperature=self.temperature, top_p=1.0, top_k=0,
-                                             max_tokens=self.max_new_tokens, logprobs=0, seed=iteration_seed(seed, n),
-                                             stop_token_ids=[int(self.tokenizer.eos_token_id)], detokenize=False))
+                params.append(self.sampling_params(iteration_seed(seed, i * group_size + g)))
         return prompts, params
+
+    def sampling_params(self, seed: int, delta: bool = False) -> Any:
+        """One sequence's ``vllm.SamplingParams``: the full distribution at ``rollout.temperature``, the sampled
+        token's processed log-prob, stop at EOS, its own ``seed``; ``delta``: each output holds only the tokens
+        new since the last one."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
+        return SamplingParams(n=1, temperature=self.temperature, top_p=1.0, top_k=0, max_tokens=self.max_new_tokens,
+                              logprobs=0, seed=int(seed), stop_token_ids=[int(self.tokenizer.eos_token_id)],
+                              detokenize=False, output_kind=kind)
 
     def _generate_once(self, prompts: list, params: list) -> tuple[list, dict]:
         if self.routes_from == "hooks":

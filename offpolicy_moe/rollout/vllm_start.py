@@ -166,6 +166,9 @@ def llm_kwargs(model_dir: str, opts: Any) -> dict:
                       max_num_batched_tokens=max(int(opts.max_model_len), CPU_PREFILL_TOKENS))
     if getattr(opts, "native_routes", False):
         kwargs[NATIVE_ROUTES_ARG] = True
+    if getattr(opts, "stream", False):
+        # one forward per LLMEngine.step, so the weights loaded before a step scored every token it returns
+        kwargs["async_scheduling"] = False
     if getattr(opts, "gpu_memory_utilization", None) is not None:
         kwargs["gpu_memory_utilization"] = float(opts.gpu_memory_utilization)
     return kwargs

@@ -27,7 +27,7 @@ from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite
 from offpolicy_moe.tasks import apply_chat_template, make_task
 
-__all__ = ["Order", "Shutdown", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "worker_main", "pack",
+__all__ = ["Order", "Shutdown", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "records_routes", "worker_main", "pack",
            "unpack"]
 
 @dataclass(frozen=True)
@@ -121,10 +121,14 @@ def build_engine(cfg: Any, model: torch.nn.Module, tok: Any) -> RolloutEngine:
     them (R3 / routing metrics on an MoE model) — the engine the trainer builds for itself (no PR2 offsets: PR2 is
     refused in async mode); its router perturbation (``rollout.router_perturb``) is drawn from the run's seed, so
     it is the trainer's own ``dW``."""
+    return make_engine(model, tok, cfg.rollout, record_routes=records_routes(cfg, model), device=torch.device("cpu"),
+                       seed=cfg.seed)
+
+
+def records_routes(cfg: Any, model: torch.nn.Module) -> bool:
+    """True when a rollout engine of this run records routes: an MoE model under R3 or with routing metrics."""
     rt = cfg.algo.routing
-    moe = bool(is_moe(model))
-    record = moe and (rt.replay in REPLAY_ENGINE or bool(rt.metrics))
-    return make_engine(model, tok, cfg.rollout, record_routes=record, device=torch.device("cpu"), seed=cfg.seed)
+    return bool(is_moe(model)) and (rt.replay in REPLAY_ENGINE or bool(rt.metrics))
 
 
 def generate_iteration(engine: Any, task: Any, rollout: Any, *, iteration: int, seed: int, rank: int = 0,

@@ -86,13 +86,19 @@ def test_the_naive_rule_is_selectable_and_counts_what_it_drops(make_cfg):
     ("algo.routing.replay=pr2", "does not support algo.routing.replay=pr2"),
     ("rollout.top_p=0.9", "samples the full distribution"),
     ("rollout.sampler=hf", "rollout.sampler=native"),
-    ("rollout.engine=vllm", "rollout.engine=hf"),
     ("rollout.publish_every=3", "lower rollout.publish_every"),
 ])
 def test_what_a_stream_cannot_run_is_refused_in_one_line(override, words):
     cfg = load_config(None, [*STREAM, override])
     problems = stream_problems(cfg)
     assert problems and words in problems[0] and "\n" not in problems[0]
+
+
+def test_a_stream_on_vllm_passes_the_stream_checks():
+    """vLLM streams through its own scheduler (rollout/vllm_stream.py): not refused; the built-in engine's HF
+    sampler still is."""
+    assert stream_problems(load_config(None, [*STREAM, "rollout.engine=vllm"])) == []
+    assert stream_problems(load_config(None, [*STREAM, "rollout.engine=vllm", "rollout.sampler=hf"])) == []
 
 
 def test_a_stream_state_of_another_mode_is_refused(make_cfg):
