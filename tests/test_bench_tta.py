@@ -561,3 +561,46 @@ def test_stream_arms_run_the_streaming_source_with_one_thread_each():
     assert {"buffer.mode=stream", "buffer.staleness=1", "rollout.workers=1"} <= set(arm.overrides())
     assert parse_arms("stream-k2-m2po")[0].staleness == 2
     assert bench_tta.arm_threads(Namespace(threads=2), arm) == 1
+
+
+def test_flow_counts_generated_tokens_per_generating_second_idle_share_and_lags():
+    """Steps 2..N: a one-process loop's tokens come from its mean response length x rows, a worker's from its own
+    count; idle = 1 - (old-logp pass + update) / step; lag shares over every step."""
+    from tta.analysis import flow
+
+    one_process = [
+        {"step": 1, "perf/time_step_s": 9.0, "perf/time_generate_s": 9.0, "perf/time_old_logp_s": 0.0,
+         "perf/time_update_s": 0.0, "reward/response_len": 99.0, "offpolicy/lag_tokens_0": 10.0},
+        {"step": 2, "perf/time_step_s": 2.0, "perf/time_generate_s": 1.0, "perf/time_old_logp_s": 0.25,
+         "perf/time_update_s": 0.5, "reward/response_len": 10.0, "offpolicy/lag_tokens_0": 30.0},
+        {"step": 2, "eval/accuracy": 0.5},
+    ]
+    f = flow(one_process, rows_per_step=4)
+    assert f.gen_tokens_per_s == pytest.approx(40.0)           # 10 tokens x 4 rows in 1 s; step 1 left out
+    assert f.idle_share == pytest.approx(0.625)            # 1 - (0.25 + 0.5) / 2
+    assert f.lag_share == {0: 1.0}
+    worker = [
+        {"step": 2, "perf/time_step_s": 1.0, "async/worker_generate_s": 0.5, "async/trained_tokens": 70.0,
+         "stream/worker_tokens": 80.0, "perf/time_old_logp_s": 0.2, "perf/time_update_s": 0.6,
+         "reward/response_len": 1.0, "offpolicy/lag_tokens_0": 1.0, "offpolicy/lag_tokens_1": 3.0},
+        {"step": 3, "perf/time_step_s": 1.0, "async/worker_generate_s": 0.5, "async/trained_tokens": 50.0,
+         "stream/worker_tokens": 40.0, "perf/time_old_logp_s": 0.2, "perf/time_update_s": 0.6,
+         "reward/response_len": 1.0, "offpolicy/lag_tokens_0": 0.0, "offpolicy/lag_tokens_1": 4.0},
+    ]
+    f = flow(worker, rows_per_step=4)
+    assert f.gen_tokens_per_s == pytest.approx(120.0)          # the worker's own count, not the trained tokens
+    assert f.idle_share == pytest.approx(0.2)
+    assert f.lag_share == {0: pytest.approx(0.125), 1: pytest.approx(0.875)}
+    assert flow([{"step": 2, "eval/accuracy": 0.1}], 4) == type(f)(None, None, {})     # TRL: nothing logged
+
+
+def test_the_flow_table_gives_each_arm_its_medians():
+    arms = parse_arms("sync,stream-k1-grpo")
+    runs = [{"arm": "sync", "flow": {"gen_tokens_per_s": 100.0, "idle_share": 0.5, "lag_share": {"0": 1.0}}},
+            {"arm": "sync", "flow": {"gen_tokens_per_s": 300.0, "idle_share": 0.7, "lag_share": {"0": 1.0}}},
+            {"arm": "stream-k1-grpo", "flow": {"gen_tokens_per_s": None, "idle_share": 0.25,
+                                               "lag_share": {"0": 0.25, "1": 0.75}}}]
+    text = bench_tta.flow_table(runs, arms)
+    assert "| sync | 200 | 60% | 0: 100% |" in text
+    assert "| stream-k1-grpo | — | 25% | 0: 25%, 1: 75% |" in text
+    assert bench_tta.flow_table([{"arm": "sync"}], arms) == ""

@@ -89,8 +89,14 @@ kept in runs.json.
 the ratio from process start the clock allows if both arms need the same number of steps to the target; an arm
 beats it only by needing fewer.
 
+**Generation and staleness** (in the table, per arm; tta/analysis.py ``flow``): generation tokens/s (response
+tokens generated / seconds generating them: the worker's decode time beside an asynchronous trainer, the
+generation phase in one process), the trainer's idle share (the share of its step not spent on the old-log-prob
+pass or the update), and the per-token lag histogram (``offpolicy/lag_tokens_<j>``: the share of trained tokens
+``j`` versions behind).
+
 **Output** (``--out``, default experiments/results/tta/<full|long|longtail|quick>/, ``full`` for the default job):
-``runs.json`` (every run: arm, seed, eval curve on every clock, TTA, phases, start-up, loads, diagnostics),
+``runs.json`` (every run: arm, seed, eval curve on every clock, TTA, phases, start-up, loads, diagnostics, flow),
 ``table.md`` (printed too), ``tta.png``
 (accuracy against the clock from process start).  ``--reanalyse RUNS_JSON`` summarises an earlier record again
 (another ``--target``) without running anything; a record from before the process clock has no process ratios.
@@ -108,7 +114,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, equal_steps_ceiling, gain_target,
+from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, equal_steps_ceiling, flow, gain_target,
                           parse_arms, per_seed_ratios, rotated, speedup, time_to_accuracy)
 from tta.clock import eval_seconds, process_curve, tail, watch
 
@@ -212,7 +218,8 @@ def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
     return {"arm": arm.name, "seed": seed, "threads": threads, "curve": c.__dict__, "process_wall_s": w.wall_s,
             "cpu_total_s": w.cpu_total_s, "startup_s": w.wall_s - c.end_s,
             "s_per_step": c.end_no_eval_s / max(args.steps - 1, 1), "load_before": load0,
-            "load_after": os.getloadavg(), "fairness": fair, "diagnostics": diag, "command": cmd}
+            "load_after": os.getloadavg(), "fairness": fair, "diagnostics": diag,
+            "flow": flow(rows, args.prompts * args.group).__dict__, "command": cmd}
 
 
 def _fmt_cmp(cmp) -> str:
@@ -400,6 +407,29 @@ def phase_table(runs: list[dict], arms: list[Arm], steps: int) -> str:
         gens = [g / n for g in gens if g is not None]
         share = f"{statistics.median(gens) / step:.0%}" if gens and step > 0 else "—"
         lines.append(f"| {a.name} | " + " | ".join(cells) + f" | {step:.4f} | {share} |")
+    return "\n".join(lines)
+
+
+def flow_table(runs: list[dict], arms: list[Arm]) -> str:
+    """Per arm, the medians over runs of :func:`tta.analysis.flow`: generation tokens/s, the trainer's idle share,
+    and the per-token lag histogram (shares of trained tokens 0, 1, ... versions behind); empty when no run has
+    them."""
+    if not any(r.get("flow") for r in runs):
+        return ""
+    lines = ["generation and staleness (median over runs, steps 2..N; idle = the share of the trainer's step not "
+             "spent on its old-log-prob pass or update; lag j = the share of trained tokens j versions behind):", "",
+             "| arm | generation tokens/s | trainer idle share | per-token lag histogram |", "| --- | --- | --- | --- |"]
+    for a in arms:
+        mine = [r["flow"] for r in runs if r["arm"] == a.name and r.get("flow")]
+        if not mine:
+            continue
+        rate = [f["gen_tokens_per_s"] for f in mine if f.get("gen_tokens_per_s") is not None]
+        idle = [f["idle_share"] for f in mine if f.get("idle_share") is not None]
+        shares = [{int(j): float(v) for j, v in (f.get("lag_share") or {}).items()} for f in mine]
+        lags = sorted({j for sh in shares for j in sh})
+        hist = ", ".join(f"{j}: {statistics.median(sh.get(j, 0.0) for sh in shares):.0%}" for j in lags)
+        lines.append(f"| {a.name} | " + (f"{statistics.median(rate):.0f}" if rate else "—") + " | "
+                     + (f"{statistics.median(idle):.0%}" if idle else "—") + f" | {hist or '—'} |")
     return "\n".join(lines)
 
 
@@ -656,6 +686,9 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "", he
         text += "\n\n" + sensitivity(runs, arms, target, headline)
     steps = (record.get("args") or {}).get("steps") or max(max(r["curve"]["steps"]) for r in runs)
     text += "\n\n" + phase_table(runs, arms, int(steps))
+    flows = flow_table(runs, arms)
+    if flows:
+        text += "\n\n" + flows
     if any(r.get("startup_s") is not None for r in runs) and int(steps) >= 2:
         text += "\n\n" + ceiling_table(runs, headline, int(steps))
     split = split_table(runs, arms, target, headline) if any(r["curve"].get("time_process_s") for r in runs) else ""

@@ -300,3 +300,54 @@ def speedup(reference: Mapping[int, float], arm: Mapping[int, float]) -> Optiona
 def per_seed_ratios(reference: Mapping[int, float], arm: Mapping[int, float]) -> dict[int, float]:
     """``reference[s] / arm[s]`` for every seed both have with positive times."""
     return {s: reference[s] / arm[s] for s in sorted(reference) if s in arm and reference[s] > 0 and arm[s] > 0}
+
+
+@dataclass(frozen=True)
+class Flow:
+    """How one run's generation flowed into its trainer (steps 2..N): ``gen_tokens_per_s`` = response tokens
+    generated / seconds spent generating them (the worker's decode time beside an asynchronous trainer, the
+    generation phase in a one-process loop); ``idle_share`` = the share of the trainer's step wall time not spent
+    on its old-log-prob pass or its update (waiting for data, or generating itself); ``lag_share[j]`` = the share
+    of trained response tokens ``j`` versions behind the weights they trained (``offpolicy/lag_tokens_<j>``, every
+    step). None where the run's metrics do not say (TRL logs none of them)."""
+
+    gen_tokens_per_s: Optional[float]
+    idle_share: Optional[float]
+    lag_share: dict = field(default_factory=dict)
+
+
+def _total(rows: Sequence[Mapping], key: str) -> Optional[float]:
+    vals = [float(r[key]) for r in rows if r.get(key) is not None]
+    return sum(vals) if vals else None
+
+
+def flow(rows: Sequence[Mapping], rows_per_step: int) -> Flow:
+    """:class:`Flow` of one run from its ``metrics.jsonl`` rows; ``rows_per_step`` = sequences a step trains
+    (prompts x group), which turns ``reward/response_len`` (mean tokens a row) into tokens where no token count is
+    logged."""
+    train = [r for r in rows if r.get("perf/time_step_s") is not None and r.get("step") is not None]
+    timed = [r for r in train if int(r["step"]) >= 2]
+    gen_s = _total(timed, "async/worker_generate_s")
+    if gen_s is None:
+        gen_s = _total(timed, "perf/time_generate_s")
+    tokens = _total(timed, "stream/worker_tokens")
+    if tokens is None:
+        tokens = _total(timed, "async/trained_tokens")
+    if tokens is None:
+        lens = _total(timed, "reward/response_len")
+        tokens = None if lens is None else lens * rows_per_step
+    rate = tokens / gen_s if tokens is not None and gen_s else None
+    step_s = _total(timed, "perf/time_step_s")
+    work = [_total(timed, k) for k in ("perf/time_old_logp_s", "perf/time_update_s")]
+    idle = None
+    if step_s and all(w is not None for w in work):
+        idle = max(0.0, 1.0 - sum(work) / step_s)
+    lags: dict[int, float] = {}
+    for r in train:
+        for k, v in r.items():
+            m = re.fullmatch(r"offpolicy/lag_tokens_(\d+)", k)
+            if m and v is not None:
+                lags[int(m.group(1))] = lags.get(int(m.group(1)), 0.0) + float(v)
+    total = sum(lags.values())
+    share = {j: lags[j] / total for j in sorted(lags)} if total > 0 else {}
+    return Flow(rate, idle, share)
