@@ -131,7 +131,7 @@ class RolloutConfig:
     # a sequence may continue across a weight update (each token keeps the version that sampled it)
     update_in_flight: bool = False
     # buffer.mode=stream: rows each worker decodes at once (continuous batching: a finished row's slot takes the
-    # next sample at once)
+    # next sample at once; with rollout.engine=vllm, vLLM's max_num_seqs)
     stream_slots: int = ranged(64, ge=1)
     # restart (re-issue its iterations) | stop (checkpoint, then stop)
     on_worker_death: str = ranged("restart", choices=WORKER_DEATH)
