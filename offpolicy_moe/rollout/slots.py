@@ -30,7 +30,7 @@ from offpolicy_moe.models.layout import cache_kwarg
 from offpolicy_moe.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 from offpolicy_moe.run.nonfinite import NonFiniteError
 
-__all__ = ["StreamSample", "FinishedSample", "SlotSampler"]
+__all__ = ["StreamSample", "FinishedSample", "SlotSampler", "checked_sample"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,14 @@ class FinishedSample:
     behav_logp: torch.Tensor
     versions: torch.Tensor
     routes: Optional[torch.Tensor]
+
+
+def checked_sample(sample: StreamSample) -> StreamSample:
+    """``sample``, or a one-line ``ValueError`` when its ``prompt_ids`` are not a non-empty 1-D integer tensor."""
+    ids = sample.prompt_ids
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() < 1 or ids.is_floating_point():
+        raise ValueError(f"StreamSample {sample.key}: prompt_ids must be a non-empty 1-D integer tensor")
+    return sample
 
 
 class _Row:
@@ -114,10 +122,7 @@ class SlotSampler:
     def submit(self, samples: Iterable[StreamSample]) -> None:
         """Queue ``samples`` (first in, first admitted)."""
         for s in samples:
-            ids = s.prompt_ids
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() < 1 or ids.is_floating_point():
-                raise ValueError(f"StreamSample {s.key}: prompt_ids must be a non-empty 1-D integer tensor")
-            self._queue.append(s)
+            self._queue.append(checked_sample(s))
 
     @property
     def queued(self) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from offpolicy_moe.rollout import vllm_worker
-from offpolicy_moe.rollout.slots import FinishedSample, StreamSample
+from offpolicy_moe.rollout.slots import FinishedSample, StreamSample, checked_sample
 from offpolicy_moe.routing.engines import vllm_routes
 from offpolicy_moe.run.nonfinite import NonFiniteError
 
@@ -66,14 +66,11 @@ class VLLMStreamSampler:
     def submit(self, samples: Iterable[StreamSample]) -> None:
         """Queue ``samples``; they become vLLM requests at the next :meth:`step`, after its weight load."""
         for s in samples:
-            ids = s.prompt_ids
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() < 1 or ids.is_floating_point():
-                raise ValueError(f"StreamSample {s.key}: prompt_ids must be a non-empty 1-D integer tensor")
-            longest = int(ids.numel()) + self.engine.max_new_tokens
-            if longest > self.engine.opts.max_model_len:
-                raise ValueError(f"rollout.vllm_max_model_len={self.engine.opts.max_model_len}: a prompt of "
-                                 f"{ids.numel()} tokens + rollout.max_new_tokens={self.engine.max_new_tokens} does "
-                                 "not fit; raise rollout.vllm_max_model_len")
+            n = int(checked_sample(s).prompt_ids.numel())
+            if n + self.engine.max_new_tokens > self.engine.opts.max_model_len:
+                raise ValueError(f"rollout.vllm_max_model_len={self.engine.opts.max_model_len}: a prompt of {n} "
+                                 f"tokens + rollout.max_new_tokens={self.engine.max_new_tokens} does not fit; raise "
+                                 "rollout.vllm_max_model_len")
             self._submitted.append(s)
 
     @property

@@ -17,8 +17,10 @@ else:
     pytest.importorskip("vllm")
 
 from offpolicy_moe.config import load_config  # noqa: E402
+from offpolicy_moe.logprobs import conditioning_positions  # noqa: E402
 from offpolicy_moe.models.loading import build_model  # noqa: E402
 from offpolicy_moe.rollout.engine import make_engine  # noqa: E402
+from offpolicy_moe.routing import RoutingController, replay_guardrails, routing_metrics  # noqa: E402
 from offpolicy_moe.tasks import build_char_tokenizer  # noqa: E402
 
 # the embedded model: under rollout.engine=vllm it takes the head size vLLM's CPU attention serves by itself
@@ -64,6 +66,23 @@ def engine_processes(pid: int | None = None) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return out
+
+
+def assert_routes_replay_exactly(model: torch.nn.Module, batch) -> None:
+    """The engine's routes of ``batch`` are the trainer's own choice on ``model`` (fp32 both), replaying them
+    changes no logit, and every position that reaches a scored log-prob is replayed (no fallback)."""
+    am = batch.attention_mask
+    pos = (am.cumsum(1) - 1).clamp(min=0)
+    ctl = RoutingController(model)
+    with torch.no_grad():
+        with ctl.record() as rec:
+            plain = model(batch.input_ids, attention_mask=am, position_ids=pos).logits
+        with ctl.replay(batch.routes), ctl.record("own") as own:
+            replayed = model(batch.input_ids, attention_mask=am, position_ids=pos).logits
+    assert routing_metrics(batch.routes, rec.trace(), am)["routing/topk_agreement"] == 1.0
+    assert torch.equal(plain, replayed)
+    guard = replay_guardrails(batch.routes, own.trace(), conditioning_positions(am))
+    assert guard["routing/replay_fallback"] == 0.0 and guard["routing/replay_decisions"] > 0
 
 
 def trainer_logp(model: torch.nn.Module, batch, temperature: float) -> torch.Tensor:

@@ -11,10 +11,8 @@ import torch
 
 from offpolicy_moe.rollout.engine import make_engine
 from offpolicy_moe.rollout.vllm_engine import StartOptions, VLLMEngineError, start_llm
-from offpolicy_moe.routing import RoutingController, replay_guardrails, routing_metrics
-from offpolicy_moe.logprobs import conditioning_positions
-from tests.vllm.conftest import (ANSWERS, PROMPTS, TEMPERATURE, engine_processes, short_job_engine, trainer_logp,
-                                 vllm_config)
+from tests.vllm.conftest import (ANSWERS, PROMPTS, TEMPERATURE, assert_routes_replay_exactly, engine_processes,
+                                 short_job_engine, trainer_logp, vllm_config)
 
 pytestmark = pytest.mark.vllm
 
@@ -54,20 +52,7 @@ def test_versions_follow_the_sync(engine, policies):
 def test_the_engines_routes_are_replayed_exactly(engine, policies):
     """fp32 engine and trainer on the same weights choose the same experts; replaying the engine's trace changes
     no logit, and every position that reaches a scored log-prob is replayed (no fallback)."""
-    model = policies[1]
-    batch = _generate(engine)
-    am = batch.attention_mask
-    pos = (am.cumsum(1) - 1).clamp(min=0)
-    ctl = RoutingController(model)
-    with torch.no_grad():
-        with ctl.record() as rec:
-            plain = model(batch.input_ids, attention_mask=am, position_ids=pos).logits
-        with ctl.replay(batch.routes), ctl.record("own") as own:
-            replayed = model(batch.input_ids, attention_mask=am, position_ids=pos).logits
-    assert routing_metrics(batch.routes, rec.trace(), am)["routing/topk_agreement"] == 1.0
-    assert torch.equal(plain, replayed)
-    guard = replay_guardrails(batch.routes, own.trace(), conditioning_positions(am))
-    assert guard["routing/replay_fallback"] == 0.0 and guard["routing/replay_decisions"] > 0
+    assert_routes_replay_exactly(policies[1], _generate(engine))
 
 
 def test_a_seed_fixes_the_batch(engine):

@@ -16,10 +16,9 @@ from offpolicy_moe.rollout.slots import StreamSample
 from offpolicy_moe.rollout.stream_worker import sample_seed
 from offpolicy_moe.rollout.vllm_engine import VLLMRolloutEngine
 from offpolicy_moe.rollout.vllm_stream import VLLMStreamSampler
-from offpolicy_moe.routing import RoutingController, replay_guardrails, routing_metrics
-from offpolicy_moe.logprobs import conditioning_positions
+from offpolicy_moe.routing.state import ModelShape
 from offpolicy_moe.tasks import encode_prompts
-from tests.vllm.conftest import PROMPTS, TEMPERATURE, vllm_config
+from tests.vllm.conftest import PROMPTS, TEMPERATURE, assert_routes_replay_exactly, vllm_config
 
 pytestmark = pytest.mark.vllm
 
@@ -62,6 +61,16 @@ def _run(sampler, samples, hook=None) -> dict:
 def test_a_sampler_needs_an_engine_started_for_stepping():
     with pytest.raises(ValueError, match="stream=True"):
         VLLMStreamSampler(object())
+
+
+def test_bad_samples_are_refused_in_one_line_before_vllm_sees_them(stream_engine):
+    sampler = VLLMStreamSampler(stream_engine)
+    too_long = torch.ones(stream_engine.opts.max_model_len, dtype=torch.long)
+    with pytest.raises(ValueError, match="rollout.vllm_max_model_len"):
+        sampler.submit([StreamSample((0, 0), too_long, 1)])
+    with pytest.raises(ValueError, match="non-empty 1-D integer tensor"):
+        sampler.submit([StreamSample((0, 1), torch.ones(3), 1)])
+    assert sampler.queued == 0 and sampler.active == 0
 
 
 def _row_logp(p0, p1, ids: torch.Tensor, prompt_len: int, first_new: int) -> torch.Tensor:
@@ -140,22 +149,9 @@ def test_the_streamed_routes_are_replayed_exactly(stream_engine, policies, tok):
     eng = stream_engine
     eng.sync(policies[1].state_dict(), 3)
     done = _run(VLLMStreamSampler(eng), _samples(tok, seed=13))
-    from offpolicy_moe.routing.state import ModelShape
     shape = ModelShape(eng.num_experts, eng.top_k_experts, tuple(eng.layer_ids))
     batch = group_batch([done[(1, j)] for j in range(GROUP)], answer="", group=1, tokenizer=tok, route_shape=shape)
-    model = policies[1]
-    am = batch.attention_mask
-    pos = (am.cumsum(1) - 1).clamp(min=0)
-    ctl = RoutingController(model)
-    with torch.no_grad():
-        with ctl.record() as rec:
-            plain = model(batch.input_ids, attention_mask=am, position_ids=pos).logits
-        with ctl.replay(batch.routes), ctl.record("own") as own:
-            replayed = model(batch.input_ids, attention_mask=am, position_ids=pos).logits
-    assert routing_metrics(batch.routes, rec.trace(), am)["routing/topk_agreement"] == 1.0
-    assert torch.equal(plain, replayed)
-    guard = replay_guardrails(batch.routes, own.trace(), conditioning_positions(am))
-    assert guard["routing/replay_fallback"] == 0.0 and guard["routing/replay_decisions"] > 0
+    assert_routes_replay_exactly(policies[1], batch)
 
 
 def test_a_stream_run_on_vllm_trains_rows_of_several_versions_with_r3(tmp_path):
