@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -46,8 +46,8 @@ from offpolicy_moe.logprobs.stage import PreparedBatch
 from offpolicy_moe.sources.base import BatchSource, Preparation
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.schedule import Dispatcher
-from offpolicy_moe.sources.transport import (PipelineTimeout, WorkerDied, WorkerLost, WorkerTransport,
-                                             handle_events, restart_or_stop)
+from offpolicy_moe.sources.transport import (PipelineTimeout, PublishesToWorkers, WorkerDied, WorkerLost,
+                                             WorkerTransport, handle_events, restart_or_stop)
 
 __all__ = ["AsyncBatchSource", "WorkerDied", "PipelineTimeout", "check_async_config", "make_transport"]
 
@@ -79,7 +79,7 @@ def make_transport(cfg: Any, *, rank: int = 0, world: int = 1) -> WorkerTranspor
     raise ValueError(f"rollout.backend must be 'local' or 'ray', got {backend!r}")
 
 
-class AsyncBatchSource(BatchSource):
+class AsyncBatchSource(PublishesToWorkers, BatchSource):
     """Rollout workers generating ahead of the trainer within ``buffer.staleness`` versions (see module
     docstring).  ``model``: the trainer's bare policy (refused when sharded); ``stage``: the preparation of each
     received batch (it keeps the published versions' weights); ``transport``:
@@ -183,21 +183,11 @@ class AsyncBatchSource(BatchSource):
             "async/worker_generate_s": delta["worker_generate_s"], "async/worker_cpu_s": delta["worker_cpu_s"],
             "async/worker_restarts": float(self.restarts), "async/trained_tokens": float(batch.num_tokens())}
 
-    def publish(self, weights: Mapping[str, torch.Tensor], version: int,
-                predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
-        """``weights`` are the trainer's version ``version``; when it is a multiple of ``rollout.publish_every``
-        (or ``force``) it goes to the workers (through the transport, once they run) and to the old-logp pass of the
-        batches it generates (the ring of the last ``k + 1`` published versions)."""
-        self.version = int(version)
-        if not (force or version % self.publish_every == 0):
-            return
-        self.stage.keep(version, weights)
-        self.published = int(version)
-        if self._started:
-            self.timing["weight_sync_s"] += self.transport.publish(weights, version)
-            self._issue(version)
-        elif self.early_start:
-            self._start(self.cursor)
+    def _after_publish(self, version: int) -> None:
+        self._issue(version)
+
+    def _start_early(self) -> None:
+        self._start(self.cursor)
 
     # ------------------------------------------------------------------ workers
     def _start(self, step: int) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from statistics import fmean
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -35,7 +35,8 @@ from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.admission import Ticket, deadline_choice, first_finished_choice, ks_distance, may_issue
 from offpolicy_moe.sources.base import BatchSource, Preparation
 from offpolicy_moe.sources.process_transport import ProcessTransport
-from offpolicy_moe.sources.transport import PipelineTimeout, WorkerLost, WorkerTransport, handle_events, restart_or_stop
+from offpolicy_moe.sources.transport import (PipelineTimeout, PublishesToWorkers, WorkerLost, WorkerTransport,
+                                            handle_events, restart_or_stop)
 
 __all__ = ["StreamBatchSource", "check_stream_config"]
 
@@ -54,7 +55,7 @@ def _lengths(batch: RolloutBatch) -> list[int]:
     return [int(n) for n in batch.response_mask.sum(1).tolist()]
 
 
-class StreamBatchSource(BatchSource):
+class StreamBatchSource(PublishesToWorkers, BatchSource):
     """Streaming workers and the admission of their groups (module docstring).  ``model``: the trainer's bare
     policy (refused when sharded); ``stage``: the preparation of each step's batch; ``pad_id``: the tokenizer's
     padding id; ``transport``: the workers (default: processes on this machine)."""
@@ -191,20 +192,11 @@ class StreamBatchSource(BatchSource):
             "stream/ks_trained_vs_generated": ks_distance(self.trained_lengths, self.generated_lengths),
             "stream/dropped_late": float(self.dropped_late), "stream/outstanding": float(len(self.tickets))}
 
-    def publish(self, weights: Mapping[str, torch.Tensor], version: int,
-                predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
-        """``weights`` are version ``version``; published (to the workers and the stage's ring) when it is a multiple
-        of ``rollout.publish_every`` or ``force``, and then new groups are issued."""
-        self.version = int(version)
-        if not (force or version % self.publish_every == 0):
-            return
-        self.stage.keep(version, weights)
-        self.published = int(version)
-        if self._started:
-            self.timing["weight_sync_s"] += self.transport.publish(weights, version)
-            self._issue()
-        elif self.early_start:
-            self._start()
+    def _after_publish(self, version: int) -> None:
+        self._issue()
+
+    def _start_early(self) -> None:
+        self._start()
 
     # ------------------------------------------------------------------ groups
     def _choose(self, step: int):

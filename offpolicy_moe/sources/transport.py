@@ -14,6 +14,8 @@ goes out when, which batch is kept, the old-log-prob pass, the checkpoint, what 
 * :meth:`~WorkerTransport.alive`, :meth:`~WorkerTransport.describe`, :meth:`~WorkerTransport.pids` — for messages;
 * :meth:`~WorkerTransport.close` — stop every worker.
 
+:class:`PublishesToWorkers` is the publishing both worker-fed sources share (the asynchronous and the streaming one).
+
 Two transports exist: worker processes on this machine
 (:class:`~offpolicy_moe.sources.process_transport.ProcessTransport`) and Ray actors
 (:class:`~offpolicy_moe.sources.ray_transport.RayTransport`, ``rollout.backend=ray``).
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import sys
-from typing import Any, Callable, Iterator, Mapping, Protocol, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Union
 
 import torch
 
@@ -31,7 +33,7 @@ from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
 from offpolicy_moe.sources.base import SourceStopped
 
 __all__ = ["WorkerTransport", "WorkerLost", "Event", "WorkerDied", "PipelineTimeout", "MAX_RESTARTS", "handle_events",
-           "restart_or_stop"]
+           "restart_or_stop", "PublishesToWorkers"]
 
 MAX_RESTARTS = 3          # per worker slot; then the run stops with a checkpoint
 
@@ -122,3 +124,33 @@ def restart_or_stop(transport: WorkerTransport, index: int, restarts: int, msg: 
     print(f"offpolicy-moe: {msg}; restarting it (rollout.on_worker_death=restart)", file=sys.stderr)
     transport.spawn(index, restarts + 1)
     return restarts + 1
+
+
+class PublishesToWorkers:
+    """``publish`` of a source whose workers read the weights through a :class:`WorkerTransport` (the asynchronous
+    and the streaming source).  The source holds ``version``, ``published``, ``publish_every``, ``stage``,
+    ``transport``, ``timing``, ``early_start`` and ``_started``, and says what follows a publish
+    (:meth:`_after_publish`) and how its workers start early (:meth:`_start_early`)."""
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int,
+                predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
+        """``weights`` are the trainer's version ``version``; when it is a multiple of ``rollout.publish_every``
+        (or ``force``) it goes to the stage's ring of published versions (the old-log-prob pass of what it
+        generates) and to the workers (through the transport, once they run), and then :meth:`_after_publish`
+        hands out new work; before the workers run, ``rollout.early_start`` starts them now."""
+        self.version = int(version)
+        if not (force or version % self.publish_every == 0):
+            return
+        self.stage.keep(version, weights)
+        self.published = int(version)
+        if self._started:
+            self.timing["weight_sync_s"] += self.transport.publish(weights, version)
+            self._after_publish(int(version))
+        elif self.early_start:
+            self._start_early()
+
+    def _after_publish(self, version: int) -> None:
+        raise NotImplementedError
+
+    def _start_early(self) -> None:
+        raise NotImplementedError

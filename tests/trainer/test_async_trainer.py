@@ -15,6 +15,7 @@ import torch
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.sources.asynchronous import PipelineTimeout
 from offpolicy_moe.trainer.trainer import Trainer
+from tests.kill import kill_first_worker_after
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -49,14 +50,7 @@ def test_a_killed_worker_is_named_restarted_and_nothing_is_lost(make_cfg, capfd)
     cfg = make_cfg("buffer.mode=async", "buffer.staleness=1", "trainer.steps=4", "rollout.update_in_flight=true",
                    "algo.correction.mode=truncate")
     killed = []
-
-    def kill(trainer, step, m):
-        if step == 1:
-            pid = trainer.source.worker_pids()[0]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    summary, trainer = _train(cfg, on_step_end=kill)
+    summary, trainer = _train(cfg, on_step_end=kill_first_worker_after(1, killed))
     assert summary["status"] == "completed"
     err = capfd.readouterr().err
     assert f"rollout worker 0 (pid {killed[0]}) died" in err and "killed by SIGKILL" in err and "restarting" in err

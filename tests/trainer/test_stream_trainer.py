@@ -2,18 +2,22 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
+import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
-from offpolicy_moe.config.load import load_config
+from offpolicy_moe.config.load import load_config, to_yaml
 from offpolicy_moe.config.validate import stream_problems
+from offpolicy_moe.run.checkpoint import STATE_FILE
 from offpolicy_moe.sources.stream import StreamBatchSource
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer
+from tests.kill import kill_first_worker_after, train_until_checkpoint
+from tests.tiny import tiny_config
 
 STREAM = ("buffer.mode=stream", "buffer.staleness=1", "rollout.stream_slots=6", "rollout.prompts_per_step=2",
           "rollout.group_size=2", "trainer.threads=1")
@@ -57,14 +61,7 @@ def test_a_stream_trains_every_group_once_within_the_bound_and_replays_its_route
 def test_a_killed_stream_worker_is_restarted_and_its_groups_issued_again(make_cfg, capfd):
     cfg = make_cfg(*STREAM, "trainer.steps=4")
     killed = []
-
-    def kill(trainer, step, m):
-        if step == 1:
-            pid = trainer.source.worker_pids()[0]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    summary, trainer = _train(cfg, on_step_end=kill)
+    summary, trainer = _train(cfg, on_step_end=kill_first_worker_after(1, killed))
     assert summary["status"] == "completed" and killed
     assert "restarting it" in capfd.readouterr().err
     groups = trainer.source.trained_groups
@@ -111,29 +108,12 @@ def test_a_stream_state_of_another_mode_is_refused(make_cfg):
 def test_sigkill_of_a_stream_then_resume_trains_every_step_and_every_group_once(tmp_path):
     """The trainer (and with it the stream) is killed after its second checkpoint; ``--resume`` goes on from it,
     issuing the groups that were in flight again under their seeds: every step is trained once, no group twice."""
-    import subprocess
-    import sys
-    import time
 
-    import psutil
-
-    from offpolicy_moe.config.load import to_yaml
-    from offpolicy_moe.run.checkpoint import STATE_FILE
-    from tests.tiny import tiny_config
-
-    repo = Path(__file__).resolve().parents[2]
     run_dir = tmp_path / "run"
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(to_yaml(tiny_config(run_dir, *STREAM, "trainer.steps=5", "trainer.checkpoint_every=1",
                                             "trainer.keep_checkpoints=0")))
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(repo))
-    cmd = [sys.executable, "-m", "offpolicy_moe", "train", str(cfg_path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 240
-    while not (run_dir / "checkpoints" / "step_2").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline, "no checkpoint of step 2"
-        time.sleep(0.05)
+    proc, cmd, env = train_until_checkpoint(cfg_path, run_dir, 2, timeout=240)
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

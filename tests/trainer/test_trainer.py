@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +19,9 @@ from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.launch import train
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.trainer.trainer import Trainer, TrainingStopped
+from tests.kill import train_until_checkpoint
 from tests.tiny import tiny_config
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -176,14 +173,7 @@ def test_sigkill_then_resume_loses_nothing(reference_run, tmp_path):
     cfg = tiny_config(run_dir, *RESUME_OVERRIDES)
     yaml_path = tmp_path / "cfg.yaml"
     yaml_path.write_text(to_yaml(cfg))
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "offpolicy_moe", "train", str(yaml_path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not (run_dir / "checkpoints" / "step_2").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
+    proc, cmd, env = train_until_checkpoint(yaml_path, run_dir, 2, timeout=120, tail=2000)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (run_dir / "summary.json").exists()     # really killed before the end
