@@ -1,4 +1,4 @@
-"""Continuous batching (``rollout/slots.py``, :class:`SlotSampler`) against the engine's static batches (``generate``).
+"""Continuous batching (``streaming/slots.py``, :class:`SlotSampler`) against the engine's static batches (generate).
 
     python experiments/bench/bench_slots.py --slots 32 64 --samples 256 --max-new-tokens 256 --mean-len 24
 
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     from offpolicy_moe.config.schema import ModelConfig, RolloutConfig
     from offpolicy_moe.models import load_policy
     from offpolicy_moe.rollout.engine import HFRolloutEngine
-    from offpolicy_moe.rollout.slots import SlotSampler, StreamSample
+    from offpolicy_moe.streaming.slots import SlotSampler, StreamSample
     from offpolicy_moe.tasks import encode_prompts, make_task
 
     task = make_task(load_config(None, ["task.name=longtail"]).task)

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 
 from offpolicy_moe.rollout.devices import worker_environment
-from offpolicy_moe.rollout.stream_worker import GroupDone, GroupsNonFinite, stream_main
+from offpolicy_moe.streaming.stream_worker import GroupDone, GroupsNonFinite, stream_main
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import (BatchDone, BatchNonFinite, Order, Shutdown, WorkerFailed, WorkerSpec,
                                           pid_alive, unpack, worker_main)

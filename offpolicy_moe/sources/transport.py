@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Union
 
 import torch
 
-from offpolicy_moe.rollout.stream_worker import GroupDone, GroupsNonFinite
+from offpolicy_moe.streaming.stream_worker import GroupDone, GroupsNonFinite
 from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
 from offpolicy_moe.sources.base import SourceStopped
 
