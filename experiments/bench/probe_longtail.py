@@ -67,10 +67,17 @@ def main(argv=None) -> None:
     p.add_argument("--eval-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="a model.* override of the warm start (another size of the embedded preset); the run loads "
+                        "the warm start's folder, so it trains that model")
     p.add_argument("--work", required=True)
     a = p.parse_args(argv)
     job = bench_tta.JOBS["longtail"]
+    bad = [m for m in a.model if not m.startswith("model.") or "=" not in m]
+    if bad:
+        p.error(f"--model takes model.KEY=VALUE, got {bad[0]!r}")
     args = Namespace(job="longtail", prompts=16, group=8, eval_size=a.eval_size, warm_cache=str(Path(a.work) / "warm"),
+                     model=a.model,
                      **{k: (getattr(a, k) if getattr(a, k) is not None else job[k])
                         for k in ("lr", "steps", "eval_every", "sft_steps", "max_new_tokens")})
     work = Path(a.work)
@@ -81,7 +88,7 @@ def main(argv=None) -> None:
     # warm-<seed>/ there), so a second SFT length of one seed does not collide with the first one's run folder
     warm, warm_s = bench_tta.cached_warm_start(args, warm_seed, work / f"build-sft{args.sft_steps}")
     name = (f"sync-seed{a.seed}" + (f"-warm{warm_seed}" if warm_seed != a.seed else "")
-            + f"-lr{args.lr:g}-sft{args.sft_steps}-steps{args.steps}" + "".join(f"-{s}" for s in a.set))
+            + f"-lr{args.lr:g}-sft{args.sft_steps}-steps{args.steps}" + "".join(f"-{s}" for s in a.model + a.set))
     run_dir = work / name.replace("/", "_")
     sync = parse_arms("sync")[0].overrides()          # preset=[grpo], buffer.mode=fixed, buffer.staleness=0
     over = bench_tta.job_overrides(args, a.seed, warm, a.threads) + [*sync, "trainer.export_final=true", *a.set]
@@ -96,7 +103,7 @@ def main(argv=None) -> None:
     before = accuracy_by_terms(warm, over, args.max_new_tokens)
     after = accuracy_by_terms(str(run_dir / "export"), over, args.max_new_tokens)
     rec = {"seed": a.seed, "warm_seed": warm_seed, "lr": args.lr, "sft_steps": args.sft_steps, "steps": args.steps,
-           "set": a.set,
+           "set": a.set, "model": a.model,
            "curve": curve, "before": before, "after": after, "warm_s": warm_s, "run_s": run_s,
            "wall_s": time.time() - t0, "load_before": load0, "load_after": os.getloadavg(), "command": cmd}
     (run_dir / "probe.json").write_text(json.dumps(rec, indent=1))
