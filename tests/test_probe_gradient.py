@@ -66,3 +66,22 @@ def test_equal_rewards_give_no_gradient():
     got = probe_gradient.grpo_gradient(model, list(model.parameters()), ids, torch.ones_like(ids), comp,
                                        np.ones(G), eos=2)
     assert torch.count_nonzero(got) == 0
+
+
+def test_temperature_scales_the_log_probs():
+    """At temperature T the gradient is that of log softmax(logits / T): T = 2 on the model equals T = 1 on a
+    model whose lm_head is halved."""
+    model = _model()
+    G = probe_gradient.GROUP
+    rng = np.random.default_rng(1)
+    ids = torch.tensor(rng.integers(3, 12, size=(G, 3)))
+    comp = torch.tensor(rng.integers(3, 12, size=(G, 4)))
+    rewards = np.arange(G, dtype=float) % 2
+    hot = probe_gradient.grpo_gradient(model, [model.lm_head.weight], ids, torch.ones_like(ids), comp, rewards,
+                                       eos=2, temperature=2.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)
+    cold = probe_gradient.grpo_gradient(model, [model.lm_head.weight], ids, torch.ones_like(ids), comp, rewards,
+                                        eos=2, temperature=1.0)
+    # d/dW of f(W x / 2) = 1/2 f'(.) x: the halved head's gradient is twice the hot one's
+    torch.testing.assert_close(hot, cold / 2, rtol=1e-4, atol=1e-7)

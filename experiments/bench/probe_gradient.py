@@ -3,9 +3,10 @@
 Issue 44, item 1 (the ``longtail`` job does not learn): a diagnosis that needs no training run.  From a warm start
 (an exported Hugging Face folder, e.g. bench_tta.py's cached longtail warm start) it
 
-1. samples ``--batches`` independent batches of the job's shape (16 prompts x 8 samples, temperature 1, top-p 1,
-   no top-k, up to 225 new tokens, float32) from the task's training prompts, scores them with the final-answer
-   reward, and takes each batch's gradient of the on-policy GRPO loss with token-mean aggregation,
+1. samples ``--batches`` independent batches of the job's shape (16 prompts x 8 samples, temperature 1 or
+   ``--temperature``, top-p 1, no top-k, up to 225 new tokens, float32) from the task's training prompts, scores
+   them with the final-answer reward, and takes each batch's gradient of the on-policy GRPO loss with token-mean
+   aggregation,
 
        L = -(1 / sum_i |o_i|) sum_i A_i sum_t log pi(o_it | q, o_<t),   A_i = (r_i - mean_g r) / (std_g r + 1e-6),
 
@@ -45,14 +46,15 @@ PROMPTS, GROUP, MAX_NEW_TOKENS = 16, 8, 225
 EVAL_BATCHES, EVAL_STEP0, GRAD_STEP0 = 8, 5000, 1000
 
 
-def sample(model, tok, rows: list[dict], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-    """``GROUP`` samples of every row at temperature 1: prompt ids, prompt mask, completion ids, rewards."""
+def sample(model, tok, rows: list[dict], seed: int, temperature: float = 1.0
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+    """``GROUP`` samples of every row at ``temperature``: prompt ids, prompt mask, completion ids, rewards."""
     prompts = [r["prompt"] for r in rows for _ in range(GROUP)]
     answers = [r["answer"] for r in rows for _ in range(GROUP)]
     ids, mask = encode_prompts(tok, prompts)
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
                              top_p=1.0, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
     comp = out[:, ids.shape[1]:]
@@ -66,15 +68,17 @@ def response_mask(comp: torch.Tensor, eos: int) -> torch.Tensor:
     return (before == 0).long()
 
 
-def grpo_gradient(model, params, ids, mask, comp, rewards: np.ndarray, eos: int) -> torch.Tensor:
-    """The flattened gradient of the module docstring's loss ``L`` for one batch."""
+def grpo_gradient(model, params, ids, mask, comp, rewards: np.ndarray, eos: int, temperature: float = 1.0
+                  ) -> torch.Tensor:
+    """The flattened gradient of the module docstring's loss ``L`` for one batch (``pi``: the policy at
+    ``temperature``, the distribution the samples were drawn from)."""
     r = rewards.reshape(-1, GROUP)
     adv = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
     adv = torch.tensor(adv.reshape(-1), dtype=torch.float32)
     cm = response_mask(comp, eos)
     model.zero_grad()
     logits = model(input_ids=torch.cat([ids, comp], 1), attention_mask=torch.cat([mask, cm], 1)).logits
-    logp = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].float(), -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].float() / temperature, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
     (-(adv[:, None] * logp * cm).sum() / cm.sum()).backward()
     return torch.cat([p.grad.reshape(-1) for p in params]).clone()
 
@@ -86,9 +90,12 @@ def main(argv=None) -> None:
     p.add_argument("--direction", choices=("sign", "unit"), default="sign")
     p.add_argument("--eta", default="0,1e-5,3e-5,1e-4", help="comma-separated step sizes (0 = the warm start)")
     p.add_argument("--by-parameter", action="store_true", help="also print the mean gradient's norm per tensor")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the job's: 1)")
     p.add_argument("--hold", action="append", default=[], metavar="SUBSTRING",
                    help="leave the tensors whose name holds SUBSTRING where they are (the step is 0 there)")
     a = p.parse_args(argv)
+    if not (a.temperature > 0 and np.isfinite(a.temperature)):
+        p.error(f"--temperature must be finite and > 0, got {a.temperature}")
     if a.batches < 2:
         p.error(f"--batches must be >= 2 (cosines need pairs), got {a.batches}")
     etas = [float(e) for e in a.eta.split(",")]
@@ -101,12 +108,12 @@ def main(argv=None) -> None:
     t0 = time.time()
     grads, rewards = [], []
     for k in range(a.batches):
-        ids, mask, comp, r = sample(model, tok, task.sample_prompts(GRAD_STEP0 + k, PROMPTS), k)
+        ids, mask, comp, r = sample(model, tok, task.sample_prompts(GRAD_STEP0 + k, PROMPTS), k, a.temperature)
         rewards.append(float(r.mean()))
-        grads.append(grpo_gradient(model, params, ids, mask, comp, r, tok.eos_token_id))
+        grads.append(grpo_gradient(model, params, ids, mask, comp, r, tok.eos_token_id, a.temperature))
     cos = [torch.nn.functional.cosine_similarity(x, y, 0).item() for x, y in itertools.combinations(grads, 2)]
     mean = torch.stack(grads).mean(0)
-    print(json.dumps({"warm": a.warm, "batches": a.batches, "samples_per_batch": PROMPTS * GROUP,
+    print(json.dumps({"warm": a.warm, "temperature": a.temperature, "batches": a.batches, "samples_per_batch": PROMPTS * GROUP,
                       "sampled_reward": float(np.mean(rewards)), "cos_mean": float(np.mean(cos)),
                       "cos_sd": float(np.std(cos)), "batch_grad_norm": float(np.mean([g.norm().item() for g in grads])),
                       "mean_grad_norm": mean.norm().item(), "params": mean.numel(), "s": round(time.time() - t0, 1)}),
@@ -128,7 +135,7 @@ def main(argv=None) -> None:
             k = q.numel()
             q.data.copy_(t + eta * direction[off:off + k].view_as(q))
             off += k
-        r = [sample(model, tok, task.sample_prompts(EVAL_STEP0 + j, PROMPTS), 100 + j)[3].mean()
+        r = [sample(model, tok, task.sample_prompts(EVAL_STEP0 + j, PROMPTS), 100 + j, a.temperature)[3].mean()
              for j in range(EVAL_BATCHES)]
         print(json.dumps({"direction": a.direction, "hold": a.hold, "eta": eta, "sampled_reward": float(np.mean(r)),
                           "samples": EVAL_BATCHES * PROMPTS * GROUP}), flush=True)
