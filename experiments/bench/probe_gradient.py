@@ -5,7 +5,7 @@ Issue 44, item 1 (the ``longtail`` job does not learn): a diagnosis that needs n
 
 1. samples ``--batches`` independent batches of the job's shape (16 prompts x 8 samples, temperature 1 or
    ``--temperature``, top-p 1, no top-k, up to 225 new tokens, float32) from the task's training prompts, scores
-   them with the final-answer reward, and takes each batch's gradient of the on-policy GRPO loss with token-mean
+   them with the final-answer reward (``--task default``: the default job, 3 new tokens, exact match), and takes each batch's gradient of the on-policy GRPO loss with token-mean
    aggregation,
 
        L = -(1 / sum_i |o_i|) sum_i A_i sum_t log pi(o_it | q, o_<t),   A_i = (r_i - mean_g r) / (std_g r + 1e-6),
@@ -37,28 +37,34 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from offpolicy_moe.tasks.chain_sum import final_answer_reward
-from offpolicy_moe.tasks.longtail import LongTailTask
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.tasks.make import make_task
 from offpolicy_moe.tasks.tokenizer import decode_completions, encode_prompts
 
-PROMPTS, GROUP, MAX_NEW_TOKENS = 16, 8, 225
+PROMPTS, GROUP = 16, 8
+#: ``--task``: bench_tta's job of that name, as task overrides of the config and its max_new_tokens (``default``:
+#: the default job's 3-term sums with 2-character answers, a positive control, since RL improves it: README)
+TASKS = {"longtail": (["task.name=longtail"], 225), "default": ([], 3)}
+#: held-out problems of bench_tta's jobs (the task's splits depend on it)
+EVAL_SIZE = 256
 #: the batches that measure the reward after a step: fresh training prompts (their steps are past the gradient's)
 EVAL_BATCHES, EVAL_STEP0, GRAD_STEP0 = 8, 5000, 1000
 
 
-def sample(model, tok, rows: list[dict], seed: int, temperature: float = 1.0
+def sample(model, tok, task, rows: list[dict], seed: int, temperature: float = 1.0, max_new_tokens: int = 225
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-    """``GROUP`` samples of every row at ``temperature``: prompt ids, prompt mask, completion ids, rewards."""
+    """``GROUP`` samples of every row at ``temperature``: prompt ids, prompt mask, completion ids, and the
+    task's rewards (the longtail task's: the final answer's exact match)."""
     prompts = [r["prompt"] for r in rows for _ in range(GROUP)]
     answers = [r["answer"] for r in rows for _ in range(GROUP)]
     ids, mask = encode_prompts(tok, prompts)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
-                             top_p=1.0, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tok.eos_token_id,
+                             top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
     comp = out[:, ids.shape[1]:]
-    return ids, mask, comp, np.array(final_answer_reward(decode_completions(tok, comp), answers))
+    return ids, mask, comp, np.array(task.reward(decode_completions(tok, comp), answers))
 
 
 def response_mask(comp: torch.Tensor, eos: int) -> torch.Tensor:
@@ -90,6 +96,7 @@ def main(argv=None) -> None:
     p.add_argument("--direction", choices=("sign", "unit"), default="sign")
     p.add_argument("--eta", default="0,1e-5,3e-5,1e-4", help="comma-separated step sizes (0 = the warm start)")
     p.add_argument("--by-parameter", action="store_true", help="also print the mean gradient's norm per tensor")
+    p.add_argument("--task", choices=sorted(TASKS), default="longtail")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the job's: 1)")
     p.add_argument("--hold", action="append", default=[], metavar="SUBSTRING",
                    help="leave the tensors whose name holds SUBSTRING where they are (the step is 0 there)")
@@ -102,18 +109,19 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(a.warm)
     model = AutoModelForCausalLM.from_pretrained(a.warm, dtype=torch.float32)
-    task = LongTailTask(eval_size=256)
+    task_overrides, max_new = TASKS[a.task]
+    task = make_task(load_config(overrides=[*task_overrides, f"task.eval_size={EVAL_SIZE}"]).task)
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     params = [q for _, q in named]
     t0 = time.time()
     grads, rewards = [], []
     for k in range(a.batches):
-        ids, mask, comp, r = sample(model, tok, task.sample_prompts(GRAD_STEP0 + k, PROMPTS), k, a.temperature)
+        ids, mask, comp, r = sample(model, tok, task, task.sample_prompts(GRAD_STEP0 + k, PROMPTS), k, a.temperature, max_new)
         rewards.append(float(r.mean()))
         grads.append(grpo_gradient(model, params, ids, mask, comp, r, tok.eos_token_id, a.temperature))
     cos = [torch.nn.functional.cosine_similarity(x, y, 0).item() for x, y in itertools.combinations(grads, 2)]
     mean = torch.stack(grads).mean(0)
-    print(json.dumps({"warm": a.warm, "temperature": a.temperature, "batches": a.batches, "samples_per_batch": PROMPTS * GROUP,
+    print(json.dumps({"warm": a.warm, "task": a.task, "temperature": a.temperature, "batches": a.batches, "samples_per_batch": PROMPTS * GROUP,
                       "sampled_reward": float(np.mean(rewards)), "cos_mean": float(np.mean(cos)),
                       "cos_sd": float(np.std(cos)), "batch_grad_norm": float(np.mean([g.norm().item() for g in grads])),
                       "mean_grad_norm": mean.norm().item(), "params": mean.numel(), "s": round(time.time() - t0, 1)}),
@@ -135,7 +143,7 @@ def main(argv=None) -> None:
             k = q.numel()
             q.data.copy_(t + eta * direction[off:off + k].view_as(q))
             off += k
-        r = [sample(model, tok, task.sample_prompts(EVAL_STEP0 + j, PROMPTS), 100 + j, a.temperature)[3].mean()
+        r = [sample(model, tok, task, task.sample_prompts(EVAL_STEP0 + j, PROMPTS), 100 + j, a.temperature, max_new)[3].mean()
              for j in range(EVAL_BATCHES)]
         print(json.dumps({"direction": a.direction, "hold": a.hold, "eta": eta, "sampled_reward": float(np.mean(r)),
                           "samples": EVAL_BATCHES * PROMPTS * GROUP}), flush=True)
