@@ -85,3 +85,13 @@ def test_temperature_scales_the_log_probs():
                                         eos=2, temperature=1.0)
     # d/dW of f(W x / 2) = 1/2 f'(.) x: the halved head's gradient is twice the hot one's
     torch.testing.assert_close(hot, cold / 2, rtol=1e-4, atol=1e-7)
+
+
+def test_paired_difference_of_the_sampled_accuracy_probe():
+    import probe_sampled_accuracy
+
+    x = np.array([1.0, 0.5, 0.25, 0.0])
+    d, (lo, hi) = probe_sampled_accuracy.paired_difference(x, x - 0.125)
+    assert d == 0.125 and lo == hi == 0.125            # a constant difference has no spread
+    d, (lo, hi) = probe_sampled_accuracy.paired_difference(np.array([1.0, 0.0] * 50), np.full(100, 0.5))
+    assert d == 0.0 and -0.15 < lo < 0 < hi < 0.15

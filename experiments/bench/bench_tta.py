@@ -46,10 +46,10 @@ consistent credit and any lr that moves the policy (1e-4 and up, with or without
 aggregation or temperature 0.7) mostly degrades its fit (a KL penalty holds the fit but does not raise the sampled
 reward); an 800-step warm start (0.60 at step 0)
 lets RL raise the sampled reward, but the greedy score gains +0.04 to +0.06 in 120-240 steps (600 steps: 0.46,
-+0.047 at step 120).  Its fourth round: over 500 steps (lr 5e-5) RL raises
-the sampled reward (0.23 -> 0.29) and the long problems' greedy accuracy, but the 4-term head's greedy accuracy
-falls, so the held-out score ends below its start; one 16 x 8 batch's gradient is about 8% signal
-(experiments/bench/probe_gradient.py).  The job keeps these
++0.047 at step 120).  Its fourth round: over 500 steps (lr 5e-5) the sampled
+training reward rises (0.23 -> 0.29) but the held-out accuracy of samples does not move resolvably (+0.011
+[-0.013, +0.036], 8 samples per problem), and the 4-term head's greedy accuracy falls, so the held-out score ends
+below its start; one 16 x 8 batch's gradient is about 8% signal (experiments/bench/probe_gradient.py).  The job keeps these
 defaults.  All three: 16
 prompts x 8 samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
 routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
