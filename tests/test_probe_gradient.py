@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench"
@@ -95,3 +96,24 @@ def test_paired_difference_of_the_sampled_accuracy_probe():
     assert d == 0.125 and lo == hi == 0.125            # a constant difference has no spread
     d, (lo, hi) = probe_sampled_accuracy.paired_difference(np.array([1.0, 0.0] * 50), np.full(100, 0.5))
     assert d == 0.0 and -0.15 < lo < 0 < hi < 0.15
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eta", "0,x"], "--eta must be comma-separated numbers"),
+    (["--eta", "0,inf"], "--eta must be finite"),
+    (["--batches", "1"], "--batches must be >= 2"),
+    (["--temperature", "0"], "--temperature must be finite and > 0"),
+    ([], "not an exported model folder"),
+])
+def test_gradient_probe_refuses_bad_input_before_loading(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        probe_gradient.main(["--warm", str(tmp_path), *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sampled_accuracy_probe_refuses_a_folder_without_a_model(tmp_path, capsys):
+    import probe_sampled_accuracy
+
+    with pytest.raises(SystemExit) as e:
+        probe_sampled_accuracy.main([str(tmp_path)])
+    assert e.value.code == 2 and "not an exported model folder" in capsys.readouterr().err

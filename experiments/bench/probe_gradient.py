@@ -32,12 +32,16 @@ import argparse
 import itertools
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from offpolicy_moe.config.load import load_config
+from offpolicy_moe.losses.advantages import group_advantages
+from offpolicy_moe.losses.objectives import grpo_loss
+from offpolicy_moe.models.token_logprobs import token_logprobs
 from offpolicy_moe.tasks.make import make_task
 from offpolicy_moe.tasks.tokenizer import decode_completions, encode_prompts
 
@@ -77,15 +81,16 @@ def response_mask(comp: torch.Tensor, eos: int) -> torch.Tensor:
 def grpo_gradient(model, params, ids, mask, comp, rewards: np.ndarray, eos: int, temperature: float = 1.0
                   ) -> torch.Tensor:
     """The flattened gradient of the module docstring's loss ``L`` for one batch (``pi``: the policy at
-    ``temperature``, the distribution the samples were drawn from)."""
-    r = rewards.reshape(-1, GROUP)
-    adv = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
-    adv = torch.tensor(adv.reshape(-1), dtype=torch.float32)
+    ``temperature``, the distribution the samples were drawn from), through the project's own pieces: the group
+    advantages the trainer uses, its token log-probs, and the ``grpo`` loss at ratio 1 (``old_logp`` = ``logp``)."""
+    groups = torch.arange(len(rewards)) // GROUP
+    adv = group_advantages(torch.as_tensor(rewards, dtype=torch.float32), groups)
     cm = response_mask(comp, eos)
     model.zero_grad()
     logits = model(input_ids=torch.cat([ids, comp], 1), attention_mask=torch.cat([mask, cm], 1)).logits
-    logp = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].float() / temperature, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
-    (-(adv[:, None] * logp * cm).sum() / cm.sum()).backward()
+    logp = token_logprobs(logits[:, ids.shape[1] - 1:-1], comp, temperature)
+    loss, _ = grpo_loss(logp, logp.detach(), adv, cm.float())
+    loss.backward()
     return torch.cat([p.grad.reshape(-1) for p in params]).clone()
 
 
@@ -105,13 +110,23 @@ def main(argv=None) -> None:
         p.error(f"--temperature must be finite and > 0, got {a.temperature}")
     if a.batches < 2:
         p.error(f"--batches must be >= 2 (cosines need pairs), got {a.batches}")
-    etas = [float(e) for e in a.eta.split(",")]
+    try:
+        etas = [float(e) for e in a.eta.split(",")]
+    except ValueError:
+        p.error(f"--eta must be comma-separated numbers, got {a.eta!r}")
+    if not all(np.isfinite(etas)):
+        p.error(f"--eta must be finite, got {a.eta!r}")
+    if not (Path(a.warm) / "config.json").is_file():
+        p.error(f"--warm {a.warm}: not an exported model folder (no config.json)")
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(a.warm)
     model = AutoModelForCausalLM.from_pretrained(a.warm, dtype=torch.float32)
     task_overrides, max_new = TASKS[a.task]
     task = make_task(load_config(overrides=[*task_overrides, f"task.eval_size={EVAL_SIZE}"]).task)
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    unmatched = [h for h in a.hold if not any(h in n for n, _ in named)]
+    if unmatched:
+        p.error(f"--hold {unmatched[0]!r} names no tensor of the model (see --by-parameter)")
     params = [q for _, q in named]
     t0 = time.time()
     grads, rewards = [], []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.problems < 1:
         p.error(f"--problems must be >= 1, got {a.problems}")
+    for path in a.models:
+        if not (Path(path) / "config.json").is_file():
+            p.error(f"{path}: not an exported model folder (no config.json)")
     torch.set_num_threads(1)
     overrides, max_new = TASKS[a.task]
     task = make_task(load_config(overrides=[*overrides, f"task.eval_size={EVAL_SIZE}"]).task)
