@@ -392,6 +392,33 @@ def test_a_shared_warm_start_is_made_once_and_every_seed_starts_from_it(monkeypa
     assert calls == [(5, "w5"), (6, "w5"), (7, "w5")] and rec["warm_seed"] == 5 and set(rec["warm_start_s"]) == {5}
 
 
+def test_the_warm_start_cache_keys_a_probe_s_model_and_task_overrides(monkeypatch, tmp_path):
+    """A probe's task.* overrides go into the warm start's SFT command and its cache key, so a warm start of another
+    task law is never mistaken for the job's; without overrides the key is the job's, as before."""
+    cmds = []
+
+    def fake_call(cmd, what):
+        cmds.append(cmd)
+        if cmd[3] == "export":
+            (Path(cmd[5]) / "config.json").parent.mkdir(parents=True, exist_ok=True)
+            (Path(cmd[5]) / "config.json").write_text("{}")
+        return 1.0
+
+    monkeypatch.setattr(bench_tta, "_call", fake_call)
+    base = dict(job="longtail", prompts=16, group=8, eval_size=256, warm_cache=str(tmp_path / "cache"), lr=3e-5,
+                steps=120, eval_every=15, sft_steps=400, max_new_tokens=225)
+    plain, _ = bench_tta.cached_warm_start(Namespace(**base), 0, tmp_path / "a")
+    other, _ = bench_tta.cached_warm_start(Namespace(**base, model=["model.hidden_size=128"],
+                                                     task_set=["task.length_tail=1"]), 0, tmp_path / "b")
+    assert Path(plain).parent.name == "longtail-seed0-sft400-eval256"
+    assert Path(other).parent.name == "longtail-seed0-sft400-eval256-hidden_size=128-length_tail=1"
+    sft = [c for c in cmds if c[3] == "train"]
+    assert "task.length_tail=1" not in sft[0] and "task.length_tail=1" in sft[1] and "model.hidden_size=128" in sft[1]
+    again, _ = bench_tta.cached_warm_start(Namespace(**base, model=["model.hidden_size=128"],
+                                                     task_set=["task.length_tail=1"]), 0, tmp_path / "c")
+    assert again == other and len(cmds) == 4          # the second call is served from the cache
+
+
 def test_gain_target_is_the_median_start_plus_the_gain_and_refuses_bad_input():
     assert gain_target([0.5, 0.5, 0.4], 0.06) == pytest.approx(0.56)
     with pytest.raises(ValueError, match="step-0 evaluation"):

@@ -49,8 +49,11 @@ lets RL raise the sampled reward, but the greedy score gains +0.04 to +0.06 in 1
 +0.047 at step 120).  Its fourth round: over 500 steps (lr 5e-5) the sampled
 training reward rises (0.23 -> 0.29) but the held-out accuracy of samples does not move resolvably (+0.011
 [-0.013, +0.036], 8 samples per problem), and the 4-term head's greedy accuracy falls, so the held-out score ends
-below its start; one 16 x 8 batch's gradient is about 8% signal (experiments/bench/probe_gradient.py).  The job keeps these
-defaults.  All three: 16
+below its start; one 16 x 8 batch's gradient is about 8% signal (experiments/bench/probe_gradient.py).  Its fifth
+round: on the 4- and 5-term problems alone RL from the 400-step warm start gains about +0.1 and stops there, at 120
+or 500 steps, 3e-5 or 1e-4, 128 or 1,024 samples a step, with any group of weights held
+(probe_lr_groups.py); half the warm start's right answers come with a wrong step, so the reward cannot teach new
+sums.  The job keeps these defaults.  All three: 16
 prompts x 8 samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
 routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
 problems (plus as many training prompts, as our trainer does).
@@ -182,6 +185,7 @@ def warm_start(args, seed: int, work: Path) -> tuple[str, float]:
     run, out = work / f"sft-{seed}", work / f"warm-{seed}"
     base = [o for o in job_overrides(args, seed, None) if not o.startswith(("trainer.steps=", "trainer.checkpoint"))]
     base += list(getattr(args, "model", ()))     # model.* overrides of the preset (a probe of another model size)
+    base += list(getattr(args, "task_set", ()))  # task.* overrides of the job (a probe of another task law)
     wall = _call([sys.executable, "-m", "offpolicy_moe", "train", "--quiet", "--run-dir", str(run), *base,
                   "trainer.steps=1", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0",
                   f"trainer.sft_warmup_steps={args.sft_steps}"], f"warm start of seed {seed}")
@@ -590,12 +594,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def cached_warm_start(args, seed: int, work: Path) -> tuple[str, float]:
-    """:func:`warm_start`, kept under ``--warm-cache`` (keyed by the job, the seed and the SFT steps) when given, so
-    several invocations on the same seeds (the arms of item 4, a threads probe) share one warm start; a cached one
-    reports the wall seconds it took when it was made."""
+    """:func:`warm_start`, kept under ``--warm-cache`` (keyed by the job, the seed, the SFT steps and a probe's model
+    and task overrides) when given, so several invocations on the same seeds (the arms of item 4, a threads probe)
+    share one warm start; a cached one reports the wall seconds it took when it was made."""
     if not args.warm_cache:
         return warm_start(args, seed, work)
-    model = "".join(f"-{o.split('.', 1)[-1]}" for o in getattr(args, "model", ()))
+    probe = [*getattr(args, "model", ()), *getattr(args, "task_set", ())]
+    model = "".join(f"-{o.split('.', 1)[-1]}" for o in probe)
     key = Path(args.warm_cache) / f"{args.job}-seed{seed}-sft{args.sft_steps}-eval{args.eval_size}{model}"
     if (key / "warm" / "config.json").is_file() and (key / "wall_s").is_file():
         return str(key / "warm"), float((key / "wall_s").read_text())
