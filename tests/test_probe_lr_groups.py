@@ -108,6 +108,16 @@ def test_a_run_through_the_command_line_holds_the_attention(tmp_path, monkeypatc
     assert all(not torch.equal(a[k], b[k]) for k in a if "self_attn" not in k)
 
 
+def test_a_substring_in_no_weight_ends_the_run_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(build, "build_optimizer", build.build_optimizer)     # undo the probe's patch afterwards
+    rc = probe_lr_groups.main(["--lr-mult", "self_atn=0", "--", "train", "--quiet", "--run-dir", str(tmp_path / "run"),
+                               "trainer.steps=1", "trainer.sft_warmup_steps=0", "trainer.threads=1",
+                               "logging.loggers=[jsonl]", "logging.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err[-1].endswith("--lr-mult 'self_atn' is in no trainable weight's name") and "Traceback" not in "".join(err)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--", "train"], "at least one --lr-mult"),
     (["--lr-mult", "self_attn=0"], "command line after --"),

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from offpolicy_moe import cli
+from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.trainer import build
 
 
@@ -49,12 +50,13 @@ def multiplier(name: str, rules: Sequence[tuple[str, float]]) -> float:
 
 def grouped_param_groups(model: torch.nn.Module, lr: float,
                          rules: Sequence[tuple[str, float]]) -> list[dict[str, Any]]:
-    """AdamW parameter groups of ``model``'s trainable weights, one per multiplier, each at ``lr * M``; ValueError
-    when a rule's substring is in no weight's name (a typo would otherwise train everything at ``lr``)."""
+    """AdamW parameter groups of ``model``'s trainable weights, one per multiplier, each at ``lr * M``; ConfigError
+    (the command line's one-line error) when a rule's substring is in no weight's name (a typo would otherwise train
+    everything at ``lr``)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     unmatched = [key for key, _ in rules if not any(key in n for n, _ in named)]
     if unmatched:
-        raise ValueError(f"--lr-mult {unmatched[0]!r} is in no trainable weight's name")
+        raise ConfigError(f"--lr-mult {unmatched[0]!r} is in no trainable weight's name")
     groups: dict[float, list[torch.nn.Parameter]] = {}
     for n, p in named:
         groups.setdefault(multiplier(n, rules), []).append(p)
@@ -67,7 +69,7 @@ def grouped_optimizer(rules: Sequence[tuple[str, float]]) -> Callable:
 
     def build_optimizer(model: torch.nn.Module, predictors: Optional[Any], cfg: Any) -> tuple[Any, Any]:
         if predictors is not None:
-            raise ValueError("probe_lr_groups.py does not group the PR2 predictors' weights; run it without PR2")
+            raise ConfigError("probe_lr_groups.py does not group the PR2 predictors' weights; run it without PR2")
         params = grouped_param_groups(model, cfg.optim.lr, rules)
         optimizer = build.adamw(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                 weight_decay=cfg.optim.weight_decay)
