@@ -134,6 +134,10 @@ def test_driver_refuses_in_one_line(argv, message, capsys):
     (["--task-set", "length_tail=1"], "--task-set takes task.KEY=VALUE"),
     (["--task-set", "task.length_tail"], "--task-set takes task.KEY=VALUE"),
     (["--lr-mult", "self_attn"], "SUBSTRING=M"),
+    (["--task-set", "task.length_tail=-1"], "task.length_tail: must be >= 0"),
+    (["--task-set", "task.tail=1"], "Key 'tail' not in 'TaskConfig'"),
+    (["--set", "rollout.group_size=0"], "rollout.group_size"),
+    (["--model", "model.hidden_size=x"], "model.hidden_size"),
 ])
 def test_probe_longtail_refuses_bad_options_before_any_work(argv, message, tmp_path, capsys):
     work = tmp_path / "work"

@@ -5,8 +5,8 @@ Issue 44, item 1 (the ``longtail`` job does not learn): a diagnosis that needs n
 
 1. samples ``--batches`` independent batches of the job's shape (16 prompts x 8 samples, temperature 1 or
    ``--temperature``, top-p 1, no top-k, up to 225 new tokens, float32) from the task's training prompts, scores
-   them with the final-answer reward (``--task default``: the default job, 3 new tokens, exact match), and takes each batch's gradient of the on-policy GRPO loss with token-mean
-   aggregation,
+   them with the final-answer reward (``--task default``: the default job, 3 new tokens, exact match), and takes
+   each batch's gradient of the on-policy GRPO loss with token-mean aggregation,
 
        L = -(1 / sum_i |o_i|) sum_i A_i sum_t log pi(o_it | q, o_<t),   A_i = (r_i - mean_g r) / (std_g r + 1e-6),
 
@@ -131,12 +131,14 @@ def main(argv=None) -> None:
     t0 = time.time()
     grads, rewards = [], []
     for k in range(a.batches):
-        ids, mask, comp, r = sample(model, tok, task, task.sample_prompts(GRAD_STEP0 + k, PROMPTS), k, a.temperature, max_new)
+        rows = task.sample_prompts(GRAD_STEP0 + k, PROMPTS)
+        ids, mask, comp, r = sample(model, tok, task, rows, k, a.temperature, max_new)
         rewards.append(float(r.mean()))
         grads.append(grpo_gradient(model, params, ids, mask, comp, r, tok.eos_token_id, a.temperature))
     cos = [torch.nn.functional.cosine_similarity(x, y, 0).item() for x, y in itertools.combinations(grads, 2)]
     mean = torch.stack(grads).mean(0)
-    print(json.dumps({"warm": a.warm, "task": a.task, "temperature": a.temperature, "batches": a.batches, "samples_per_batch": PROMPTS * GROUP,
+    print(json.dumps({"warm": a.warm, "task": a.task, "temperature": a.temperature, "batches": a.batches,
+                      "samples_per_batch": PROMPTS * GROUP,
                       "sampled_reward": float(np.mean(rewards)), "cos_mean": float(np.mean(cos)),
                       "cos_sd": float(np.std(cos)), "batch_grad_norm": float(np.mean([g.norm().item() for g in grads])),
                       "mean_grad_norm": mean.norm().item(), "params": mean.numel(), "s": round(time.time() - t0, 1)}),
@@ -158,8 +160,8 @@ def main(argv=None) -> None:
             k = q.numel()
             q.data.copy_(t + eta * direction[off:off + k].view_as(q))
             off += k
-        r = [sample(model, tok, task, task.sample_prompts(EVAL_STEP0 + j, PROMPTS), 100 + j, a.temperature, max_new)[3].mean()
-             for j in range(EVAL_BATCHES)]
+        r = [sample(model, tok, task, task.sample_prompts(EVAL_STEP0 + j, PROMPTS), 100 + j, a.temperature,
+                    max_new)[3].mean() for j in range(EVAL_BATCHES)]
         print(json.dumps({"direction": a.direction, "hold": a.hold, "eta": eta, "sampled_reward": float(np.mean(r)),
                           "samples": EVAL_BATCHES * PROMPTS * GROUP}), flush=True)
 

@@ -28,21 +28,21 @@ sys.path.insert(0, str(HERE))
 
 import bench_tta  # noqa: E402
 import probe_lr_groups  # noqa: E402
+import torch  # noqa: E402
+
+from offpolicy_moe.config.load import load_config  # noqa: E402
+from offpolicy_moe.config.validate import validate  # noqa: E402
+from offpolicy_moe.models.loading import load_policy  # noqa: E402
+from offpolicy_moe.tasks import make_task  # noqa: E402
+from offpolicy_moe.tasks.chain_sum import final_answer_reward  # noqa: E402
+from offpolicy_moe.tasks.evaluation import greedy_completions  # noqa: E402
+from offpolicy_moe.tasks.longtail import num_terms  # noqa: E402
 from tta.analysis import parse_arms  # noqa: E402
 
 
 def accuracy_by_terms(model_dir: str, overrides: list[str], max_new_tokens: int) -> dict:
     """``{"all": acc, "by_terms": {n: [acc, count]}}``: greedy final-answer accuracy on the held-out split of the
     job's task, by the number of terms of the prompt."""
-    import torch
-
-    from offpolicy_moe.config.load import load_config
-    from offpolicy_moe.models.loading import load_policy
-    from offpolicy_moe.tasks import make_task
-    from offpolicy_moe.tasks.chain_sum import final_answer_reward
-    from offpolicy_moe.tasks.evaluation import greedy_completions
-    from offpolicy_moe.tasks.longtail import num_terms
-
     torch.set_num_threads(1)
     cfg = load_config(None, [o for o in overrides if o.startswith(("task.", "seed="))] + [f"model.path={model_dir}"])
     task = make_task(cfg.task)
@@ -95,6 +95,14 @@ def main(argv=None) -> None:
                      model=a.model, task_set=a.task_set,
                      **{k: (getattr(a, k) if getattr(a, k) is not None else job[k])
                         for k in ("lr", "steps", "eval_every", "sft_steps", "max_new_tokens")})
+    sync = parse_arms("sync")[0].overrides()          # preset=[grpo], buffer.mode=fixed, buffer.staleness=0
+    try:       # the run's config without its warm start, and its task, checked before any work
+        cfg = load_config(None, [*bench_tta.job_overrides(args, a.seed, None, a.threads), *a.model, *a.task_set,
+                                 *sync, *a.set])
+        validate(cfg)
+        make_task(cfg.task)
+    except ValueError as e:                            # ConfigError is one
+        p.error(str(e))
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     t0, load0 = time.time(), os.getloadavg()
@@ -106,7 +114,6 @@ def main(argv=None) -> None:
             + f"-lr{args.lr:g}-sft{args.sft_steps}-steps{args.steps}"
             + "".join(f"-{s}" for s in a.model + a.task_set + a.set) + "".join(f"-mult-{r}" for r in a.lr_mult))
     run_dir = work / name.replace("/", "_")
-    sync = parse_arms("sync")[0].overrides()          # preset=[grpo], buffer.mode=fixed, buffer.staleness=0
     over = bench_tta.job_overrides(args, a.seed, warm, a.threads) + [*a.task_set, *sync, "trainer.export_final=true",
                                                                       *a.set]
     launcher = [sys.executable, "-m", "offpolicy_moe"]

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from probe_gradient import EVAL_SIZE, GROUP, PROMPTS, TASKS, load_config, make_task, sample
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.tasks.make import make_task
+from probe_gradient import EVAL_SIZE, GROUP, PROMPTS, TASKS, sample
 
 
 def paired_difference(x: np.ndarray, y: np.ndarray, resamples: int = 2000) -> tuple[float, list[float]]:
