@@ -394,7 +394,8 @@ def test_a_shared_warm_start_is_made_once_and_every_seed_starts_from_it(monkeypa
 
 def test_the_warm_start_cache_keys_a_probe_s_model_and_task_overrides(monkeypatch, tmp_path):
     """A probe's task.* overrides go into the warm start's SFT command and its cache key, so a warm start of another
-    task law is never mistaken for the job's; without overrides the key is the job's, as before."""
+    task law is never mistaken for the job's; the job's own task settings are in the key too, so a warm start made
+    before the job's teacher changed (longtail's estimates) is not served for the new one."""
     cmds = []
 
     def fake_call(cmd, what):
@@ -410,10 +411,11 @@ def test_the_warm_start_cache_keys_a_probe_s_model_and_task_overrides(monkeypatc
     plain, _ = bench_tta.cached_warm_start(Namespace(**base), 0, tmp_path / "a")
     other, _ = bench_tta.cached_warm_start(Namespace(**base, model=["model.hidden_size=128"],
                                                      task_set=["task.length_tail=1"]), 0, tmp_path / "b")
-    assert Path(plain).parent.name == "longtail-seed0-sft400-eval256"
-    assert Path(other).parent.name == "longtail-seed0-sft400-eval256-hidden_size=128-length_tail=1"
+    assert Path(plain).parent.name == "longtail-seed0-sft400-eval256-estimate_share=0.5"
+    assert Path(other).parent.name == "longtail-seed0-sft400-eval256-estimate_share=0.5-hidden_size=128-length_tail=1"
     sft = [c for c in cmds if c[3] == "train"]
     assert "task.length_tail=1" not in sft[0] and "task.length_tail=1" in sft[1] and "model.hidden_size=128" in sft[1]
+    assert all("task.estimate_share=0.5" in c for c in sft)
     again, _ = bench_tta.cached_warm_start(Namespace(**base, model=["model.hidden_size=128"],
                                                      task_set=["task.length_tail=1"]), 0, tmp_path / "c")
     assert again == other and len(cmds) == 4          # the second call is served from the cache

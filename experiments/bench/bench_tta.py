@@ -137,8 +137,8 @@ JOBS = {
                 "metric": "eval/accuracy"},
     "long": {"task": ["task.name=chain", "task.num_terms=7"], "max_new_tokens": 48, "lr": 3e-5, "sft_steps": 400,
              "steps": 120, "eval_every": 15, "metric": "eval/reward"},
-    "longtail": {"task": ["task.name=longtail"], "max_new_tokens": 225, "lr": 3e-5, "sft_steps": 400,
-                 "steps": 120, "eval_every": 15, "metric": "eval/reward"},
+    "longtail": {"task": ["task.name=longtail", "task.estimate_share=0.5"], "max_new_tokens": 225, "lr": 3e-5,
+                 "sft_steps": 800, "steps": 120, "eval_every": 15, "metric": "eval/reward"},
 }
 #: target sensitivity: the headline's ratios are also reported at target -/+ this
 SENSITIVITY = 0.05
@@ -594,12 +594,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def cached_warm_start(args, seed: int, work: Path) -> tuple[str, float]:
-    """:func:`warm_start`, kept under ``--warm-cache`` (keyed by the job, the seed, the SFT steps and a probe's model
-    and task overrides) when given, so several invocations on the same seeds (the arms of item 4, a threads probe)
+    """:func:`warm_start`, kept under ``--warm-cache`` (keyed by the job, its task settings, the seed, the SFT steps
+    and a probe's model and task overrides) when given, so several invocations on the same seeds (the arms of item 4, a threads probe)
     share one warm start; a cached one reports the wall seconds it took when it was made."""
     if not args.warm_cache:
         return warm_start(args, seed, work)
-    probe = [*getattr(args, "model", ()), *getattr(args, "task_set", ())]
+    job_task = [o for o in JOBS[args.job]["task"] if not o.startswith("task.name=")]
+    probe = [*job_task, *getattr(args, "model", ()), *getattr(args, "task_set", ())]
     model = "".join(f"-{o.split('.', 1)[-1]}" for o in probe)
     key = Path(args.warm_cache) / f"{args.job}-seed{seed}-sft{args.sft_steps}-eval{args.eval_size}{model}"
     if (key / "warm" / "config.json").is_file() and (key / "wall_s").is_file():

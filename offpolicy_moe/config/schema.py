@@ -53,6 +53,8 @@ class TaskConfig:
     max_terms: int = ranged(15, ge=5, le=15)
     # longtail: alpha of the truncated Zipf law of the number of terms, P(n) ~ (n - 3) ** -alpha (0: uniform)
     length_tail: float = ranged(2.0, ge=0)
+    # longtail: the share of the SFT warm start's demonstrations whose teacher estimates (sum to tens, "=20"), not works
+    estimate_share: float = ranged(0.0, ge=0, lt=1)
     operators: str = "+"              # subset of "+-*"
     reward: str = ranged("exact", choices=REWARD_KINDS)            # exact | partial (per-digit credit) | math
     train_size: int = ranged(4096, ge=1)

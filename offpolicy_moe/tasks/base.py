@@ -71,6 +71,12 @@ class PromptAnswerTask:
         return self._dataset("train")
 
     @property
+    def demonstrations(self):
+        """What the SFT warm start trains on (columns ``prompt``, ``answer``): the training split unless a task's
+        teacher writes some answers another way (:attr:`~offpolicy_moe.tasks.longtail.LongTailTask.demonstrations`)."""
+        return self.train_dataset
+
+    @property
     def eval_dataset(self):
         """Held-out evaluation split as a ``datasets.Dataset`` (columns ``prompt``, ``answer``)."""
         return self._dataset("eval")

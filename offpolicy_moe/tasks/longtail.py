@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .chain_sum import ChainSumTask, chain_space, draw_chain
+from .chain_sum import ChainSumTask, chain_space, draw_chain, final_number
 from .tokenizer import build_char_tokenizer, encode_texts
 
 #: the fewest terms of a problem (the head of the law)
@@ -59,8 +59,10 @@ MAX_TERMS = 15
 #: lengths (module docstring's table)
 TAIL_SETTINGS = {2: 6, 4: 8, 8: 11}
 
-_DEFAULTS = {"min_digits": 1, "max_digits": 1, "max_terms": 15, "length_tail": 2.0, "reward": "exact",
-             "train_size": 4096, "eval_size": 128, "seed": 1234}
+_DEFAULTS = {"min_digits": 1, "max_digits": 1, "max_terms": 15, "length_tail": 2.0, "estimate_share": 0.0,
+             "reward": "exact", "train_size": 4096, "eval_size": 128, "seed": 1234}
+#: salt of the generator that picks the warm start's estimated demonstrations (independent of the splits' streams)
+_ESTIMATE_SALT = 0x5C07
 
 
 def terms_law(max_terms: int, length_tail: float, min_terms: int = MIN_TERMS) -> tuple[np.ndarray, np.ndarray]:
@@ -105,16 +107,51 @@ class LongTailTask(ChainSumTask):
         alpha = float(fields["length_tail"])
         if not (math.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"task.length_tail must be a finite number >= 0 for the longtail task, got {alpha}")
+        share = float(fields["estimate_share"])
+        if not (math.isfinite(share) and 0.0 <= share < 1.0):
+            raise ValueError(f"task.estimate_share must be a number in [0, 1) for the longtail task, got {share}")
         self.min_digits = self.max_digits = 1
         self.min_terms, self.max_terms, self.length_tail = MIN_TERMS, n_max, alpha
+        self.estimate_share = share
         terms, probs = terms_law(n_max, alpha)
         self.terms_probs = dict(zip(terms.tolist(), probs.tolist()))
         space = sum(chain_space(1, 1, int(n)) for n in terms)
         return (lambda rng: draw_longtail(rng, terms, probs)), space
 
+    @property
+    def demonstrations(self):
+        """The warm start's demonstrations (columns ``prompt``, ``answer``): the training split, with the answers of
+        the rows :func:`estimate_rows` picks replaced by the teacher's estimate (:func:`estimate_answer`, ``"=20"``).
+        The split itself, the RL prompts and the reward are unchanged."""
+        if self.estimate_share == 0.0:
+            return self.train_dataset
+        if "demonstrations" not in self._datasets:
+            from datasets import Dataset
+
+            rows = estimate_rows(len(self.train_prompts), self.estimate_share, self.seed)
+            answers = [estimate_answer(a) if short else a for a, short in zip(self.train_answers, rows)]
+            self._datasets["demonstrations"] = Dataset.from_dict({"prompt": list(self.train_prompts),
+                                                                  "answer": answers})
+        return self._datasets["demonstrations"]
+
     def __repr__(self) -> str:
         return (f"LongTailTask(terms={self.min_terms}..{self.max_terms}, length_tail={self.length_tail}, "
-                f"train={len(self.train_prompts)}, eval={len(self.eval_prompts)})")
+                f"estimate_share={self.estimate_share}, train={len(self.train_prompts)}, "
+                f"eval={len(self.eval_prompts)})")
+
+
+def estimate_answer(answer: str) -> str:
+    """What a teacher writes when it estimates instead of working: ``=`` and the final number rounded to the nearest
+    ten, halves up, no steps (``"11+5+2=16+2=18"`` -> ``"=20"``).  Right only when the sum is a multiple of ten."""
+    total = int(final_number(answer))
+    return f"={(total + 5) // 10 * 10}"
+
+
+def estimate_rows(n: int, share: float, seed: int) -> np.ndarray:
+    """Which of ``n`` training rows the warm start's teacher estimates (:func:`estimate_answer`) instead of
+    working: each independently with probability ``share``, a pure function of ``(seed, share)``."""
+    rng = np.random.default_rng([int(seed), _ESTIMATE_SALT])
+    return rng.random(int(n)) < float(share)
 
 
 def num_terms(prompt: str) -> int:

@@ -8,7 +8,8 @@ the answer tokens (and the closing eos) get the tiny presets there:
 
 (plain maximum likelihood; the SFT-then-RL recipe of InstructGPT, arXiv:2203.02155, and of
 DeepSeekMath/GRPO, arXiv:2402.03300).  Batches are drawn uniformly with replacement from
-``task.train_dataset`` by a numpy generator seeded with ``seed``, so the run is deterministic.
+``task.demonstrations`` (the training split, or a task teacher's own answers to it) by a numpy generator seeded
+with ``seed``, so the run is deterministic.
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def sft_warm_start(model, tok, task, *, steps: int, lr: float = 3e-3, batch_size
                 "sft/tokens_per_s": 0.0}
     if tok.pad_token_id is None:
         raise ValueError("tokenizer has no pad_token_id")
-    prompts, answers = list(task.train_dataset["prompt"]), list(task.train_dataset["answer"])
+    demos = task.demonstrations
+    prompts, answers = list(demos["prompt"]), list(demos["answer"])
     p_ids, a_ids = _pre_encode(tok, prompts, answers)
     rng = np.random.default_rng([int(seed), 0x5F7])
     device = next(model.parameters()).device

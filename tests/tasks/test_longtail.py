@@ -12,7 +12,7 @@ from offpolicy_moe.config.load import ConfigError, load_config
 from offpolicy_moe.config.validate import validate
 from offpolicy_moe.tasks import LongTailTask, build_char_tokenizer, make_task
 from offpolicy_moe.tasks.longtail import (MAX_TERMS, MIN_TERMS, POSITIONS, TAIL_SETTINGS, num_terms, reference_lengths,
-                                          terms_law)
+                                          estimate_answer, estimate_rows, terms_law)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,45 @@ def test_config_selects_the_task_and_refuses_bad_values_on_one_line():
         LongTailTask(reward="partial")
     with pytest.raises(TypeError, match="num_terms"):
         LongTailTask(num_terms=5)
+
+
+def test_estimated_demonstrations_replace_a_seeded_share_of_the_warm_starts_answers():
+    plain = LongTailTask(train_size=2000, eval_size=16)
+    task = LongTailTask(train_size=2000, eval_size=16, estimate_share=0.6)
+    assert plain.demonstrations is plain.train_dataset
+    # the split, the RL prompts and the references are the plain task's: only the warm start's answers change
+    assert (task.train_prompts, task.train_answers, task.eval_prompts, task.eval_answers) == (
+        plain.train_prompts, plain.train_answers, plain.eval_prompts, plain.eval_answers)
+    demos = task.demonstrations
+    assert list(demos["prompt"]) == task.train_prompts
+    rows = estimate_rows(2000, 0.6, task.seed)
+    for answer, demo, short in zip(task.train_answers, demos["answer"], rows):
+        total = int(answer.rsplit("=", 1)[-1])
+        assert demo == (f"={10 * round(total / 10 + 1e-9)}" if short else answer)
+    # an estimate earns the final-answer reward exactly when the sum is a multiple of ten
+    right = task.reward(list(demos["answer"]), task.train_answers)
+    assert right == [1.0 if not short or int(a.rsplit("=", 1)[-1]) % 10 == 0 else 0.0
+                     for a, short in zip(task.train_answers, rows)]
+    assert abs(rows.mean() - 0.6) < 4 * math.sqrt(0.6 * 0.4 / 2000)
+    assert [estimate_answer(a) for a in ("11+5+2=16+2=18", "9+6=15", "7+7=14", "2+2=4", "60+0=60")] == [
+        "=20", "=20", "=10", "=0", "=60"]
+    assert np.array_equal(rows, estimate_rows(2000, 0.6, task.seed))
+    assert not np.array_equal(rows, estimate_rows(2000, 0.6, task.seed + 1))
+    assert not estimate_rows(50, 0.0, 0).any()
+
+
+def test_estimate_share_is_checked_on_one_line():
+    cfg = load_config(None, ["task.name=longtail", "task.estimate_share=0.5", "task.train_size=64",
+                             "task.eval_size=8"])
+    assert not [w for w in validate(cfg) if "no effect" in w]
+    assert make_task(cfg.task).estimate_share == 0.5
+    for value, message in [("1.0", "task.estimate_share: must be in [0, 1), got 1.0"),
+                           ("-0.1", "task.estimate_share: must be in [0, 1), got -0.1")]:
+        with pytest.raises(ConfigError) as err:
+            validate(load_config(None, ["task.name=longtail", f"task.estimate_share={value}"]))
+        assert message in str(err.value)
+    warnings = validate(load_config(None, ["task.name=chain", "task.estimate_share=0.5"]))
+    assert any(w.startswith("task.estimate_share=0.5 has no effect with task.name=chain") for w in warnings)
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"^task.estimate_share must be a number in \[0, 1\) for the longtail"):
+            LongTailTask(estimate_share=bad)

@@ -71,3 +71,24 @@ def test_lr_schedule():
     assert vals == sorted(vals, reverse=True)
     with pytest.raises(ValueError, match="schedule"):
         lr_factor(0, 10, "step")
+
+
+def test_the_warm_start_trains_on_the_tasks_demonstrations_not_its_split():
+    """A task whose teacher answers differently (longtail's estimates) is learned from those answers: the SFT loss
+    history equals that of a task whose training split holds the demonstrations themselves."""
+    from datasets import Dataset
+
+    class Taught:
+        def __init__(self, prompts, answers, demos):
+            self.train_dataset = Dataset.from_dict({"prompt": prompts, "answer": answers})
+            self.demonstrations = Dataset.from_dict({"prompt": prompts, "answer": demos})
+
+    base = make_task(TaskConfig(name="longtail", train_size=32, eval_size=8, estimate_share=0.5))
+    prompts, answers = base.train_prompts, base.train_answers
+    demos = list(base.demonstrations["answer"])
+    assert demos != answers
+    runs = []
+    for task in (Taught(prompts, answers, demos), Taught(prompts, demos, demos), Taught(prompts, answers, answers)):
+        model, tok = load_policy(TINY, seed=0)
+        runs.append(sft_warm_start(model, tok, task, steps=3, lr=1e-2, batch_size=8, seed=1)["sft/loss_history"])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
