@@ -633,3 +633,15 @@ def test_the_flow_table_gives_each_arm_its_medians():
     assert "| sync | 200 | 60% | 0: 100% |" in text
     assert "| stream-k1-grpo | — | 25% | 0: 25%, 1: 75% |" in text
     assert bench_tta.flow_table([{"arm": "sync"}], arms) == ""
+
+
+def test_records_name_no_path_of_the_machine(tmp_path):
+    """A recorded command keeps no absolute path: the interpreter reads ``python``, the repository's files are
+    relative to its root and the scratch folders (the run's and --warm-cache) read ``<tmp>``."""
+    work, cache = tmp_path / "bench_tta_x", tmp_path / "cache"
+    cmd = [sys.executable, str(bench_tta.HERE / "bench_tta.py"), "--trl-child", str(work / "trl-0"),
+           f"model.path={cache}/longtail-seed0/warm", "--out", "experiments/results/x", "seed=3"]
+    assert bench_tta.portable(cmd, [work, cache]) == [
+        "python", "experiments/bench/bench_tta.py", "--trl-child", "<tmp>/trl-0", "model.path=<tmp>/longtail-seed0/warm",
+        "--out", "experiments/results/x", "seed=3"]
+    assert bench_tta.portable(["--warm-cache", str(cache)], [cache, None]) == ["--warm-cache", "<tmp>"]

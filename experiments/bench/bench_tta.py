@@ -34,26 +34,14 @@ lr 3e-4, 500 steps, accuracy ``eval/accuracy`` (exact match).  ``long`` = the sa
 eos, ``max_new_tokens=48``), SFT warm start 400 steps, lr 3e-5 (at 1e-4 on-policy GRPO first lowers the greedy
 accuracy, at 3e-4 it collapses: docs/benchmarks.md), 120 steps, evaluation every 15, accuracy ``eval/reward`` (greedy final-answer accuracy, what
 the RL reward checks; ``eval/accuracy`` there is the exact match of every worked step).  ``longtail`` = the same
-model on the long-tailed chain task (``task.name=longtail`` at its defaults: 4 to 15 one-digit terms, the number of
-terms drawn from a truncated Zipf law with exponent 2, references of 11 to 224 characters with a median of 14,
-docs/tasks.md; ``max_new_tokens=225``), otherwise as ``long`` (SFT 400 steps, lr 3e-5, 120 steps, evaluation every
-15, ``eval/reward``): of 3e-5, 5e-5 and 1e-4 only 3e-5 ended above its start (one seed, 0.336 -> 0.398); the issue's
-+0.10 was not reached in any probe, neither over 240 steps nor with 32 prompts or groups of 16 (best +0.090: seed
-0, groups of 16, at step 60 of 120; +0.055 and +0.062 on two more RL seeds; the sampled training reward stays near
-0.24 throughout: experiments/results/tta/longtail/probes.md).  Why (its third round): the 400-step warm start's
-final answers are only loosely tied to its worked steps, so the final-answer reward gives the step tokens no
-consistent credit and any lr that moves the policy (1e-4 and up, with or without warmup, sequence-mean
-aggregation or temperature 0.7) mostly degrades its fit (a KL penalty holds the fit but does not raise the sampled
-reward); an 800-step warm start (0.60 at step 0)
-lets RL raise the sampled reward, but the greedy score gains +0.04 to +0.06 in 120-240 steps (600 steps: 0.46,
-+0.047 at step 120).  Its fourth round: over 500 steps (lr 5e-5) the sampled
-training reward rises (0.23 -> 0.29) but the held-out accuracy of samples does not move resolvably (+0.011
-[-0.013, +0.036], 8 samples per problem), and the 4-term head's greedy accuracy falls, so the held-out score ends
-below its start; one 16 x 8 batch's gradient is about 8% signal (experiments/bench/probe_gradient.py).  Its fifth
-round: on the 4- and 5-term problems alone RL from the 400-step warm start gains about +0.1 and stops there, at 120
-or 500 steps, 3e-5 or 1e-4, 128 or 1,024 samples a step, with any group of weights held
-(probe_lr_groups.py); half the warm start's right answers come with a wrong step, so the reward cannot teach new
-sums.  The job keeps these defaults.  All three: 16
+model on the long-tailed chain task (``task.name=longtail``: 4 to 15 one-digit terms, the number of terms drawn from
+a truncated Zipf law with exponent 2, references of 11 to 224 characters with a median of 14, docs/tasks.md;
+``max_new_tokens=225``) with ``task.estimate_share=0.5`` (half the warm start's demonstrations estimate the answer,
+``"=20"``, instead of working it), SFT warm start 800 steps, lr 3e-5, 120 steps, evaluation every 15,
+``eval/reward``: synchronous GRPO teaches the warm start, which estimates most problems at greedy decoding, to work
+them out (experiments/results/tta/longtail/probes.md, sixth round, 5 seeds).  Without the estimating teacher five
+rounds of probes never raised the held-out accuracy by 0.10 (best +0.09 at one evaluation): the final answer was
+too loosely tied to the worked steps for the reward to teach better sums.  All three: 16
 prompts x 8 samples per step, temperature 1, top-p 1, grad clip 1, 1 update per batch, fp32 generation, no routing replay,
 routing and mismatch metrics off (TRL has neither), evaluation every ``--eval-every`` steps on 256 held-out
 problems (plus as many training prompts, as our trainer does).
@@ -125,6 +113,8 @@ from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, equa
 from tta.clock import eval_seconds, process_curve, tail, watch
 
 HERE = Path(__file__).resolve().parent
+#: the repository's root (records name its files relative to it)
+REPO = HERE.parent.parent
 #: per-step training metrics whose run means each run records (what clipping and staleness did: issue 35, item 4)
 DIAGNOSTICS = ("actor/clipfrac", "actor/clipfrac_low", "actor/clipfrac_high", "offpolicy/staleness_steps",
                "reward/mean", "reward/frac_zero_std", "actor/grad_norm", "mismatch/k3_kl")
@@ -142,6 +132,21 @@ JOBS = {
 }
 #: target sensitivity: the headline's ratios are also reported at target -/+ this
 SENSITIVITY = 0.05
+
+
+def portable(words: list[str], scratch: list[str | Path | None]) -> list[str]:
+    """A command as the record keeps it, with no path of this machine in it: the interpreter as ``python``, paths in
+    the repository relative to its root and every ``scratch`` folder (the run's temporary folder, --warm-cache) as
+    ``<tmp>``."""
+    places = [(str(Path(d).resolve()), "<tmp>") for d in scratch if d] + [(str(Path(d)), "<tmp>") for d in scratch if d]
+    places += [(f"{REPO}/", ""), (str(REPO), ".")]
+    out = []
+    for word in words:
+        word = "python" if word == sys.executable else str(word)
+        for path, label in places:
+            word = word.replace(path, label)
+        out.append(word)
+    return out
 
 
 def job_overrides(args, seed: int, warm: str | None, threads: int = 1) -> list[str]:
@@ -227,7 +232,8 @@ def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
             "cpu_total_s": w.cpu_total_s, "startup_s": w.wall_s - c.end_s,
             "s_per_step": c.end_no_eval_s / max(args.steps - 1, 1), "load_before": load0,
             "load_after": os.getloadavg(), "fairness": fair, "diagnostics": diag,
-            "flow": flow(rows, args.prompts * args.group).__dict__, "command": cmd}
+            "flow": flow(rows, args.prompts * args.group).__dict__,
+            "command": portable(cmd, [work, getattr(args, "warm_cache", None)])}
 
 
 def _fmt_cmp(cmp) -> str:
@@ -621,7 +627,8 @@ def save_partial(args, arms: list[Arm], runs: list[dict], warm: dict, t_start: f
     short by time keeps its finished runs."""
     args.out.mkdir(parents=True, exist_ok=True)
     rec = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
-           "command": "python experiments/bench/bench_tta.py " + " ".join(args.argv) + " (partial)",
+           "command": "python experiments/bench/bench_tta.py " + " ".join(portable(args.argv, [args.warm_cache]))
+           + " (partial)",
            "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
            "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
            "load_end": os.getloadavg(), "warm_start_s": warm, "warm_seed": args.warm_seed,
@@ -657,8 +664,9 @@ def collect(args) -> dict:
                       f"(eval {c['eval_s']:.1f} s), process {r['process_wall_s']:.1f} s, load "
                       f"{r['load_after'][0]:.2f}", flush=True)
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
-            "command": "python experiments/bench/bench_tta.py " + " ".join(args.argv),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "arm_list"},
+            "command": "python experiments/bench/bench_tta.py " + " ".join(portable(args.argv, [args.warm_cache])),
+            "args": {k: (portable([str(v)], [args.warm_cache])[0] if isinstance(v, (str, Path)) else v)
+                     for k, v in vars(args).items() if k != "arm_list"},
             "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
             "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
             "load_end": os.getloadavg(), "warm_start_s": warm, "warm_seed": args.warm_seed,

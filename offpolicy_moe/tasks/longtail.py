@@ -34,6 +34,14 @@ on the 4096-problem train split (``task.seed`` 1234, tokens without eos; asserte
 prompts at the defaults, about one batch in two holds a problem of 10 or more terms (>= 89 tokens): a synchronous
 RL step waits for that one sequence while the typical one stopped after 14 tokens.
 
+The warm start's teacher (``task.estimate_share``, default 0): that share of the SFT demonstrations
+(:attr:`LongTailTask.demonstrations`, rows picked by :func:`estimate_rows`) estimate the answer instead of working
+it, ``=`` and the sum rounded to tens (:func:`estimate_answer`: ``"3+8+5+2="`` -> ``"=20"``).  The RL prompts, the
+references and the reward are unchanged, so an estimate is rewarded only when the sum is a multiple of ten.  A warm
+start taught so estimates most problems at greedy decoding, and RL on the final-answer reward teaches it to work
+them out (bench_tta.py's ``longtail`` job: share 0.5, held-out accuracy +0.26 to +0.41 in 120 steps on 5 seeds,
+experiments/results/tta/longtail/probes.md).
+
 Splits as the other procedural tasks (:func:`offpolicy_moe.tasks.arithmetic.disjoint_splits`: distinct held-out
 prompts drawn first, every held-out prompt refused in training; a pure function of ``task.seed``).
 ``task.name=longtail``.
