@@ -137,7 +137,7 @@ class LongTailTask(ChainSumTask):
             from datasets import Dataset
 
             rows = estimate_rows(len(self.train_prompts), self.estimate_share, self.seed)
-            answers = [estimate_answer(a) if short else a for a, short in zip(self.train_answers, rows)]
+            answers = [estimate_answer(a) if estimated else a for a, estimated in zip(self.train_answers, rows)]
             self._datasets["demonstrations"] = Dataset.from_dict({"prompt": list(self.train_prompts),
                                                                   "answer": answers})
         return self._datasets["demonstrations"]

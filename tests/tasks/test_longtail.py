@@ -128,13 +128,13 @@ def test_estimated_demonstrations_replace_a_seeded_share_of_the_warm_starts_answ
     demos = task.demonstrations
     assert list(demos["prompt"]) == task.train_prompts
     rows = estimate_rows(2000, 0.6, task.seed)
-    for answer, demo, short in zip(task.train_answers, demos["answer"], rows):
+    for answer, demo, estimated in zip(task.train_answers, demos["answer"], rows):
         total = int(answer.rsplit("=", 1)[-1])
-        assert demo == (f"={10 * round(total / 10 + 1e-9)}" if short else answer)
+        assert demo == (f"={10 * round(total / 10 + 1e-9)}" if estimated else answer)
     # an estimate earns the final-answer reward exactly when the sum is a multiple of ten
     right = task.reward(list(demos["answer"]), task.train_answers)
-    assert right == [1.0 if not short or int(a.rsplit("=", 1)[-1]) % 10 == 0 else 0.0
-                     for a, short in zip(task.train_answers, rows)]
+    assert right == [1.0 if not estimated or int(a.rsplit("=", 1)[-1]) % 10 == 0 else 0.0
+                     for a, estimated in zip(task.train_answers, rows)]
     assert abs(rows.mean() - 0.6) < 4 * math.sqrt(0.6 * 0.4 / 2000)
     assert [estimate_answer(a) for a in ("11+5+2=16+2=18", "9+6=15", "7+7=14", "2+2=4", "60+0=60")] == [
         "=20", "=20", "=10", "=0", "=60"]
