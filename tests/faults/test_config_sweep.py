@@ -229,6 +229,7 @@ UNREAD_CASES = {
     "algo.routing.pr2_bias_in_weights": (False, PR2_ON),
     "task.max_terms": (8, LONGTAIL_ON),
     "task.length_tail": (0.5, LONGTAIL_ON),
+    "task.estimate_share": (0.5, LONGTAIL_ON + ["trainer.sft_warmup_steps=3"]),   # read by the SFT warm start alone
 }
 
 
