@@ -32,7 +32,8 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=64)
-def _forward_params(cls: type) -> frozenset:
+def forward_params(cls: type) -> frozenset:
+    """The parameter names of ``cls.forward`` (empty when it has no readable signature), read once per class."""
     try:
         return frozenset(inspect.signature(cls.forward).parameters)
     except (TypeError, ValueError, AttributeError):
@@ -42,7 +43,7 @@ def _forward_params(cls: type) -> frozenset:
 def accepts_kwarg(model: torch.nn.Module, name: str) -> bool:
     """True when ``type(model).forward`` has a parameter ``name`` (the signature is read once per class:
     ``inspect.signature`` costs ~0.3 ms a call, too much for a per-forward check)."""
-    return name in _forward_params(type(model))
+    return name in forward_params(type(model))
 
 
 CACHE_KWARGS = ("cache", "past_key_values")     # transformers >= 5.24 names it ``cache``; earlier 5.x ``past_key_values``
@@ -51,5 +52,5 @@ CACHE_KWARGS = ("cache", "past_key_values")     # transformers >= 5.24 names it 
 def cache_kwarg(model: torch.nn.Module) -> str | None:
     """The name under which ``type(model).forward`` takes a KV cache (``cache`` from transformers 5.24,
     ``past_key_values`` before, no longer in the newer signatures), or None when it takes none."""
-    params = _forward_params(type(model))
+    params = forward_params(type(model))
     return next((name for name in CACHE_KWARGS if name in params), None)

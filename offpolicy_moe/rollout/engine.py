@@ -19,14 +19,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
+import transformers
 from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.rollout.decode_attention import use_single_query_decode
 from offpolicy_moe.rollout.kv_cache import preallocated_cache
-from offpolicy_moe.models.layout import accepts_kwarg, cache_kwarg
+from offpolicy_moe.models.layout import CACHE_KWARGS, accepts_kwarg, cache_kwarg, forward_params
 from offpolicy_moe.models.kept_tokens import KeptTokens, step_support
 from offpolicy_moe.models.token_logprobs import token_logprobs
 from offpolicy_moe.routing import (FeatureCache, PR2Predictors, RoutingController, cat_features, cat_traces,
@@ -35,8 +37,9 @@ from offpolicy_moe.models import is_moe
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.tasks import decode_completions, encode_prompts
 
-__all__ = ["REPLAY_ENGINE", "RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "ENGINES", "register_engine", "check_engine_name", "check_engine_config", "make_engine",
-           "resolve_dtype"]
+__all__ = ["REPLAY_ENGINE", "RolloutEngine", "HFRolloutEngine", "EngineCapabilities", "EngineNeeds",
+           "check_capabilities", "check_native_loop", "causal_lm_class", "ENGINES", "register_engine",
+           "check_engine_name", "check_engine_config", "make_engine", "resolve_dtype"]
 
 REPLAY_ENGINE = ("r3", "pr2")    # replay modes whose routes come from the rollout engine
 
@@ -51,6 +54,67 @@ class EngineCapabilities:
     records_routes: bool = False
     router_offsets: bool = False
     records_kept_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class EngineNeeds:
+    """What a run asks of its rollout engine beyond sampling, each as the setting that asks for it (``""``: not
+    asked), so that a refusal names the user's own key: the route trace (R3 / PR2 / routing metrics on an MoE
+    model), router-logit offsets (PR2 predictors, ``rollout.router_noise``, ``rollout.router_perturb``), and the kept
+    set of each sampled token (``rollout.top_p < 1`` or ``rollout.top_k > 0``)."""
+
+    records_routes: str = ""
+    router_offsets: str = ""
+    kept_tokens: str = ""
+
+    @classmethod
+    def of_run(cls, cfg: Any, is_moe: bool) -> "EngineNeeds":
+        """What the run of config ``cfg`` asks of its engine, before any model is built (``is_moe``: the policy
+        has routed experts), as :func:`~offpolicy_moe.trainer.build.build_engine` and the rollout workers ask."""
+        rt = cfg.algo.routing
+        routes = ""
+        if is_moe and rt.replay in REPLAY_ENGINE:
+            routes = f"algo.routing.replay={rt.replay}"
+        elif is_moe and bool(rt.metrics):
+            routes = "algo.routing.metrics=true"
+        offsets = f"algo.routing.replay={rt.replay}" if rt.replay == "pr2" and is_moe else ""
+        return cls(records_routes=routes, router_offsets=offsets or cls.of_rollout(cfg.rollout).router_offsets,
+                   kept_tokens=cls.of_rollout(cfg.rollout).kept_tokens)
+
+    @classmethod
+    def of_rollout(cls, rollout: Any, *, record_routes: bool = False,
+                   router_offsets: Optional[dict] = None) -> "EngineNeeds":
+        """What an engine built from the ``rollout`` section with these keywords is asked for (see
+        :func:`make_engine`)."""
+        offsets = ""
+        if router_offsets is not None:
+            offsets = "algo.routing.replay=pr2"
+        elif float(rollout.router_noise) > 0:
+            offsets = f"rollout.router_noise={rollout.router_noise}"
+        elif float(rollout.router_perturb) > 0:
+            offsets = f"rollout.router_perturb={rollout.router_perturb}"
+        kept = ""
+        if float(rollout.top_p) < 1.0:
+            kept = f"rollout.top_p={rollout.top_p}"
+        elif int(rollout.top_k) > 0:
+            kept = f"rollout.top_k={rollout.top_k}"
+        return cls(records_routes="route recording" if record_routes else "", router_offsets=offsets,
+                   kept_tokens=kept)
+
+
+def check_capabilities(name: str, capabilities: EngineCapabilities, needs: EngineNeeds) -> None:
+    """One-line ``ValueError`` naming the setting when the engine ``rollout.engine=name`` lacks a capability the run
+    asks for (:class:`EngineNeeds`); shared by :func:`check_engine_config` (before any engine starts) and
+    :func:`make_engine`."""
+    for asked, have, what in (
+            (needs.records_routes, capabilities.records_routes, "route recording (R3/PR2/routing metrics)"),
+            (needs.router_offsets, capabilities.router_offsets, "router-logit offsets (PR2/router_noise/"
+                                                                "router_perturb)"),
+            (needs.kept_tokens, capabilities.records_kept_tokens,
+             "returning the kept sets of top-k/top-p sampling, which the trainer needs to take its log-probs over "
+             "the same distribution; use rollout.top_k=0 rollout.top_p=1")):
+        if asked and not have:
+            raise ValueError(f"{asked}: rollout.engine={name!r} does not support {what}")
 
 
 class RolloutEngine(abc.ABC):
@@ -70,9 +134,11 @@ class RolloutEngine(abc.ABC):
         from which ``rollout.router_perturb``'s fixed perturbation is drawn."""
 
     @classmethod
-    def check_config(cls, rollout: Any, model_config: Any) -> None:
+    def check_config(cls, rollout: Any, model_config: Any, needs: EngineNeeds = EngineNeeds()) -> None:
         """One-line ``ValueError`` when this engine cannot serve the model of ``model_config`` with the ``rollout``
-        settings (checked in the trainer's process before any engine starts); the built-in engine serves any."""
+        settings and what the run asks of it (``needs``), checked in the trainer's process before any engine, worker
+        or actor starts.  Every refusal of an engine's constructor lives here (or in a function both call), so that
+        ``train --dry-run`` finds it; tests/rollout/test_engine_refusals.py holds the constructors to that."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[str], answers: Sequence[str], *, group_size: int, seed: int,
@@ -173,15 +239,23 @@ def _cat_traces(traces: list) -> Any:
     return cat_traces(traces, side="right")     # responses are right-padded
 
 
-def _supports_native_loop(model: torch.nn.Module) -> bool:
-    try:
-        import transformers  # noqa: F401
-        from transformers import DynamicCache  # noqa: F401
-    except ImportError:
-        return False
-    cfg = getattr(model, "config", None)
-    return (cfg is not None and not getattr(cfg, "is_encoder_decoder", False)
-            and cache_kwarg(model) is not None and accepts_kwarg(model, "position_ids"))
+def causal_lm_class(model_config: Any) -> Optional[type]:
+    """The transformers causal-LM class that ``model_config`` builds (None where transformers maps none)."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(model_config, "model_type", ""), "")
+    return getattr(transformers, name, None) if name else None
+
+
+def check_native_loop(sampler: str, model_class: Optional[type], model_config: Any) -> None:
+    """One-line ``ValueError`` for ``rollout.sampler=native`` on a model whose class cannot run the own sampling
+    loop: it needs a decoder-only causal LM whose forward takes a KV cache and ``position_ids`` (None: unknown, not
+    refused)."""
+    if sampler != "native" or model_class is None:
+        return
+    params = forward_params(model_class)
+    if (getattr(model_config, "is_encoder_decoder", False) or not any(k in params for k in CACHE_KWARGS)
+            or "position_ids" not in params):
+        raise ValueError(f"rollout.sampler=native needs a causal LM whose forward takes a KV cache and "
+                         f"position_ids; {model_class.__name__} does not: use rollout.sampler=hf")
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -189,6 +263,13 @@ class HFRolloutEngine(RolloutEngine):
 
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(records_routes=True, router_offsets=True,
                                                                     records_kept_tokens=True)
+
+    @classmethod
+    def check_config(cls, rollout: Any, model_config: Any, needs: EngineNeeds = EngineNeeds()) -> None:
+        """The built-in engine serves any capability; ``rollout.sampler=native`` needs a model class that can run
+        its own loop (:func:`check_native_loop`)."""
+        check_capabilities(rollout.engine, cls.capabilities, needs)
+        check_native_loop(rollout.sampler, causal_lm_class(model_config), model_config)
 
     @classmethod
     def from_config(cls, policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
@@ -238,9 +319,7 @@ class HFRolloutEngine(RolloutEngine):
         self.scores_held_elements = SCORES_HELD_ELEMENTS
         self._step_versions: list[int] = []
         # the own sampling loop needs a Hugging Face causal LM whose forward takes a KV cache and positions
-        if sampler == "native" and not _supports_native_loop(self.model):
-            raise ValueError(f"rollout.sampler=native needs a causal LM whose forward takes a KV cache and "
-                             f"position_ids; {type(self.model).__name__} does not: use rollout.sampler=hf")
+        check_native_loop(sampler, type(self.model), getattr(self.model, "config", None))
         self.sampler = sampler
         self._keeps_logits = accepts_kwarg(self.model, "logits_to_keep")
         # the engine's own copy only: the trainer's model keeps its attention implementation
@@ -541,11 +620,12 @@ def check_engine_name(name: str) -> None:
                          "(offpolicy_moe.rollout.engine.register_engine adds one)")
 
 
-def check_engine_config(rollout: Any, model_config: Any) -> None:
-    """The named engine's own checks of the ``rollout`` section against the policy's transformers config, before
-    any engine or worker starts (:meth:`RolloutEngine.check_config`); one-line ``ValueError``."""
+def check_engine_config(rollout: Any, model_config: Any, needs: EngineNeeds = EngineNeeds()) -> None:
+    """The named engine's own checks of the ``rollout`` section against the policy's transformers config and what
+    the run asks of it (:class:`EngineNeeds`), before any engine, worker or actor starts
+    (:meth:`RolloutEngine.check_config`); one-line ``ValueError``."""
     check_engine_name(rollout.engine)
-    ENGINES[rollout.engine].check_config(rollout, model_config)
+    ENGINES[rollout.engine].check_config(rollout, model_config, needs)
 
 
 def make_engine(policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record_routes: bool = False,
@@ -554,21 +634,10 @@ def make_engine(policy: torch.nn.Module, tokenizer: Any, rollout: Any, *, record
     """The engine named by ``rollout.engine``, built from the ``rollout`` section (``seed``: the run's seed, which
     fixes ``rollout.router_perturb``'s perturbation: the trainer and every rollout worker pass the same one, so they
     draw the same ``dW``); one-line error for an unknown name or an engine that lacks a capability the run needs
-    (route recording, router offsets, kept sets of a truncated sampling distribution)."""
+    (:func:`check_capabilities`, which the run's checks apply first)."""
     check_engine_name(rollout.engine)
-    name = rollout.engine
-    cls = ENGINES[name]
-    needs_offsets = (router_offsets is not None or float(rollout.router_noise) > 0
-                     or float(rollout.router_perturb) > 0)
-    truncates = float(rollout.top_p) < 1.0 or int(rollout.top_k) > 0
-    for needed, have, what in ((record_routes, cls.capabilities.records_routes, "route recording (R3/PR2/routing "
-                                "metrics)"), (needs_offsets, cls.capabilities.router_offsets,
-                                              "router-logit offsets (PR2/router_noise/router_perturb)"),
-                               (truncates, cls.capabilities.records_kept_tokens,
-                                "returning the kept sets of top-k/top-p sampling (rollout.top_k > 0 or "
-                                "rollout.top_p < 1); the trainer needs them to take its log-probs over the same "
-                                "distribution")):
-        if needed and not have:
-            raise ValueError(f"rollout.engine={name!r} does not support {what}")
+    cls = ENGINES[rollout.engine]
+    needs = EngineNeeds.of_rollout(rollout, record_routes=record_routes, router_offsets=router_offsets)
+    check_capabilities(rollout.engine, cls.capabilities, needs)
     return cls.from_config(policy, tokenizer, rollout, record_routes=record_routes, router_offsets=router_offsets,
                            device=device, seed=seed)

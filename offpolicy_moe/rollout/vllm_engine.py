@@ -34,7 +34,8 @@ from offpolicy_moe.models import is_moe
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.rollout import devices, vllm_probe, vllm_start, vllm_worker
 from offpolicy_moe.rollout.batch import RolloutBatch
-from offpolicy_moe.rollout.engine import EngineCapabilities, RolloutEngine, register_engine
+from offpolicy_moe.rollout.engine import (EngineCapabilities, EngineNeeds, RolloutEngine, causal_lm_class,
+                                         check_capabilities, register_engine)
 from offpolicy_moe.rollout.seeds import iteration_seed
 from offpolicy_moe.routing import RouteTrace, cat_traces
 from offpolicy_moe.tasks import decode_completions, encode_prompts
@@ -176,13 +177,6 @@ def preflight(config: Any, opts: StartOptions, model_class: str = "") -> None:
                               f"{free >> 20} MiB of memory free now; lower it")
 
 
-def causal_lm_class(config: Any) -> str:
-    """The transformers causal-LM class name of ``config``'s model type (``""`` when transformers has none)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", ""), ""))
-
-
 def cpu_has_amx() -> bool:
     """True when this CPU has AMX tiles (vLLM's CPU MoE then runs the AMX grouped GEMM, and only that)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -253,6 +247,36 @@ def start_llm(model_dir: str, opts: StartOptions) -> Any:
                                   f"(vLLM's log above has the cause{hint})") from exc
 
 
+def start_plan(rollout: Any, opts: StartOptions, record_routes: bool,
+               device: Optional[torch.device]) -> tuple[StartOptions, str]:
+    """The start's platform-dependent settings and where the routes come from (``"native"``, ``"hooks"`` or ``""``):
+    :func:`vllm_start.route_source`, and on a GPU the engine's device (:mod:`.devices`) and memory share
+    (``device``: the trainer's).  One-line ``ValueError``; shared by :meth:`VLLMRolloutEngine.check_config` (before
+    any engine, worker or actor starts) and the constructor."""
+    plat = vllm_start.platform()
+    on_gpu = not plat.is_cpu()
+    routes_from = vllm_start.route_source(record_routes, str(rollout.vllm_routes),
+                                          vllm_start.native_routes_supported(plat), opts.eager)
+    gpu = None
+    if on_gpu and device is not None and torch.device(device).type == "cuda":
+        gpu = devices.engine_gpu(torch.device(device).index or 0, list(rollout.vllm_devices or []),
+                                 devices.visible_gpus())
+    share = float(rollout.vllm_gpu_memory_utilization)
+    if gpu is not None and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info(gpu)
+        vllm_start.check_gpu_memory(share, free, total, f"cuda:{gpu}")
+    return dataclasses.replace(opts, native_routes=routes_from == "native", device=gpu,
+                               gpu_memory_utilization=share if on_gpu else None), routes_from
+
+
+def trainer_device() -> Optional[torch.device]:
+    """The device a trainer process of this machine trains on before Accelerate says so: its local rank's GPU, or
+    None on a CPU machine."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Rollout engine on vLLM's offline Python API (see module docstring)."""
 
@@ -264,16 +288,26 @@ class VLLMRolloutEngine(RolloutEngine):
                     router_offsets: Optional[dict] = None, device: Optional[torch.device] = None,
                     seed: int = 0) -> "VLLMRolloutEngine":
         """The vLLM engine of config section ``rollout`` (see :class:`RolloutEngine`)."""
-        if router_offsets:
-            raise VLLMEngineError("rollout.engine=vllm does not support router-logit offsets (PR2)")
+        try:
+            check_capabilities("vllm", cls.capabilities,
+                               EngineNeeds.of_rollout(rollout, record_routes=record_routes,
+                                                      router_offsets=router_offsets))
+        except ValueError as exc:
+            raise VLLMEngineError(str(exc)) from None
         return cls(policy, tokenizer, rollout, record_routes=record_routes, seed=seed, device=device)
 
     @classmethod
-    def check_config(cls, rollout: Any, model_config: Any) -> None:
-        """:func:`preflight` of the ``rollout`` section for ``model_config``, as a one-line ``ValueError`` (the
-        trainer's checks call it before any worker starts)."""
+    def check_config(cls, rollout: Any, model_config: Any, needs: EngineNeeds = EngineNeeds()) -> None:
+        """Every refusal of the constructor for the ``rollout`` section, ``model_config`` and what the run asks of
+        the engine, as a one-line ``ValueError`` (the trainer's checks call it before any engine, worker or actor
+        starts): the capabilities (:func:`check_capabilities`), :func:`preflight`, and the start's plan
+        (:func:`start_plan`) for this trainer's device."""
+        check_capabilities("vllm", cls.capabilities, needs)
+        model_class = causal_lm_class(model_config)
         try:
-            preflight(model_config, StartOptions.from_rollout(rollout, model_config), causal_lm_class(model_config))
+            opts = StartOptions.from_rollout(rollout, model_config)
+            preflight(model_config, opts, model_class.__name__ if model_class is not None else "")
+            start_plan(rollout, opts, bool(needs.records_routes) and is_moe_config(model_config), trainer_device())
         except VLLMEngineError as exc:
             raise ValueError(str(exc)) from None
 
@@ -281,7 +315,7 @@ class VLLMRolloutEngine(RolloutEngine):
                  seed: int = 0, device: Optional[torch.device] = None, in_process: Optional[bool] = None,
                  stream: bool = False):
         """Write ``policy`` as a Hugging Face folder and start vLLM on it (refused in one line, before the start,
-        when it cannot succeed: :func:`preflight`, :meth:`_decide_start`).  ``device``: the trainer's device; a
+        when it cannot succeed: :func:`preflight`, :func:`start_plan`).  ``device``: the trainer's device; a
         CUDA one places the engine by the rule of :mod:`offpolicy_moe.rollout.devices`.  ``in_process``: vLLM's
         engine core in this process (default: only in a daemon process, which may not start one of its own).
         ``stream``: for :class:`~offpolicy_moe.streaming.vllm_stream.VLLMStreamSampler`, which steps the engine
@@ -292,9 +326,11 @@ class VLLMRolloutEngine(RolloutEngine):
         self.temperature = float(rollout.temperature)
         self.top_k = int(rollout.top_k)
         self.top_p = float(rollout.top_p)
-        if self.top_k > 0 or self.top_p < 1.0:
-            raise VLLMEngineError("rollout.engine=vllm does not return the kept sets of top-k/top-p sampling; "
-                                  "use rollout.top_k=0 rollout.top_p=1")
+        try:
+            check_capabilities("vllm", type(self).capabilities,
+                               EngineNeeds.of_rollout(rollout, record_routes=record_routes))
+        except ValueError as exc:
+            raise VLLMEngineError(str(exc)) from None
         self.version = 0
         self.between_tokens = None          # weights change between whole generations only
         self.check_sync = bool(getattr(rollout, "vllm_check_sync", True))
@@ -313,8 +349,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.opts = dataclasses.replace(self.opts, stream=bool(stream))
         self.unchecked_syncs = 0            # syncs whose probe check was left out: requests were in flight
         preflight(cfg, self.opts, type(policy).__name__)
-        self.routes_from = ""               # where the routes come from: "native" | "hooks" | "" (not recorded)
-        self.opts = self._decide_start(rollout, device)
+        try:      # where the routes come from: "native" | "hooks" | "" (not recorded); the device on a GPU
+            self.opts, self.routes_from = start_plan(rollout, self.opts, self.record_routes, device)
+        except ValueError as exc:
+            raise VLLMEngineError(str(exc)) from None
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None       # memory-backed where there is one
         self._dir = tempfile.mkdtemp(prefix="offpolicy-moe-vllm-", dir=shm)
         self._model_dir = os.path.join(self._dir, "model")            # what vLLM loads at every (re)start
@@ -327,27 +365,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self._start()
 
     # ------------------------------------------------------------------------------------------------- lifecycle
-    def _decide_start(self, rollout: Any, device: Optional[torch.device]) -> StartOptions:
-        """The start's platform-dependent settings, refused in one line before it starts: where the routes come
-        from (:func:`vllm_start.route_source`), on a GPU the engine's device (:mod:`.devices`) and memory share."""
-        plat = vllm_start.platform()
-        on_gpu = not plat.is_cpu()
-        try:
-            self.routes_from = vllm_start.route_source(self.record_routes, str(rollout.vllm_routes),
-                                                       vllm_start.native_routes_supported(plat), self.opts.eager)
-            gpu = None
-            if on_gpu and device is not None and torch.device(device).type == "cuda":
-                gpu = devices.engine_gpu(torch.device(device).index or 0, list(rollout.vllm_devices or []),
-                                         devices.visible_gpus())
-            share = float(rollout.vllm_gpu_memory_utilization)
-            if gpu is not None and torch.cuda.is_available():
-                free, total = torch.cuda.mem_get_info(gpu)
-                vllm_start.check_gpu_memory(share, free, total, f"cuda:{gpu}")
-        except ValueError as exc:
-            raise VLLMEngineError(str(exc)) from None
-        return dataclasses.replace(self.opts, native_routes=self.routes_from == "native", device=gpu,
-                                   gpu_memory_utilization=share if on_gpu else None)
-
     def _start(self) -> None:
         t0 = time.perf_counter()
         self.llm = start_llm(self._model_dir, self.opts)

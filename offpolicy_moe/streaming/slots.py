@@ -30,7 +30,7 @@ from offpolicy_moe.models.layout import cache_kwarg
 from offpolicy_moe.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 from offpolicy_moe.run.nonfinite import NonFiniteError
 
-__all__ = ["StreamSample", "FinishedSample", "SlotSampler", "checked_sample"]
+__all__ = ["StreamSample", "FinishedSample", "SlotSampler", "checked_sample", "check_slot_settings"]
 
 
 @dataclass(frozen=True)
@@ -80,22 +80,24 @@ class _Row:
         self.routes: list[torch.Tensor] = []        # [p, L_moe, K] from the prefill, then [1, L_moe, K] per decode
 
 
-def _check_engine(engine: Any) -> None:
-    """One-line ``ValueError`` for an engine the slot sampler cannot serve."""
-    if getattr(engine, "sampler", None) != "native":
-        raise ValueError(f"buffer.mode=stream needs rollout.sampler=native (its own KV-cache loop), got "
-                         f"{getattr(engine, 'sampler', None)!r}")
-    if engine.top_k > 0 or engine.top_p < 1.0:
+def check_slot_settings(sampler: str, top_k: int, top_p: float, pr2: bool, model_config: Any) -> None:
+    """One-line ``ValueError`` for settings the slot sampler cannot serve: ``rollout.sampler`` other than native,
+    a truncated distribution, PR2 predictors (per-sample router offsets), a model whose KV cache has layers other
+    than full attention.  Shared by :class:`SlotSampler` and the run's checks (before any worker starts)."""
+    if sampler != "native":
+        raise ValueError(f"buffer.mode=stream needs rollout.sampler=native (its own KV-cache loop), got {sampler!r}")
+    if top_k > 0 or top_p < 1.0:
         raise ValueError(f"buffer.mode=stream samples the full distribution: set rollout.top_k=0 and "
-                         f"rollout.top_p=1 (got top_k={engine.top_k}, top_p={engine.top_p})")
-    if getattr(engine, "pr2_predictors", None) is not None:
+                         f"rollout.top_p=1 (got top_k={top_k}, top_p={top_p})")
+    if pr2:
         raise ValueError("buffer.mode=stream does not run PR2 predictors (per-sample router offsets); "
-                         "use the engine's generate")
-    kinds = {type(layer).__name__ for layer in preallocated_cache(engine.model.config, 1).layers
+                         "use algo.routing.replay=r3 or none")
+    kinds = {type(layer).__name__ for layer in preallocated_cache(model_config, 1).layers
              if not isinstance(layer, PreallocatedLayer)}
     if kinds:
         raise ValueError(f"buffer.mode=stream needs full-attention KV-cache layers only; "
-                         f"{type(engine.model).__name__} has {sorted(kinds)} (sliding window or another kind)")
+                         f"model {getattr(model_config, 'model_type', '?')} has {sorted(kinds)} (sliding window or "
+                         "another kind)")
 
 
 class SlotSampler:
@@ -106,7 +108,8 @@ class SlotSampler:
         """A sampler of ``slots`` rows on ``engine`` (native sampler, full distribution, no PR2)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"SlotSampler needs slots >= 1, got {slots!r}")
-        _check_engine(engine)
+        check_slot_settings(getattr(engine, "sampler", None), engine.top_k, engine.top_p,
+                            getattr(engine, "pr2_predictors", None) is not None, engine.model.config)
         self.engine, self.slots = engine, int(slots)
         tok = engine.tokenizer
         self.eos = tok.eos_token_id             # a row that draws it is finished

@@ -6,16 +6,30 @@ from typing import Any
 
 from offpolicy_moe.config.preflight import CheckedConfig, preflight_checked
 from offpolicy_moe.config.validate import ConfigError
-from offpolicy_moe.rollout.engine import check_engine_config, check_engine_name
+from offpolicy_moe.models.moe_shape import declares_moe
+from offpolicy_moe.rollout.engine import EngineNeeds, check_engine_config, check_engine_name
 from offpolicy_moe.sources.buffer import check_buffer_feasible
+from offpolicy_moe.streaming.slots import check_slot_settings
 
-__all__ = ["CheckedConfig", "check_config"]
+__all__ = ["CheckedConfig", "check_config", "check_engine_settings"]
+
+
+def check_engine_settings(cfg: Any, model_config: Any) -> None:
+    """Every setting the run's engine refuses, before any engine, worker or actor starts, in every
+    ``buffer.mode``: the engine's own checks with what the run asks of it (:class:`EngineNeeds`), and with
+    ``buffer.mode=stream`` on the built-in engine, its slot sampler's (vLLM's stream engine is the vLLM engine,
+    checked above).  One-line ``ValueError``."""
+    check_engine_config(cfg.rollout, model_config, EngineNeeds.of_run(cfg, declares_moe(model_config)))
+    ro = cfg.rollout
+    if cfg.buffer.mode == "stream" and ro.engine == "hf":
+        check_slot_settings(ro.sampler, int(ro.top_k), float(ro.top_p), cfg.algo.routing.replay == "pr2",
+                            model_config)
 
 
 def check_config(cfg: Any) -> CheckedConfig:
     """Validation and the file-reading preflight (:func:`~offpolicy_moe.config.preflight.preflight`), a bounded
-    buffer that can train ``trainer.steps`` steps, and a registered rollout engine that can serve this model (its
-    own checks, here in the trainer's process, before any rollout worker starts).  Raises
+    buffer that can train ``trainer.steps`` steps, and a registered rollout engine that can serve this model and
+    run (:func:`check_engine_settings`, here in the trainer's process, before any rollout worker starts).  Raises
     :class:`~offpolicy_moe.config.validate.ConfigError` (one line per problem, naming the key); returns the
     warnings and the task it built."""
     checked = preflight_checked(cfg)
@@ -23,7 +37,7 @@ def check_config(cfg: Any) -> CheckedConfig:
     try:
         check_engine_name(cfg.rollout.engine)
         if checked.model_config is not None:
-            check_engine_config(cfg.rollout, checked.model_config)
+            check_engine_settings(cfg, checked.model_config)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return checked

@@ -2,10 +2,7 @@
 versions, the engine's own routes replayed exactly, seeds, weight syncs, and its faults (killed, refused starts)."""
 from __future__ import annotations
 
-import os
-import signal
-import threading
-
+import psutil
 import pytest
 import torch
 
@@ -13,6 +10,7 @@ from offpolicy_moe.rollout.engine import make_engine
 from offpolicy_moe.rollout.vllm_engine import StartOptions, VLLMEngineError, start_llm
 from tests.vllm.conftest import (ANSWERS, PROMPTS, TEMPERATURE, assert_routes_replay_exactly, engine_processes,
                                  short_job_engine, trainer_logp, vllm_config)
+from tests.vllm.worker_faults import kill_at_forward
 
 pytestmark = pytest.mark.vllm
 
@@ -93,19 +91,22 @@ def test_a_weight_sync_that_does_not_fit_is_one_line(engine, policies):
 
 
 def test_an_engine_killed_during_generation_restarts_and_reissues_the_batch(engine, policies):
+    """The engine's worker kills itself at its second forward of the batch (after the first tokens were sampled),
+    so the kill lands in the middle of the generation on any CPU, however fast."""
     before = _generate(engine, seed=21)
-    restarts = engine.restarts
+    restarts, version = engine.restarts, engine.version
     victims = engine_processes()
     assert victims, "no vLLM engine process found"
-    timer = threading.Timer(0.05, lambda: [os.kill(p.pid, signal.SIGKILL) for p in victims])
-    timer.start()
+    pid = engine.llm.collective_rpc(kill_at_forward, args=(2,))[0]
+    family = {p.pid for v in victims for p in [v, *v.children(recursive=True)]}
+    assert pid in family                            # the worker: an engine process, or a child of one
     after = _generate(engine, seed=21)
-    timer.join()
     assert engine.restarts == restarts + 1
     assert all(not p.is_running() or p.status() == "zombie" for p in victims)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     assert torch.equal(before.input_ids, after.input_ids)              # reissued with its seeds
     assert (trainer_logp(policies[1], after, TEMPERATURE) - after.behav_logp)[after.response_mask.bool()].abs().max() < 2e-5
-    assert engine.version == 6
+    assert engine.version == version                # restarted on the last synced weights
 
 
 @pytest.mark.parametrize("override, match", [
