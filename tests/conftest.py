@@ -32,3 +32,21 @@ def make_cfg(tmp_path):
 def free_port() -> int:
     """A free local TCP port."""
     return _free_port()
+
+
+@pytest.fixture
+def hide_package(monkeypatch):
+    """``hide_package(name)``: for this test only, ``import name`` and every ``import name.sub`` fail as if the package
+    were not installed, whether or not it is (the package and each submodule already imported are set to None in
+    ``sys.modules``; monkeypatch restores them).  A test of the "not installed" path uses it instead of assuming the
+    package is absent: the README installs every extra into the same venv."""
+    import importlib.util
+    import sys
+
+    def hide(name: str) -> None:
+        for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            monkeypatch.setitem(sys.modules, mod, None)
+        monkeypatch.setitem(sys.modules, name, None)
+        assert importlib.util.find_spec(name) is None
+
+    return hide

@@ -158,6 +158,10 @@ class RolloutEngine(abc.ABC):
     def sync(self, state_dict: dict, version: int, predictors: Optional[dict] = None) -> None:
         """Load new policy weights (and PR2 predictor weights) and set the version."""
 
+    def close(self) -> None:
+        """Stop what the engine started (processes, threads), in order, before its owner exits; idempotent.  The
+        built-in engine starts nothing."""
+
 
 def _encode(tokenizer: Any, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``(input_ids, attention_mask)``, encoded as the task's evaluation encodes them."""

@@ -13,6 +13,7 @@ started again on the last good weights and the call reissued, at most :data:`MAX
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import multiprocessing
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Optional, Sequence
 
@@ -50,6 +52,14 @@ MAX_RESTARTS = 2
 # tensors that cross a weight sync in their own precision, not the engine's: vLLM keeps DeepSeek-V3's correction
 # bias in float32 and adds it to the scores to choose experts, so rounding it would move the choice
 KEEP_FLOAT32 = ("e_score_correction_bias",)
+
+
+# how long a close waits for the threads vLLM's client started (its output queue and engine monitor) to end
+CLIENT_THREADS_JOIN_S = 10.0
+# tqdm's monitor, which vLLM's start may begin, is shared and runs for the process's life (Python only: harmless)
+SHARED_THREADS = ("tqdm_monitor",)
+# the engines not yet closed: closed in order at interpreter exit (_close_open_engines)
+_OPEN: "weakref.WeakSet[VLLMRolloutEngine]" = weakref.WeakSet()
 
 
 class VLLMEngineError(RuntimeError):
@@ -367,7 +377,10 @@ class VLLMRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------------------------------- lifecycle
     def _start(self) -> None:
         t0 = time.perf_counter()
+        before = set(threading.enumerate())
         self.llm = start_llm(self._model_dir, self.opts)
+        self._client_threads = [t for t in set(threading.enumerate()) - before if t.name not in SHARED_THREADS]
+        _OPEN.add(self)
         if self.routes_from == "native":              # vLLM's routed_experts: all hidden layers, reduced to these
             self.layer_ids = list(self.llm.collective_rpc(vllm_worker.moe_layer_ids)[0])
         elif self.routes_from == "hooks":
@@ -400,11 +413,23 @@ class VLLMRolloutEngine(RolloutEngine):
         stopper = threading.Thread(target=lambda: llm.llm_engine.engine_core.shutdown(), daemon=True)
         stopper.start()
         stopper.join(30.0)
+        self._join_client_threads()
+
+    def _join_client_threads(self) -> None:
+        """Wait (at most :data:`CLIENT_THREADS_JOIN_S` in all) for the threads vLLM's client started to end after
+        its shutdown signalled them: a daemon thread still inside native code when the interpreter finalizes is
+        unwound by force, and through a C++ frame that aborts the process ("terminate called without an active
+        exception", exit code -6) after a run that finished."""
+        deadline = time.monotonic() + CLIENT_THREADS_JOIN_S
+        for thread in getattr(self, "_client_threads", []):
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        self._client_threads = [t for t in getattr(self, "_client_threads", []) if t.is_alive()]
 
     def close(self) -> None:
-        """Stop the engine and remove its model folder."""
+        """Stop the engine (its processes, then its client's threads) and remove its model folder; idempotent."""
         self._shutdown()
         shutil.rmtree(self._dir, ignore_errors=True)
+        _OPEN.discard(self)
 
     def __del__(self):
         with contextlib.suppress(Exception):
@@ -655,3 +680,12 @@ def _by_suffix(routes: dict, request_id: str) -> Optional[tuple[np.ndarray, np.n
 
 
 register_engine("vllm", VLLMRolloutEngine)
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """Close every engine still open when the interpreter exits (a script that never called ``close``), while
+    threads may still be joined: atexit runs before the interpreter finalizes."""
+    for engine in list(_OPEN):
+        with contextlib.suppress(Exception):
+            engine.close()

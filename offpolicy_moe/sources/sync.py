@@ -110,6 +110,11 @@ class SyncBatchSource(BatchSource):
             self.stage.keep(version, weights)
             self.published = int(version)
 
+    def close(self) -> None:
+        """Stop the engine this source generates with (a vLLM engine's processes and client threads), so that
+        nothing it started outlives the run; idempotent."""
+        self.engine.close()
+
     def state_dict(self) -> dict:
         return {"mode": self.buffer.mode, "iteration": self.iteration, "published": self.published,
                 "nan_dropped": self.nan_dropped, "buffer": self.buffer.state_dict()}

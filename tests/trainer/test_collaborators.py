@@ -13,7 +13,7 @@ import torch
 from offpolicy_moe.trainer.callbacks import Callback, CallbackList, FunctionCallback
 from offpolicy_moe.trainer.launch import train
 from offpolicy_moe.trainer.optim import lr_schedule
-from offpolicy_moe.rollout.engine import ENGINES, EngineCapabilities, HFRolloutEngine, make_engine
+from offpolicy_moe.rollout.engine import ENGINES, EngineCapabilities, HFRolloutEngine, make_engine, register_engine
 from offpolicy_moe.trainer.trainer import Trainer
 from tests.trainer.test_trainer import final_weights, read_metrics
 
@@ -137,3 +137,27 @@ def test_the_trainer_and_run_rooms_never_import_the_commands():
 
     assert env.environment_info is run_dir.environment_info
     assert {"python", "torch", "transformers"} <= set(run_dir.environment_info())
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_synchronous_run_closes_its_engine_however_it_ends(make_cfg, monkeypatch, fails):
+    """The engine's processes and threads stop with the run (a vLLM client thread alive at interpreter exit aborts
+    the process after a finished run), and when the run fails too."""
+    closed = []
+
+    class Counted(HFRolloutEngine):
+        def close(self) -> None:
+            closed.append(self.version)
+
+    register_engine("counted", Counted)
+    try:
+        tr = Trainer(make_cfg("rollout.engine=counted", "trainer.steps=2"))
+        if fails:
+            monkeypatch.setattr(tr, "evaluate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("evaluation broke")))
+            with pytest.raises(RuntimeError, match="evaluation broke"):
+                tr.run()
+        else:
+            assert tr.run()["status"] == "completed"
+    finally:
+        del ENGINES["counted"]
+    assert len(closed) == 1

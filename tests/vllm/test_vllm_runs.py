@@ -8,13 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
 import pytest
 
 from offpolicy_moe.config.load import load_config
-from offpolicy_moe.rollout.vllm_engine import engine_processes
+from offpolicy_moe.rollout.vllm_engine import SHARED_THREADS, engine_processes
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer
 from tests.refusals import error_lines
@@ -94,6 +95,29 @@ def test_the_engine_killed_mid_run_is_restarted_and_every_step_trains_once(tmp_p
     assert trainer.engine.restarts == 1
     assert [r["step"] for r in _train_rows(Path(cfg.run_dir))] == [1, 2, 3, 4, 5, 6]
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in killed)
+
+
+def test_a_finished_run_leaves_no_vllm_client_thread_running(tmp_path):
+    """A thread of vLLM's client still inside native code when the interpreter finalizes is unwound by force, which
+    aborts the process (exit code -6, "terminate called without an active exception") after a run that finished:
+    the run closes its engine, and the client's threads have ended when ``run`` returns."""
+    cfg = load_config(None, JOB + ["trainer.steps=1", "trainer.sft_warmup_steps=0"])
+    cfg.run_dir = str(tmp_path / "closed")
+    before = {t.ident for t in threading.enumerate()}
+    trainer = Trainer(cfg)
+    started = [t for t in threading.enumerate() if t.ident not in before and t.name not in SHARED_THREADS]
+    assert started, "the vLLM engine started no client thread: nothing to check"
+    assert trainer.run()["status"] == "completed"
+    assert [t.name for t in started if t.is_alive()] == []
+    assert trainer.engine.llm is None                                   # closed by the run
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_finished_vllm_run_exits_0(tmp_path, attempt):
+    """The command line's exit code after a finished run, asked again (the abort at exit was intermittent)."""
+    out = _train(tmp_path / "run", "trainer.steps=1", "trainer.sft_warmup_steps=0", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "terminate called" not in out.stderr
 
 
 @pytest.mark.parametrize("mode", [(), ("buffer.mode=async", "buffer.staleness=1"),
