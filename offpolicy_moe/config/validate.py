@@ -299,7 +299,8 @@ def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
 
 def check_vllm(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
     """``rollout.engine=vllm``: the device list, the length it serves, and recording hooks without eager mode
-    (where the config alone says the routes come from hooks; the engine checks the rest before it starts)."""
+    (where the config alone says the routes come from hooks; the engine's own checks, with the model's config,
+    follow in :func:`offpolicy_moe.trainer.checks.check_config`, before any engine starts)."""
     ro, rt = cfg.rollout, cfg.algo.routing
     devices = list(ro.vllm_devices or [])
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices) or len(set(devices)) < len(devices):
