@@ -44,3 +44,12 @@ def test_bad_shapes_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench_bounds.main(["--rows", "0"])
     assert "--rows must be >= 1" in capsys.readouterr().err
+
+
+def test_active_parameters_count_a_tokens_share_of_the_experts():
+    model, _ = bench_bounds.load_policy(bench_bounds.ModelConfig(num_layers=1, hidden_size=32, num_experts=4, top_k=2),
+                                        seed=0)
+    named = dict(model.named_parameters())
+    experts = sum(t.numel() for n, t in named.items() if ".experts." in n)
+    rest = sum(t.numel() for n, t in named.items() if ".experts." not in n) - named["model.embed_tokens.weight"].numel()
+    assert experts > 0 and bench_bounds.active_parameters(model) == rest + experts // 2

@@ -7,8 +7,10 @@ with no engine, trainer or Python bookkeeping around the forward.
 * **bare update**: forward + backward of the model on ``B`` rows of ``T`` tokens (the sum of the tokens'
   log-probabilities as the loss), and the forward alone (the old-log-prob pass's bound), milliseconds;
 * **peak**: the CPU's (or device's) FLOP rate from a measured ``N x N`` matmul in the run's dtype, and the update's
-  MFU against it, counting ``6 * parameters * tokens`` FLOPs for a forward + backward (Kaplan et al., 2020,
-  https://arxiv.org/abs/2001.08361, the attention's share left out: a lower bound of the work).
+  MFU against it, counting ``6 * N_active * tokens`` FLOPs for a forward + backward (Kaplan et al., 2020,
+  https://arxiv.org/abs/2001.08361; the attention's share left out: a lower bound of the work), where ``N_active``
+  is what one token multiplies with: every weight but the input embedding (a lookup), each routed expert's share
+  ``k / E`` (top-k of E experts).
 
 Each cell is the median of ``--repeats`` timed calls after ``--warmup``; the load average and the CPU model are
 printed with the tables.  The model is the embedded one (``--layers --hidden --experts --head-dim`` as
@@ -31,6 +33,7 @@ from offpolicy_moe.config.schema import ModelConfig
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.models.layout import cache_kwarg
+from offpolicy_moe.models.moe_shape import moe_shape
 
 
 def cpu_model() -> str:
@@ -97,6 +100,19 @@ def update_ms(model: torch.nn.Module, batch: int, tokens: int, repeats: int, war
     return 1e3 * timed(fwd_bwd, repeats, warmup), 1e3 * timed(fwd, repeats, warmup)
 
 
+def active_parameters(model: torch.nn.Module) -> int:
+    """Weights one token multiplies with: all but the input embedding, routed experts' tensors at ``k / E``."""
+    num_experts, top_k = moe_shape(model.config)
+    share = (top_k / num_experts) if num_experts and top_k else 1.0
+    embed = model.get_input_embeddings().weight
+    total = 0.0
+    for name, t in model.named_parameters():
+        if t is embed:
+            continue
+        total += t.numel() * (share if ".experts." in name else 1.0)
+    return int(total)
+
+
 def peak_flops(n: int, dtype: torch.dtype, repeats: int, warmup: int) -> float:
     """FLOP/s of an ``n x n`` by ``n x n`` matmul in ``dtype`` (``2 n^3`` FLOPs a call)."""
     gen = torch.Generator().manual_seed(2)
@@ -131,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
                                        head_dim=args.head_dim), seed=0)
     model = model.to(dtype).eval()
     params = sum(t.numel() for t in model.parameters())
+    active = active_parameters(model)
     print(f"{cpu_model()}; torch {torch.__version__}, {args.threads} thread(s), {args.dtype}; model "
-          f"{args.layers} layers x {args.hidden} hidden, {args.experts} experts, {params:,} parameters; "
+          f"{args.layers} layers x {args.hidden} hidden, {args.experts} experts, {params:,} parameters ({active:,} active a token); "
           f"load average {os.getloadavg()}")
     print("\ndecode grid: ms per bare decode forward (tokens/s it allows)\n")
     print("| rows \\ KV columns | " + " | ".join(str(c) for c in args.columns) + " |")
@@ -143,11 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     both, fwd = update_ms(model, args.batch, args.tokens, args.repeats, args.warmup)
     peak = peak_flops(args.matmul, dtype, args.repeats, args.warmup)
-    work = 6 * params * args.batch * args.tokens
+    work = 6 * active * args.batch * args.tokens
     print(f"\nbare update, {args.batch} x {args.tokens} tokens: forward + backward {both:.1f} ms, forward alone "
           f"{fwd:.1f} ms")
     print(f"peak: {peak / 1e9:,.1f} GFLOP/s ({args.matmul}^2 matmul, {args.dtype}); the bare update's MFU "
-          f"{work / (both / 1e3) / peak:.1%} (6 x parameters x tokens = {work / 1e9:.2f} GFLOP)")
+          f"{work / (both / 1e3) / peak:.1%} (6 x active parameters x tokens = {work / 1e9:.2f} GFLOP)")
     print(f"load average after: {os.getloadavg()}")
 
 
