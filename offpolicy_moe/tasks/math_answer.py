@@ -33,7 +33,7 @@ import time
 import weakref
 from fractions import Fraction
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .rewards import clean_completion
 
@@ -145,12 +145,25 @@ class MathVerifier:
 
     # ---------------------------------------------------------------- the check
     def equivalent(self, gold: str, pred: str) -> Optional[bool]:
-        """Whether ``pred`` and ``gold`` are the same mathematical answer (None: timed out, scored as wrong)."""
+        """Whether ``pred`` and ``gold`` are the same mathematical answer (None: timed out, scored as wrong); a gold
+        answer in which math-verify reads no expression is equivalent to nothing."""
         if not gold or not pred:
             return False
         if _PLAIN_NUMBER.fullmatch(gold) and _PLAIN_NUMBER.fullmatch(pred):
             return Fraction(gold) == Fraction(pred)      # two decimals: exact arithmetic decides, no child needed
-        key = (gold, pred)
+        return self._ask((gold, pred), [gold, pred])
+
+    def parses(self, text: str) -> Optional[bool]:
+        """Whether math-verify reads an expression in ``text`` (a reference it does not read cannot be scored);
+        None: timed out."""
+        if not text:
+            return False
+        if _PLAIN_NUMBER.fullmatch(text):
+            return True
+        return self._ask(("parse", text), text)
+
+    def _ask(self, key: tuple, request: Any) -> Optional[bool]:
+        """The child's reply to ``request`` (cached under ``key``); None when it timed out (the child is stopped)."""
         if key in self._cache:
             return self._cache[key]
         with self._lock:
@@ -158,7 +171,7 @@ class MathVerifier:
                 self._start()
             assert self._proc is not None and self._proc.stdin is not None
             try:
-                self._proc.stdin.write((json.dumps([gold, pred]) + "\n").encode("utf-8"))
+                self._proc.stdin.write((json.dumps(request) + "\n").encode("utf-8"))
                 reply = self._readline(self.timeout_s)
             except BrokenPipeError:
                 reply = None
