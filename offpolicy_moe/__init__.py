@@ -1,10 +1,25 @@
 """offpolicy_moe: RL for Mixture-of-Experts language models on stale, off-policy data.
 
-Floors (each imports only from the floors below):
-  1. ``offpolicy_moe.losses``   pure tensor math (advantages, aggregation, objectives, corrections)
-  2. ``offpolicy_moe.routing``, ``offpolicy_moe.tasks``, ``offpolicy_moe.models``
-  3. ``offpolicy_moe.engine``   rollout engine, staleness buffer, Accelerate trainer
-  4. ``offpolicy_moe.config``, ``offpolicy_moe.report``, ``offpolicy_moe.cli``
+Layers, bottom up: a layer imports only from the layers below it, and the three of the first layer not from one
+another (the import-linter contract "offpolicy_moe layers" in pyproject.toml; docs/architecture.md has each
+subpackage's job and imports).
+
+  1. ``losses``, ``routing``, ``tasks``  objective math; router hooks and route traces; tasks and rewards
+  2. ``models``        tiny presets, offline loading, the MoE shape of a model
+  3. ``integrations``  adapters into other trainers (verl, TRL)
+  4. ``config``        the schema, loading and validation of a run's config
+  5. ``run``           a run's folder, checkpoints, loggers and metric names
+  6. ``rollout``       the rollout engines and their worker processes
+  7. ``streaming``     streamed rollouts: continuous batching and the streaming worker
+  8. ``logprobs``      log-probs of generated batches under the policy
+  9. ``sources``       where each step's batch comes from: the trainer's process, workers or a stream
+  10. ``trainer``      the training loop and its update
+  11. ``report``       run folders read into tables and plots
+  12. ``sweep``        experiment grids, planned and run
+  13. ``commands``     one module per CLI subcommand
+  14. ``cli``          the ``offpolicy-moe`` entry point
+
+``lazy`` (names imported from their modules on first use) imports nothing of the package; any layer may use it.
 """
 
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@ CLI imports the package inside a function, and no module guards one of the packa
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -35,6 +36,21 @@ def test_import_linter_layers_contract_is_kept():
     for c in contracts:
         assert f"{c['name']} KEPT" in out.stdout, c["name"]
     assert f"{len(contracts)} kept, 0 broken" in out.stdout
+
+
+def test_the_package_docstring_lists_the_contract_layers_bottom_up():
+    """``offpolicy_moe.__doc__`` numbers the layers of the "offpolicy_moe layers" contract, bottom up, each an
+    existing subpackage or module, and names nothing else as a layer."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["name"] == "offpolicy_moe layers")
+    want = [sorted(name.strip().removeprefix("offpolicy_moe.") for name in layer.split("|"))
+            for layer in reversed(layers)]
+    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
+    numbered = [line.split(maxsplit=1)[1] for line in doc.splitlines() if re.match(r"\s*\d+\.\s", line)]
+    listed = [sorted(re.findall(r"``(?:offpolicy_moe\.)?(\w+)``", line.split("  ")[0])) for line in numbered]
+    assert listed == want, f"docstring layers {listed} != contract {want}"
+    for name in {n for layer in listed for n in layer} | set(re.findall(r"^``(\w+)``", doc, flags=re.M)):
+        assert (PACKAGE / name / "__init__.py").is_file() or (PACKAGE / f"{name}.py").is_file(), name
 
 
 def _module_name(path: Path) -> str:

@@ -119,89 +119,156 @@ def stream_sampler(cfg: Any, model: torch.nn.Module, tok: Any) -> tuple[Any, Any
     return engine, SlotSampler(engine, slots), shape
 
 
+@dataclass
+class _Stream:
+    """A running streaming worker's state: what it samples with, the groups in its slots, its clock and decode
+    steps, and ``group``, the last group a finished sample belonged to (named if the worker fails)."""
+
+    spec: WorkerSpec
+    task: Any
+    tok: Any
+    engine: Any
+    sampler: Any
+    route_shape: Any
+    open_groups: dict[int, _Open] = field(default_factory=dict)
+    clock: _Clock = field(default_factory=_Clock)
+    steps: int = 0
+    group: int = -1
+
+    @property
+    def prompts(self) -> int:
+        """``rollout.prompts_per_step`` (``P``): group ``g`` is prompt ``g mod P`` of iteration ``g div P``."""
+        return int(self.spec.cfg.rollout.prompts_per_step)
+
+    @property
+    def group_size(self) -> int:
+        """``rollout.group_size`` (``G``): the samples of one group."""
+        return int(self.spec.cfg.rollout.group_size)
+
+    @property
+    def idle(self) -> bool:
+        """No sample is decoding or queued."""
+        return self.sampler.active == 0 and self.sampler.queued == 0
+
+
+def _start_stream(spec: WorkerSpec, board: WeightBoard, results: Any) -> _Stream:
+    """Set the process up (environment, probes, threads), load the task and the policy, start the sampler with the
+    weights of version 0 (and the newest before every decode step after it), then report
+    :class:`~offpolicy_moe.rollout.worker.WorkerReady`."""
+    os.environ.update(spec.env or {})
+    probes.receive(spec.probe)
+    torch.set_num_threads(max(int(spec.threads), 1))
+    cfg = spec.cfg
+    task = make_task(cfg.task)
+    model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+    apply_chat_template(task, tok, cfg.task.chat_template)
+    engine, sampler, route_shape = stream_sampler(cfg, model, tok)
+    engine.forget_version()
+    engine.call_between_tokens(board.load_into)      # weights in flight: the newest before every decode step
+    board.wait_for(0, spec.weight_timeout_s, what=f"streaming worker {spec.index}")
+    board.load_into(engine)
+    results.send_bytes(pack(WorkerReady(spec.index, os.getpid())))
+    return _Stream(spec, task, tok, engine, sampler, route_shape)
+
+
+def _take_orders(stream: _Stream, orders: Any) -> bool:
+    """Queue the samples of every order waiting on ``orders`` (waiting up to a second for the first one when
+    nothing is decoding); False when the trainer said stop (:class:`~offpolicy_moe.rollout.worker.Shutdown`) or
+    closed its end."""
+    P, G = stream.prompts, stream.group_size
+    t0 = time.perf_counter()
+    wait = 1.0 if stream.idle else 0.0
+    while orders.poll(wait):
+        try:
+            msg = orders.recv()
+        except EOFError:
+            return False
+        if isinstance(msg, Shutdown):
+            return False
+        row = stream.task.sample_prompts(msg.group // P, P)[msg.group % P]
+        prompt = encode_prompts(stream.tok, [row["prompt"]])[0][0]
+        stream.sampler.submit(StreamSample((msg.group, j), prompt, sample_seed(msg.seed, j)) for j in range(G))
+        stream.open_groups[msg.group] = _Open(msg, row["answer"])
+        wait = 0.0
+    stream.clock.wait_s += time.perf_counter() - t0
+    return True
+
+
+def _lose_slots(stream: _Stream, exc: NonFiniteError, results: Any) -> None:
+    """Sampling met NaN/Inf: report every group in the slots lost (:class:`GroupsNonFinite`) and empty the
+    slots, so the worker goes on with the groups the trainer issues again."""
+    lost = sorted(stream.open_groups)
+    results.send_bytes(pack(GroupsNonFinite(stream.spec.index, tuple(lost),
+                                            tuple(stream.open_groups[g].order.attempt for g in lost),
+                                            exc.stage, exc.what)))
+    stream.open_groups.clear()
+    if isinstance(stream.sampler, VLLMStreamSampler):
+        stream.sampler.abort()
+    else:
+        stream.sampler = SlotSampler(stream.engine, int(stream.spec.cfg.rollout.stream_slots))
+
+
+def _send_finished(stream: _Stream, finished: Any, results: Any) -> None:
+    """File each finished sample under its group, and send every group whose last sample this was: a
+    :class:`GroupDone`, or a :class:`GroupsNonFinite` when its behaviour log-probs are not finite."""
+    G = stream.group_size
+    for sample in finished:
+        group, j = sample.key
+        stream.group = group
+        stream.clock.tokens += int(sample.response_ids.numel())
+        entry = stream.open_groups.get(group)
+        if entry is None:
+            continue
+        entry.done[j] = sample
+        if len(entry.done) < G:
+            continue
+        del stream.open_groups[group]
+        batch = group_batch([entry.done[i] for i in range(G)], answer=entry.answer, group=group,
+                            tokenizer=stream.tok, route_shape=stream.route_shape)
+        if not all_finite(batch.behav_logp, batch.response_mask):
+            results.send_bytes(pack(GroupsNonFinite(stream.spec.index, (group,), (entry.order.attempt,),
+                                                    "generation", "behaviour log-probs of the sampled tokens")))
+            continue
+        results.send_bytes(pack(GroupDone(stream.spec.index, group, entry.order.attempt, batch.state_dict(),
+                                          stream.clock.report())))
+
+
+def _serve(stream: _Stream, orders: Any, results: Any) -> None:
+    """Take orders and decode until the trainer says stop or is gone: one decode step at a time, each followed by
+    the groups it finished (module docstring)."""
+    parent = stream.spec.parent_pid
+    while True:
+        if not _take_orders(stream, orders):
+            return
+        if stream.idle:
+            if not pid_alive(parent):
+                return
+            continue
+        stream.steps += 1
+        if stream.steps % _ALIVE_CHECK_STEPS == 0 and not pid_alive(parent):
+            return
+        t1 = time.perf_counter()
+        try:
+            finished = stream.sampler.step()
+        except NonFiniteError as exc:
+            _lose_slots(stream, exc, results)
+            continue
+        stream.clock.generate_s += time.perf_counter() - t1
+        _send_finished(stream, finished, results)
+
+
 def stream_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any) -> None:
     """Entry point of a streaming worker process (module docstring); messages on ``results`` (packed):
     :class:`~offpolicy_moe.rollout.worker.WorkerReady`, then :class:`GroupDone` / :class:`GroupsNonFinite`, or
-    :class:`~offpolicy_moe.rollout.worker.WorkerFailed` before it exits."""
-    group = -1
+    :class:`~offpolicy_moe.rollout.worker.WorkerFailed` (naming the last group a finished sample belonged to, or
+    -1) before it exits."""
+    stream = None
     try:
-        os.environ.update(spec.env or {})
-        probes.receive(spec.probe)
-        torch.set_num_threads(max(int(spec.threads), 1))
-        cfg = spec.cfg
-        ro = cfg.rollout
-        task = make_task(cfg.task)
-        model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
-        apply_chat_template(task, tok, cfg.task.chat_template)
-        engine, sampler, route_shape = stream_sampler(cfg, model, tok)
-        engine.forget_version()
-        engine.call_between_tokens(board.load_into)      # weights in flight: the newest before every decode step
-        board.wait_for(0, spec.weight_timeout_s, what=f"streaming worker {spec.index}")
-        board.load_into(engine)
-        results.send_bytes(pack(WorkerReady(spec.index, os.getpid())))
-        P, G = int(ro.prompts_per_step), int(ro.group_size)
-        open_groups: dict[int, _Open] = {}
-        clock, steps = _Clock(), 0
-        while True:
-            busy = sampler.active > 0 or sampler.queued > 0
-            t0 = time.perf_counter()
-            wait = 0.0 if busy else 1.0
-            while orders.poll(wait):
-                try:
-                    msg = orders.recv()
-                except EOFError:
-                    return
-                if isinstance(msg, Shutdown):
-                    return
-                row = task.sample_prompts(msg.group // P, P)[msg.group % P]
-                prompt = encode_prompts(tok, [row["prompt"]])[0][0]
-                sampler.submit(StreamSample((msg.group, j), prompt, sample_seed(msg.seed, j)) for j in range(G))
-                open_groups[msg.group] = _Open(msg, row["answer"])
-                wait = 0.0
-            clock.wait_s += time.perf_counter() - t0
-            if sampler.active == 0 and sampler.queued == 0:
-                if not pid_alive(spec.parent_pid):
-                    return
-                continue
-            steps += 1
-            if steps % _ALIVE_CHECK_STEPS == 0 and not pid_alive(spec.parent_pid):
-                return
-            t1 = time.perf_counter()
-            try:
-                finished = sampler.step()
-            except NonFiniteError as exc:
-                lost = sorted(open_groups)
-                results.send_bytes(pack(GroupsNonFinite(spec.index, tuple(lost),
-                                                        tuple(open_groups[g].order.attempt for g in lost),
-                                                        exc.stage, exc.what)))
-                open_groups.clear()
-                if isinstance(sampler, VLLMStreamSampler):
-                    sampler.abort()
-                else:
-                    sampler = SlotSampler(engine, int(ro.stream_slots))
-                continue
-            clock.generate_s += time.perf_counter() - t1
-            for sample in finished:
-                group, j = sample.key
-                clock.tokens += int(sample.response_ids.numel())
-                entry = open_groups.get(group)
-                if entry is None:
-                    continue
-                entry.done[j] = sample
-                if len(entry.done) < G:
-                    continue
-                del open_groups[group]
-                batch = group_batch([entry.done[i] for i in range(G)], answer=entry.answer, group=group,
-                                    tokenizer=tok, route_shape=route_shape)
-                if not all_finite(batch.behav_logp, batch.response_mask):
-                    results.send_bytes(pack(GroupsNonFinite(spec.index, (group,), (entry.order.attempt,),
-                                                            "generation", "behaviour log-probs of the sampled "
-                                                            "tokens")))
-                    continue
-                results.send_bytes(pack(GroupDone(spec.index, group, entry.order.attempt, batch.state_dict(),
-                                                  clock.report())))
+        stream = _start_stream(spec, board, results)
+        _serve(stream, orders, results)
     except Exception:  # noqa: BLE001 - reported to the trainer, which names this worker
         try:
-            results.send_bytes(pack(WorkerFailed(spec.index, group, traceback.format_exc())))
+            results.send_bytes(pack(WorkerFailed(spec.index, -1 if stream is None else stream.group,
+                                                 traceback.format_exc())))
         finally:
             raise SystemExit(1)

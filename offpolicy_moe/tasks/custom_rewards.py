@@ -30,6 +30,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from numbers import Real
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .math_answer import MathVerifier
@@ -43,11 +44,15 @@ class RewardError(RuntimeError):
     """A reward function failed on a batch: raised, returned the wrong length, or a non-finite / non-number value.
 
     ``str(err)`` is one line naming the function and the row; ``fn`` (the configured path), ``row`` (index in the
-    batch, or None for the whole batch) are attributes."""
+    batch, or None for the whole batch) are attributes.  Once the trainer has checkpointed the last good state
+    before the error goes on (the message then says where), ``checkpoint_step`` is that state's step and
+    ``checkpoint`` its folder (None on a process that does not write checkpoints); both are None before."""
 
-    def __init__(self, message: str, *, fn: str, row: Optional[int]) -> None:
+    def __init__(self, message: str, *, fn: str, row: Optional[int], checkpoint_step: Optional[int] = None,
+                 checkpoint: Optional[Path] = None) -> None:
         super().__init__(message)
         self.fn, self.row = fn, row
+        self.checkpoint_step, self.checkpoint = checkpoint_step, checkpoint
 
 
 class RewardImportError(ValueError):

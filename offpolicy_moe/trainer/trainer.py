@@ -197,6 +197,13 @@ class Trainer:
         self.saved_at = (self.step, self.iteration)
         return path
 
+    def _checkpointed(self, exc: RewardError) -> RewardError:
+        """Checkpoint the current (last good) state and return ``exc`` again, its message saying where and its
+        ``checkpoint_step`` / ``checkpoint`` naming the step and the folder (task.on_reward_error=stop)."""
+        path = self.save()
+        return RewardError(f"{exc}; the last good state (step {self.step}) is checkpointed in {path}",
+                           fn=exc.fn, row=exc.row, checkpoint_step=self.step, checkpoint=path)
+
     def load(self, path: Path) -> LoadedCheckpoint:
         """Restore everything from a checkpoint folder (each part from its own state); clear errors when it does
         not fit the configured model."""
@@ -277,10 +284,10 @@ class Trainer:
             raise
         except RewardError as exc:      # outside the loop's own handler (the step-0 evaluation): checkpoint here
             error = f"{type(exc).__name__}: {exc}"
-            if "checkpointed in" not in str(exc):
-                path = self.save()
-                error = f"{error}; the last good state (step {self.step}) is checkpointed in {path}"
-                raise RewardError(error.split(": ", 1)[1], fn=exc.fn, row=exc.row) from exc
+            if exc.checkpoint_step is None:
+                saved = self._checkpointed(exc)
+                error = f"{type(saved).__name__}: {saved}"
+                raise saved from exc
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -364,9 +371,7 @@ class Trainer:
             m = self.update(batch, keep_start=due)
         except RewardError as exc:      # task.on_reward_error=stop: nothing was trained on this batch yet
             self.transaction.rollback()
-            path = self.save()
-            raise RewardError(f"{exc}; the last good state (step {self.step}) is checkpointed in {path}",
-                              fn=exc.fn, row=exc.row) from exc
+            raise self._checkpointed(exc) from exc
         t_update = time.perf_counter() - t0
         m.update(source_metrics)
         bound = int(self.cfg.buffer.staleness) + int(self.cfg.rollout.publish_every) - 1

@@ -12,11 +12,11 @@ BASE = ["trainer.steps=2", "trainer.sft_warmup_steps=0", "rollout.prompts_per_st
         "trainer.eval_every=0", "--quiet"]
 
 
-def _reward_file(tmp_path, fail_rows: int):
+def _reward_file(tmp_path, fail_rows: int, message: str = "picky failed"):
     f = tmp_path / "user_rewards.py"
     f.write_text("def picky(completions, answers, **columns):\n"
                  f"    if len(completions) == {fail_rows}:\n"
-                 "        raise ValueError('picky failed')\n"
+                 f"        raise ValueError({message!r})\n"
                  "    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n")
     return f
 
@@ -34,6 +34,22 @@ def test_a_failing_reward_stops_with_a_checkpoint_and_one_line(tmp_path, where, 
     err = [line for line in out.stderr.strip().splitlines() if line]
     assert len(err) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "reward 'picky'" in err[0] and "picky failed" in err[0] and f"step_{step}" in err[0]
+    assert err[0].count("checkpointed in") == 1, err[0]      # checkpointed once, by whichever handler met it first
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps"] == step
     assert (run / "checkpoints" / f"step_{step}" / "manifest.json").is_file()
+
+
+def test_a_reward_message_that_reads_like_a_checkpoint_still_gets_one(tmp_path):
+    """Whether the state was checkpointed is read from the error's ``checkpoint_step``, never from its text: a
+    reward whose own message says "checkpointed in: ..." fails in the step-0 evaluation and is checkpointed there."""
+    run = tmp_path / "run"
+    saved = f"the last good state (step 0) is checkpointed in {run / 'checkpoints' / 'step_0'}"
+    out = _train(run, _reward_file(tmp_path, 128, message="checkpointed in: nowhere"))
+    assert out.returncode == 1, out.stderr[-2000:]
+    err = [line for line in out.stderr.strip().splitlines() if line]
+    assert len(err) == 1 and "checkpointed in: nowhere" in err[0], out.stderr[-2000:]
+    assert err[0].endswith(saved), err[0]
+    assert (run / "checkpoints" / "step_0" / "manifest.json").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["error"].startswith("RewardError: ") and summary["error"].endswith(saved), summary["error"]
