@@ -3,7 +3,7 @@
 :meth:`HFRolloutEngine.generate` decodes a batch until its longest row is done, so with long-tailed response
 lengths most rows sit finished while one runs on.  :class:`SlotSampler` keeps ``slots`` rows busy instead: each
 :meth:`SlotSampler.step` admits queued samples into free rows (one left-padded prefill of the new prompts), draws one
-token for every active row, and runs ONE batched decode forward over all rows.
+token for every active row, and runs ONE batched decode forward over the occupied rows.
 
 All rows share one KV cache of ``L`` columns.  A row occupies columns ``[s_r, L)`` exactly as a left-padded row
 would: its attention mask is 0 before ``s_r`` and 1 from there, its position ids are its own (prompt length plus the
@@ -11,6 +11,18 @@ tokens fed so far).  An admitted prompt of length ``p`` is written at ``[L - p, 
 first when ``L < p``); when ``L`` reaches the buffer's size the columns before the earliest running row are dropped
 (:meth:`~offpolicy_moe.rollout.kv_cache.PreallocatedLayer.trim_left`) when that frees at least a quarter of the
 buffer, which otherwise doubles: the buffer stays within a few times the longest prompt plus ``max_new_tokens``.
+
+The cache keeps the ``n`` occupied rows in its first ``n`` buffer rows (a row that finishes is replaced by the last
+occupied one: one row copied), so the decode forward reads the buffers' first ``b`` rows, a view: the occupied rows
+and ``min(free, free_rows)`` free ones fed a pad token that attends to itself only (``free_rows`` = :data:`FREE_ROWS`;
+``None`` feeds every free slot: the full-slot decode).  Why feed any free row: the samples are then bit for bit those
+of the full-slot decode.  A float32 matmul row does not depend on the other rows' values, but the CPU BLAS picks its
+sgemm kernel by the row count ``M``, and the kernels round differently (torch 2.13's MKL, AVX-512: ``M = 1``,
+``M = 2..3`` and ``M >= 4`` are three classes; tests/streaming/test_slots_exact.py), in the dense layers (``M = b``)
+and in each routed expert (``M`` = the tokens routed to it, pad rows included).  With ``min(free, 3)`` pad rows every
+matmul that holds an occupied row's token has ``M >= 4`` whenever the full-slot decode's had (more than 3 free slots
+there), and the same ``M`` otherwise, so it falls in the same class, for three rows' cost.  The columns (``L``, the
+row offsets, the trims) are those of the full-slot decode, so attention runs the same shapes per row.
 
 Each sample draws with its own generator seeded by its ``seed``, by the exponential race
 ``x = argmax_v(log_softmax(s)_v - log q_v)``, ``q_v ~ Exp(1)`` (exact sampling from ``softmax(s)``; ``q`` drawn in
@@ -30,7 +42,10 @@ from offpolicy_moe.models.layout import cache_kwarg
 from offpolicy_moe.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 from offpolicy_moe.run.nonfinite import NonFiniteError
 
-__all__ = ["StreamSample", "FinishedSample", "SlotSampler", "checked_sample", "check_slot_settings"]
+__all__ = ["FREE_ROWS", "StreamSample", "FinishedSample", "SlotSampler", "checked_sample", "check_slot_settings"]
+
+#: free slots fed beside the occupied rows in a decode forward (module docstring: the sgemm kernel classes)
+FREE_ROWS = 3
 
 
 @dataclass(frozen=True)
@@ -68,16 +83,56 @@ def checked_sample(sample: StreamSample) -> StreamSample:
 class _Row:
     """The state of one occupied slot."""
 
-    __slots__ = ("sample", "gen", "start", "prompt_len", "tokens", "logps", "versions", "score_version", "routes")
+    __slots__ = ("sample", "gen", "start", "prompt_len", "tokens", "logps", "versions", "score_version", "routes",
+                 "slot", "row")
 
-    def __init__(self, sample: StreamSample, gen: torch.Generator, start: int, score_version: int):
+    def __init__(self, sample: StreamSample, gen: torch.Generator, start: int, score_version: int, slot: int,
+                 row: int):
         self.sample, self.gen, self.start = sample, gen, start
+        self.slot = slot                            # its place in the sampler's slots (the order of a step's draws)
+        self.row = row                              # its row in the cache buffers (the occupied rows come first)
         self.prompt_len = int(sample.prompt_ids.numel())
         self.tokens: list[int] = []
         self.logps: list[float] = []
         self.versions: list[int] = []
         self.score_version = score_version          # version of the forward whose logits this row draws from next
         self.routes: list[torch.Tensor] = []        # [p, L_moe, K] from the prefill, then [1, L_moe, K] per decode
+
+
+class _SlotLayer(PreallocatedLayer):
+    """A :class:`PreallocatedLayer` whose update may cover the first ``b`` buffer rows only: the decode of the
+    occupied rows (and a few free ones) reads and extends ``[:b, :, :length + n]``, a view.  The other rows keep
+    columns they were not written at; those are zeros or stale keys, never uninitialised memory (buffers grow
+    zero-filled), so they stay finite where they are masked (``0 * NaN`` would reach attention's output)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the ``n`` new positions of rows ``[0, b)`` after the filled ones (growing the buffers of every row
+        by doubling when full, as the plain layer does); return the filled ``[b, H, length, D]`` views."""
+        if self._kbuf is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        b, n = key_states.shape[0], key_states.shape[-2]
+        cols = self._kbuf.shape[-2]
+        if self._len + n > cols:
+            self._realloc(self._kbuf.shape[0], self._kbuf, self._vbuf, max(2 * cols, self._len + n))
+        self._kbuf[:b, :, self._len:self._len + n] = key_states
+        self._vbuf[:b, :, self._len:self._len + n] = value_states
+        self._len += n
+        self._expose()
+        self.keys, self.values = self.keys[:b], self.values[:b]
+        return self.keys, self.values
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy buffer row ``src``'s filled columns into row ``dst`` (a finished row replaced by the last one)."""
+        if self._kbuf is not None and self._len:
+            self._kbuf[dst, :, :self._len] = self._kbuf[src, :, :self._len]
+            self._vbuf[dst, :, :self._len] = self._vbuf[src, :, :self._len]
+
+
+def _slot_cache(config: Any, capacity: int) -> Any:
+    """:func:`preallocated_cache` of ``capacity`` columns whose layers are :class:`_SlotLayer`."""
+    cache = preallocated_cache(config, capacity)
+    cache.layers = [_SlotLayer(capacity) if isinstance(layer, PreallocatedLayer) else layer for layer in cache.layers]
+    return cache
 
 
 def check_slot_settings(sampler: str, top_k: int, top_p: float, pr2: bool, model_config: Any) -> None:
@@ -104,10 +159,15 @@ class SlotSampler:
     """Continuous batching over ``slots`` decode rows of one :class:`~offpolicy_moe.rollout.engine.HFRolloutEngine`
     (see the module docstring): :meth:`submit` queues samples, each :meth:`step` returns those that finished."""
 
-    def __init__(self, engine: Any, slots: int):
-        """A sampler of ``slots`` rows on ``engine`` (native sampler, full distribution, no PR2)."""
+    def __init__(self, engine: Any, slots: int, free_rows: Optional[int] = FREE_ROWS):
+        """A sampler of ``slots`` rows on ``engine`` (native sampler, full distribution, no PR2).  Each decode
+        forward feeds the occupied rows and ``min(free, free_rows)`` free ones (``None``: all of them, the full-slot
+        decode; ``0``: the occupied rows alone, which may round differently: module docstring)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"SlotSampler needs slots >= 1, got {slots!r}")
+        if free_rows is not None and (isinstance(free_rows, bool) or not isinstance(free_rows, int)
+                                      or free_rows < 0):
+            raise ValueError(f"SlotSampler needs free_rows >= 0 or None, got {free_rows!r}")
         check_slot_settings(getattr(engine, "sampler", None), engine.top_k, engine.top_p,
                             getattr(engine, "pr2_predictors", None) is not None, engine.model.config)
         self.engine, self.slots = engine, int(slots)
@@ -115,7 +175,9 @@ class SlotSampler:
         self.eos = tok.eos_token_id             # a row that draws it is finished
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self._queue: collections.deque[StreamSample] = collections.deque()
+        self.free_rows = free_rows
         self._rows: list[Optional[_Row]] = [None] * self.slots
+        self._order: list[int] = []   # the slot of each occupied buffer row: row k holds slot _order[k]
         self._cache = None            # the shared KV cache (created at the first admission)
         self._L = 0                   # its column count
         self._logits: Optional[torch.Tensor] = None     # [slots, V] float32: the logits each row draws from next
@@ -201,7 +263,7 @@ class SlotSampler:
         logits, routes = self._forward(input_ids=ids, attention_mask=am, position_ids=pos,
                                        **{cache_kwarg(eng.model): pcache})
         if self._cache is None:
-            self._cache = preallocated_cache(eng.model.config, P + eng.max_new_tokens + 1)
+            self._cache = _slot_cache(eng.model.config, P + eng.max_new_tokens + 1)
             self._logits = logits.new_zeros((self.slots, logits.shape[-1]), dtype=torch.float32)
         if self._L < P:       # room for the longest new prompt at [L - P, L): shift every row right
             shift = P - self._L
@@ -213,18 +275,20 @@ class SlotSampler:
                 if r is not None:
                     r.start += shift
             self._L = P
-        slot_ids = torch.tensor(free[:n], device=dev)
+        first = len(self._order)          # the new rows take buffer rows [first, first + n)
+        buf_rows = torch.arange(first, first + n, device=dev)
         src_t = torch.tensor(src, device=dev)
         for layer, player in zip(self._cache.layers, pcache.layers):
-            layer.write_rows(slot_ids, player.keys.index_select(0, src_t), player.values.index_select(0, src_t),
+            layer.write_rows(buf_rows, player.keys.index_select(0, src_t), player.values.index_select(0, src_t),
                              self._L, self.slots)
-        self._logits.index_copy_(0, slot_ids, logits.float().index_select(0, src_t))
-        for slot, s, u in zip(free, new, src):
+        self._logits.index_copy_(0, torch.tensor(free[:n], device=dev), logits.float().index_select(0, src_t))
+        for k, (slot, s, u) in enumerate(zip(free, new, src)):
             gen = torch.Generator(device=dev).manual_seed(int(s.seed))
-            row = _Row(s, gen, self._L - int(s.prompt_ids.numel()), eng.version)
+            row = _Row(s, gen, self._L - int(s.prompt_ids.numel()), eng.version, slot, first + k)
             if routes is not None:
                 row.routes.append(routes[u, P - row.prompt_len:])
             self._rows[slot] = row
+            self._order.append(slot)
 
     def _draw(self) -> list[_Row]:
         """One token for every active row from its held logits; frees and returns the rows that finished."""
@@ -253,50 +317,69 @@ class SlotSampler:
             r.versions.append(r.score_version)
             if int(tok) == self.eos or len(r.tokens) >= eng.max_new_tokens:
                 done.append(r)
-                self._rows[i] = None
+        for r in done:
+            self._release(r)
         return done
 
+    def _release(self, r: _Row) -> None:
+        """Free row ``r``'s slot; the last occupied buffer row moves into its buffer row (the occupied rows stay
+        first)."""
+        last = len(self._order) - 1
+        if r.row != last:
+            for layer in self._cache.layers:
+                layer.move_row(last, r.row)
+            moved = self._order[last]
+            self._order[r.row] = moved
+            self._rows[moved].row = r.row
+        self._order.pop()
+        self._rows[r.slot] = None
+
     def _decode(self) -> None:
-        """One batched decode forward over all slots (free ones fed a pad token that attends to itself only)."""
-        run = [i for i, r in enumerate(self._rows) if r is not None]
-        if not run:
+        """One batched decode forward over the occupied rows (buffer rows ``[0, n)``) and
+        ``min(free, free_rows)`` free ones fed a pad token that attends to itself only."""
+        n = len(self._order)
+        if n == 0:
             return
         eng = self.engine
         dev = self._logits.device
-        allocated = min(layer.allocated for layer in self._cache.layers)
-        if self._L + 1 > allocated:
-            m = min(self._rows[i].start for i in run)
-            # drop the columns no running row attends to when that frees a quarter of the buffer (a trim copies the
-            # whole buffer: one that freed a column or two would come back at the next step); else grow (doubling)
-            if m > 0 and 4 * m >= allocated:
-                for layer in self._cache.layers:
-                    layer.trim_left(m)
-                for i in run:
-                    self._rows[i].start -= m
-                self._L -= m
-                self.trims += 1
-            else:                 # nothing to drop: the layers' update grows the buffers
-                self.grows += 1
+        self._make_room()
         L = self._L
-        starts = [L] * self.slots
-        last = [self.pad] * self.slots
-        pos = [0] * self.slots
-        for i in run:
-            r = self._rows[i]
-            starts[i], last[i] = r.start, r.tokens[-1]
-            pos[i] = r.prompt_len + len(r.tokens) - 1
+        b = n + (self.slots - n if self.free_rows is None else min(self.slots - n, self.free_rows))
+        starts, last, pos = [L] * b, [self.pad] * b, [0] * b
+        for k, slot in enumerate(self._order):
+            r = self._rows[slot]
+            starts[k], last[k] = r.start, r.tokens[-1]
+            pos[k] = r.prompt_len + len(r.tokens) - 1
         starts_t = torch.tensor(starts, device=dev)
         mask = (torch.arange(L + 1, device=dev).unsqueeze(0) >= starts_t.unsqueeze(1)).long()
         logits, routes = self._forward(input_ids=torch.tensor(last, device=dev).unsqueeze(1), attention_mask=mask,
                                        position_ids=torch.tensor(pos, device=dev).unsqueeze(1),
                                        **{cache_kwarg(eng.model): self._cache})
         self._L = L + 1
-        self._logits = logits.float()
-        for i in run:
-            r = self._rows[i]
+        self._logits.index_copy_(0, torch.tensor(self._order, device=dev), logits[:n].float())
+        for k, slot in enumerate(self._order):
+            r = self._rows[slot]
             r.score_version = eng.version
             if routes is not None:
-                r.routes.append(routes[i])
+                r.routes.append(routes[k])
+
+    def _make_room(self) -> None:
+        """Before a decode that would fill the buffers: drop the columns no running row attends to when that frees a
+        quarter of the buffer (a trim copies the whole buffer: one that freed a column or two would come back at the
+        next step); else let the layers' update grow the buffers (doubling)."""
+        allocated = min(layer.allocated for layer in self._cache.layers)
+        if self._L + 1 <= allocated:
+            return
+        m = min(self._rows[slot].start for slot in self._order)
+        if m > 0 and 4 * m >= allocated:
+            for layer in self._cache.layers:
+                layer.trim_left(m)
+            for slot in self._order:
+                self._rows[slot].start -= m
+            self._L -= m
+            self.trims += 1
+        else:
+            self.grows += 1
 
     def _finish(self, r: _Row) -> FinishedSample:
         """The finished sample of row ``r`` as plain CPU tensors."""
