@@ -171,7 +171,8 @@ def check_answers_fit(cfg: Any, found: Findings, task: PromptAnswerTask, tok: An
     too_long = sum(n > limit for n in lengths)
     if too_long == len(lengths):
         found.error(f"rollout.max_new_tokens={limit}: no answer of task.name={cfg.task.name!r} fits (the shortest "
-                    f"takes {min(lengths)} tokens), so every exact-match reward is 0; raise rollout.max_new_tokens")
+                    f"takes {min(lengths)} tokens), so every exact-match reward is 0; raise rollout.max_new_tokens "
+                    f"(the longest answer and its eos take {max(lengths) + 1})")
     elif too_long:
         found.warn(f"rollout.max_new_tokens={limit}: {too_long} of {len(lengths)} distinct answers of "
                    f"task.name={cfg.task.name!r} need more tokens (up to {max(lengths)}) and can never be matched")

@@ -8,7 +8,8 @@ Each field declares its allowed range or choices next to its default (:func:`~of
 :func:`offpolicy_moe.config.validate.validate` checks them all, and that every number is finite, generically.
 Vocabularies owned elsewhere are imported from their owners' torch-free ``vocabulary`` modules: KL kinds and
 correction modes and levels (``losses.vocabulary``), reward kinds and task options (``tasks.vocabulary``), dtypes
-(``models.vocabulary``); importing the schema imports no torch.
+(``models.vocabulary``); the settings a task carries for other keys come from ``tasks.settings``.  Importing the
+schema imports no torch.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any, Optional
 from offpolicy_moe.config.ranges import ranged
 from offpolicy_moe.losses.vocabulary import CORRECTION_LEVELS, CORRECTION_MODES, KL_KINDS
 from offpolicy_moe.models.vocabulary import DTYPE_NAMES
+from offpolicy_moe.tasks.settings import task_settings
 from offpolicy_moe.tasks.vocabulary import ANSWER_FORMATS, CHAT_TEMPLATE_MODES, ON_REWARD_ERROR, REWARD_KINDS
 
 # Vocabularies this package's config owns (no other module defines them).
@@ -112,7 +114,11 @@ class RolloutConfig:
     router_perturb: float = ranged(0.0, ge=0)
     prompts_per_step: int = ranged(16, ge=1)
     group_size: int = ranged(8, ge=1)
-    max_new_tokens: int = ranged(4, ge=1)          # answers of the default task are <= 2 characters, + eos
+    # the most tokens generated per response, eos included (the greedy evaluation generates as many); left out
+    # (null): the task's own (tasks/settings.py: its longest reference + eos, at least 4; 4 for the default task and
+    # a dataset on disk), resolved when the config loads, so a loaded config always holds a number (validation
+    # refuses a null set afterwards)
+    max_new_tokens: Optional[int] = ranged(None, ge=1)
     temperature: float = ranged(1.0, gt=0)
     top_p: float = ranged(1.0, gt=0, le=1)
     top_k: int = ranged(0, ge=0)                   # sample among the k most likely tokens (0: off), before top-p
@@ -318,5 +324,11 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        """Resolve the keys left out (``null``) whose default depends on other keys, so a loaded config (and the
+        run's saved ``config.yaml``) holds their values: ``model.head_dim`` follows the engine, and
+        ``rollout.max_new_tokens`` the task (:func:`~offpolicy_moe.tasks.settings.task_settings`).  A value the config
+        sets is kept as it is (the checks refuse one that cannot work)."""
         if self.model.head_dim is None:
             self.model.head_dim = VLLM_HEAD_DIM if self.rollout.engine == "vllm" else EMBEDDED_HEAD_DIM
+        if self.rollout.max_new_tokens is None:
+            self.rollout.max_new_tokens = task_settings(self.task).max_new_tokens

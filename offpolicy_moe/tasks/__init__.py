@@ -1,14 +1,15 @@
 """Tasks: the embedded procedural arithmetic task, datasets on disk, rewards (built-in, ``math``, your own), chat
 templates, the char tokenizer, evaluation.
 
-The torch-free modules (:mod:`.vocabulary`, :mod:`.reward_specs`) are imported with the package; the other names
-are imported from their modules on first use.
+The torch-free modules (:mod:`.vocabulary`, :mod:`.reward_specs`, :mod:`.settings`: what a task sets of the keys
+outside ``task.*``) are imported with the package; the other names are imported from their modules on first use.
 """
 from __future__ import annotations
 
 from offpolicy_moe.lazy import lazy_exports
 
 from .reward_specs import BUILTIN_REWARDS, RewardSpec, parse_reward_specs
+from .settings import TaskSettings, task_settings
 from .vocabulary import ANSWER_FORMATS, CHAT_TEMPLATE_MODES, ON_REWARD_ERROR, REWARD_KINDS, TASK_NAMES
 
 _EXPORTS = {
@@ -31,5 +32,5 @@ _EXPORTS = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(["ANSWER_FORMATS", "BUILTIN_REWARDS", "CHAT_TEMPLATE_MODES", "ON_REWARD_ERROR", "REWARD_KINDS",
-                  "RewardSpec", "TASK_NAMES", "parse_reward_specs",
+                  "RewardSpec", "TASK_NAMES", "TaskSettings", "parse_reward_specs", "task_settings",
                   *(name for names in _EXPORTS.values() for name in names)])

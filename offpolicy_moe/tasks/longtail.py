@@ -54,13 +54,13 @@ from typing import Any, Callable
 import numpy as np
 
 from .chain_sum import ChainSumTask, chain_space, draw_chain, final_number
+from .settings import LONGTAIL_MIN_TERMS, POSITIONS
 from .tokenizer import build_char_tokenizer, encode_texts
 
-#: the fewest terms of a problem (the head of the law)
-MIN_TERMS = 4
-#: the embedded model's positions (``offpolicy_moe.models.presets.MAX_POSITIONS``; not imported: that module imports
-#: torch): the longest bos + prompt + answer + eos a problem may take
-POSITIONS = 256
+#: the fewest terms of a problem (the head of the law); the embedded model's positions, :data:`POSITIONS`, are the
+#: longest bos + prompt + answer + eos a problem may take (both defined with the task's settings, which work out its
+#: longest reference from them: :func:`~offpolicy_moe.tasks.settings.longtail_longest`)
+MIN_TERMS = LONGTAIL_MIN_TERMS
 #: the most terms ``task.max_terms`` may ask for (module docstring: 15 one-digit terms fit :data:`POSITIONS`)
 MAX_TERMS = 15
 #: ``task.max_terms`` of the three tail settings the issue measures, by their (nominal) max/median of the reference

@@ -182,8 +182,9 @@ def test_an_engine_without_kept_sets_is_refused_under_truncation(tiny):
 
     register_engine("plain_test", Plain)
     try:
-        make_engine(model, tok, RolloutConfig(engine="plain_test"))            # no truncation: accepted
-        for cfg in (RolloutConfig(engine="plain_test", top_p=0.9), RolloutConfig(engine="plain_test", top_k=3)):
+        make_engine(model, tok, RolloutConfig(engine="plain_test", max_new_tokens=4))      # no truncation: accepted
+        for cfg in (RolloutConfig(engine="plain_test", max_new_tokens=4, top_p=0.9),
+                    RolloutConfig(engine="plain_test", max_new_tokens=4, top_k=3)):
             with pytest.raises(ValueError, match="does not support returning the kept sets"):
                 make_engine(model, tok, cfg)
     finally:
