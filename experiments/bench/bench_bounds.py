@@ -22,30 +22,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from typing import Callable
 
 import torch
 
+from _machine import cpu_model
 from offpolicy_moe.config.schema import ModelConfig
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.models.layout import cache_kwarg
 from offpolicy_moe.models.moe_shape import moe_shape
-
-
-def cpu_model() -> str:
-    """``lscpu``'s model name where /proc/cpuinfo has one, else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def timed(fn: Callable[[], object], repeats: int, warmup: int) -> float:

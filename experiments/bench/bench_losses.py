@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from _machine import cpu_model
 from offpolicy_moe.losses import (
     cispo_loss,
     correction_weights,
@@ -56,17 +57,6 @@ def timeit(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_batch(B: int, T: int, device: torch.device, seed: int = 0):
@@ -249,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = [parse(s) for s in args.mask_sizes.split(",") if s.strip()]
     machine = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -32,21 +32,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
+import torch
 
-def cpu_model() -> str:
-    """``lscpu``'s model name where /proc/cpuinfo has one, else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from _machine import cpu_model
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.config.schema import ModelConfig, RolloutConfig
+from offpolicy_moe.models import load_policy
+from offpolicy_moe.rollout.engine import HFRolloutEngine
+from offpolicy_moe.streaming.slots import FREE_ROWS, SlotSampler, StreamSample
+from offpolicy_moe.tasks import encode_prompts, make_task
 
 
 def load() -> str:
@@ -55,10 +52,6 @@ def load() -> str:
 
 def build(a):
     """``(task, model, tokenizer)``: the embedded model of ``a``'s shape and the ``longtail`` task."""
-    from offpolicy_moe.config.load import load_config
-    from offpolicy_moe.config.schema import ModelConfig
-    from offpolicy_moe.models import load_policy
-    from offpolicy_moe.tasks import make_task
 
     task = make_task(load_config(None, ["task.name=longtail"]).task)
     model, tok = load_policy(ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_experts=a.experts, top_k=2),
@@ -68,10 +61,7 @@ def build(a):
 
 def engine_of(a, model, tok, batch_size: int):
     """An :class:`HFRolloutEngine` of ``model`` at ``a``'s dtype, device and ``max_new_tokens``."""
-    import torch
 
-    from offpolicy_moe.config.schema import RolloutConfig
-    from offpolicy_moe.rollout.engine import HFRolloutEngine
 
     rollout = RolloutConfig(dtype=a.dtype, max_new_tokens=a.max_new_tokens, batch_size=batch_size)
     return HFRolloutEngine(model, tok, rollout, device=torch.device(a.device))
@@ -79,7 +69,6 @@ def engine_of(a, model, tok, batch_size: int):
 
 def prompt_ids(task, tok, n: int, offset: int = 0) -> list:
     """The unpadded token ids of ``n`` ``longtail`` training prompts from prompt ``offset``."""
-    from offpolicy_moe.tasks import encode_prompts
 
     rows = task.sample_prompts(offset, n)
     ids, am = encode_prompts(tok, [r["prompt"] for r in rows])
@@ -90,7 +79,6 @@ def prompt_ids(task, tok, n: int, offset: int = 0) -> list:
 def tail_hooks(engine, alpha: float, scale: float) -> None:
     """EOS logit = logsumexp(other logits) + logit(a / (t + c)) at the fed position ``t`` of each row (kept from
     the model's ``position_ids`` by a pre-hook): ``P(EOS) = a / (t + c)``."""
-    import torch
 
     model, eos, held = engine.model, engine.tokenizer.eos_token_id, {}
 
@@ -129,7 +117,6 @@ def timed_forwards(engine) -> list:
 def run_stream(engine, slots: int, free_rows, batches: list, forwards: list) -> dict:
     """Sample ``batches`` (lists of StreamSample; each submitted when the previous drained) through one sampler;
     ``{tokens, seconds, steps, forward_s, occupied, columns, out}``."""
-    from offpolicy_moe.streaming.slots import SlotSampler
 
     sampler = SlotSampler(engine, slots, free_rows=free_rows)
     out, occupied, steps, first = {}, [], 0, len(forwards)
@@ -152,7 +139,6 @@ def run_stream(engine, slots: int, free_rows, batches: list, forwards: list) -> 
 
 def differing(x: dict, y: dict) -> int:
     """Samples whose tokens, float32 log-probs or versions differ (not torch.equal); all when the keys differ."""
-    import torch
 
     if x.keys() != y.keys():
         return max(len(x), len(y))
@@ -169,7 +155,6 @@ def quantiles(xs: list) -> str:
 
 def compare_full_slot(a) -> None:
     """The occupied-rows decode against the full-slot decode (module docstring)."""
-    from offpolicy_moe.streaming.slots import FREE_ROWS, StreamSample
 
     task, model, tok = build(a)
     engine = engine_of(a, model, tok, a.slots)
@@ -209,7 +194,7 @@ def report_full_slot(rows: dict, diff: dict) -> None:
                  "ms/step": statistics.median(1e3 * x["seconds"] / x["steps"] for x in xs),
                  "fwd ms": statistics.median(1e3 * x["forward_s"] / x["decodes"] for x in xs)}
            for arm, xs in rows.items()}
-    print(f"\n| arm | tok/s | wall ms/step | decode forward ms |\n|---|---:|---:|---:|")
+    print("\n| arm | tok/s | wall ms/step | decode forward ms |\n|---|---:|---:|---:|")
     for arm, m in med.items():
         print(f"| {arm} | {m['tok/s']:.0f} | {m['ms/step']:.3f} | {m['fwd ms']:.3f} |")
     f = med["full-slot"]
@@ -230,9 +215,7 @@ def report_full_slot(rows: dict, diff: dict) -> None:
 # ---------------------------------------------------------------------------------------------- static batches
 def compare_static(a) -> None:
     """Continuous batching against ``generate``'s static batches (module docstring)."""
-    import torch
 
-    from offpolicy_moe.streaming.slots import SlotSampler, StreamSample
 
     task, model, tok = build(a)
     dev = torch.device(a.device)
@@ -286,7 +269,6 @@ def compare_static(a) -> None:
 
 def check_teacher_forced(model, done: list, dev, s: int) -> None:
     """Print the largest ``|behav_logp - teacher-forced log-prob|`` over ``done``."""
-    import torch
 
     worst = 0.0
     for f in done:
@@ -301,7 +283,6 @@ def check_teacher_forced(model, done: list, dev, s: int) -> None:
 
 def interleave(a, arms: dict, dev) -> dict:
     """Tokens per second of every arm and slot count, rounds interleaved: ``{(arm, slots): [rate per round]}``."""
-    import torch
 
     rates: dict = {}
     for r in range(a.rounds):
@@ -347,7 +328,6 @@ def main(argv=None) -> None:
     a.slots_static = a.slots or [32, 64]
     a.slots = (a.slots or [128])[0]
 
-    import torch
 
     torch.set_num_threads(a.threads)
     (compare_full_slot if full else compare_static)(a)

@@ -10,6 +10,7 @@ import torch
 
 from offpolicy_moe.streaming.slots import SlotSampler, StreamSample
 from tests.tiny import rollout_engine
+from tests.streaming.slot_policy import make_policy
 
 MAX_NEW = 12
 
@@ -17,16 +18,7 @@ MAX_NEW = 12
 @pytest.fixture(scope="module")
 def policy():
     """A 2-layer tiny MoE whose EOS is likely enough that rows finish at many different steps."""
-    from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-    from offpolicy_moe.models import load_policy
-    from offpolicy_moe.tasks import make_task
-
-    torch.manual_seed(0)
-    task = make_task(TaskConfig())
-    model, tok = load_policy(ModelConfig(num_layers=2, hidden_size=32, num_experts=4, top_k=2), seed=5, task=task)
-    with torch.no_grad():
-        model.lm_head.weight[tok.eos_token_id] += 0.6 * model.lm_head.weight[3:13].mean(0)
-    return model, tok, task
+    return make_policy()
 
 
 def _samples(tok, task, groups: int = 4, per_group: int = 2) -> list[StreamSample]:

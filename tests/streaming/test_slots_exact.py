@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from offpolicy_moe.streaming.slots import FREE_ROWS, SlotSampler, StreamSample
+from tests.streaming.slot_policy import make_policy
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "slot_sampler_reference.json"
 MAX_NEW = 12
@@ -60,20 +61,6 @@ CASES = {
     "sixteen_slots_refilled_late": (16, 6, 4, True, 4, 6),
     "five_slots_no_routes": (5, 4, 2, False, 5, None),
 }
-
-
-def make_policy():
-    """The 2-layer tiny MoE of tests/streaming/test_slots.py (EOS likely enough that rows finish at many steps)."""
-    from offpolicy_moe.config.schema import ModelConfig, TaskConfig
-    from offpolicy_moe.models import load_policy
-    from offpolicy_moe.tasks import make_task
-
-    torch.manual_seed(0)
-    task = make_task(TaskConfig())
-    model, tok = load_policy(ModelConfig(num_layers=2, hidden_size=32, num_experts=4, top_k=2), seed=5, task=task)
-    with torch.no_grad():
-        model.lm_head.weight[tok.eos_token_id] += 0.6 * model.lm_head.weight[3:13].mean(0)
-    return model, tok, task
 
 
 def make_samples(tok, task, groups: int, per_group: int) -> list[StreamSample]:
