@@ -279,24 +279,51 @@ def test_the_clock_from_process_start_charges_start_up_and_earlier_evaluations()
         _watched(ROWS, {0: 1.0}, {}, 5.0, 5.0)
 
 
+# writes rows to argv[1], each one only once the watcher has read the row before (inotify IN_ACCESS on the file: a
+# read that returned data, and the file holds nothing else): after row 0, it burns CPU and sleeps; after the eval
+# row, it sleeps before it exits
+_ROWS_CHILD = """\
+import ctypes, json, os, select, sys, time
+path = sys.argv[1]
+f = open(path, "w")
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(os.O_NONBLOCK)
+if fd < 0 or libc.inotify_add_watch(fd, path.encode(), 0x1) < 0:     # IN_ACCESS
+    sys.exit(f"inotify: errno {ctypes.get_errno()}")
+
+def row(r):
+    f.write(json.dumps(r) + "\\n")
+    f.flush()
+    if not select.select([fd], [], [], 60)[0]:
+        sys.exit(f"the watcher did not read the row of step {r['step']} in 60 s")
+    while True:                      # the events of that read
+        try:
+            os.read(fd, 4096)
+        except BlockingIOError:
+            break
+
+row({"step": 0})
+t = time.process_time()
+while time.process_time() - t < 0.3:
+    pass
+time.sleep(1.0)
+row({"step": 1, "eval/accuracy": 0.5})
+time.sleep(0.5)
+"""
+
+
 def test_watch_stamps_rows_as_they_appear_and_counts_cpu(tmp_path):
-    """A child that writes a row, burns CPU, sleeps, then writes an eval row: the stamps are ordered and apart (by
-    at least the sleep, less the poller's lateness on a loaded machine), and the CPU seconds at the eval row include
-    the burn."""
+    """A child that writes a row, burns CPU, sleeps, then writes an eval row: the stamps are ordered and apart by at
+    least the sleep, and the CPU seconds at the eval row include the burn.  The child goes on from a row only once
+    the watcher has read it (:data:`_ROWS_CHILD`), so that the watcher's lateness on a loaded machine cannot bring
+    the two stamps together, nor read the eval row after the child is gone."""
     from tta.clock import watch
 
     metrics = tmp_path / "metrics.jsonl"
-    code = ("import json, time, sys\n"
-            "f = open(sys.argv[1], 'w')\n"
-            "f.write(json.dumps({'step': 0}) + '\\n'); f.flush()\n"
-            "t = time.process_time()\n"
-            "while time.process_time() - t < 0.3: pass\n"
-            "time.sleep(1.0)\n"
-            "f.write(json.dumps({'step': 1, 'eval/accuracy': 0.5}) + '\\n'); f.flush()\n"
-            "time.sleep(0.5)\n")
-    w = watch([sys.executable, "-c", code, str(metrics)], metrics, env={}, log=tmp_path / "log")
-    assert w.returncode == 0 and set(w.seen_s) == {0, 1}
-    assert w.seen_s[1] - w.seen_s[0] >= 0.5 and w.wall_s >= w.seen_s[1]
+    w = watch([sys.executable, "-c", _ROWS_CHILD, str(metrics)], metrics, env={}, log=tmp_path / "log")
+    assert w.returncode == 0, (tmp_path / "log").read_text()[-2000:]
+    assert set(w.seen_s) == {0, 1}
+    assert w.seen_s[1] - w.seen_s[0] >= 1.0 and w.wall_s >= w.seen_s[1]
     assert w.cpu_s[1] >= 0.25 and w.cpu_total_s >= w.cpu_s[1] - 0.05
 
 

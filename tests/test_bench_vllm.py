@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,16 +138,49 @@ def test_cpu_meter_counts_a_child_that_lived_inside_the_window_and_one_still_run
         child.wait()
 
 
-def test_settle_waits_out_a_spinning_child_and_counts_its_cpu():
+# spins (says so on stdout first) until the file argv[1] exists, then idles
+_SPIN = ("import os, sys, time\n"
+         "print('spinning', flush=True)\n"
+         "while not os.path.exists(sys.argv[1]):\n    pass\n"
+         "time.sleep(60)\n")
+
+
+def _await_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The next line ``proc`` prints (the assertion names it when none comes in ``timeout`` seconds)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the child printed nothing in {timeout:.0f} s"
+    return proc.stdout.readline()
+
+
+def test_settle_waits_out_a_spinning_child_and_counts_its_cpu(tmp_path):
+    """A child spins, then idles: ``settle`` waits through the windows it spins in (two at least: one that sees the
+    spin, one that sees the quiet) and counts its CPU; a second call on the idle child returns after one window.
+    The child spins until the first window has seen it burn 0.1 CPU s (the test's ``sleep``, which ``settle``
+    calls between its readings, waits for that): how fast the machine is changes nothing."""
     meter = vb.CpuMeter()
     assert vb.settle(meter, []) == (0.0, 0.0)
-    child = subprocess.Popen([sys.executable, "-c", _BURN.format(s=0.6, tail="time.sleep(30)")])
+    stop = tmp_path / "stop"
+    child = subprocess.Popen([sys.executable, "-c", _SPIN, str(stop)], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)                                  # started, spinning
-        waited, burned = vb.settle(meter, [child.pid], window=0.1, limit=10.0)
-        assert 0.1 <= waited < 10.0 and burned > 0.05
-        waited, burned = vb.settle(meter, [child.pid], window=0.1)           # now idle: one window
-        assert waited < 0.5 and burned < 0.02
+        assert _await_line(child) == "spinning\n"
+        windows: list[float] = []
+
+        def sleep(s):                                    # settle's window, after its first reading
+            if not stop.exists():                        # the first: the child burns 0.1 s more, then idles
+                cpu = psutil.Process(child.pid).cpu_times
+                c0, deadline = sum(cpu()[:2]), time.monotonic() + 60
+                while sum(cpu()[:2]) - c0 < 0.1:
+                    assert time.monotonic() < deadline, "the child burned no CPU in 60 s"
+                    time.sleep(0.01)
+                stop.touch()
+            windows.append(s)
+            time.sleep(s)
+
+        waited, burned = vb.settle(meter, [child.pid], window=0.1, limit=600.0, sleep=sleep)
+        assert len(windows) >= 2 and 0.2 <= waited < 600.0 and burned > 0.05
+        windows.clear()
+        waited, burned = vb.settle(meter, [child.pid], window=0.1, sleep=sleep)   # now idle: one window
+        assert windows == [0.1] and burned < 0.02
     finally:
         child.kill()
         child.wait()

@@ -173,11 +173,16 @@ def pid_alive(pid: Optional[int]) -> bool:
     return True
 
 
+# how long a worker waits on its order pipe before it checks that its trainer still lives (seconds)
+ORDER_POLL_S = 1.0
+
+
 def _next_order(conn: Any, trainer_pid: int) -> Optional[Order]:
-    """The next order (None: stop, on :class:`Shutdown`), polling so that a worker whose trainer died exits within a second (the
-    worker's parent is the fork server, not the trainer: the trainer's pid is checked, and its pipe's end)."""
+    """The next order (None: stop, on :class:`Shutdown`), polling every :data:`ORDER_POLL_S` so that a worker whose
+    trainer died exits within that time (the worker's parent is the fork server, not the trainer: the trainer's pid
+    is checked, and its pipe's end)."""
     while True:
-        if conn.poll(1.0):
+        if conn.poll(ORDER_POLL_S):
             try:
                 msg = conn.recv()
             except EOFError:      # the trainer closed the pipe

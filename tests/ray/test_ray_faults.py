@@ -3,11 +3,8 @@ remaining actors, or stop with a checkpoint), the trainer SIGKILLed then resumed
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +14,9 @@ from offpolicy_moe.config.load import to_yaml
 from offpolicy_moe.sources.ray_transport import actor_died
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer
+from tests.kill import train_until_checkpoint
 
 pytestmark = pytest.mark.ray
-REPO = Path(__file__).resolve().parents[2]
 RAY = ("buffer.mode=async", "rollout.backend=ray", "buffer.staleness=1", "algo.correction.mode=truncate",
        "rollout.update_in_flight=true",
        "algo.routing.replay=r3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0")
@@ -94,20 +91,14 @@ def test_an_actor_whose_call_to_another_actor_failed_has_not_died():
 
 
 def test_sigkill_of_the_trainer_then_resume_loses_and_repeats_nothing(cluster, make_cfg):
-    """The trainer (its own process, connected to the cluster by rollout.ray_address) is SIGKILLed once step 2's
-    checkpoint exists; ``--resume`` reissues the iterations that were in flight and ends with every step and every
+    """The trainer (its own process, connected to the cluster by rollout.ray_address) is SIGKILLed in step 3, once
+    step 2's checkpoint exists (held there until the kill: tests/kill.py); ``--resume`` reissues the iterations that were in flight and ends with every step and every
     prompt trained exactly once."""
     cfg = make_cfg(*RAY, "trainer.steps=5", f"rollout.ray_address={cluster.address}")
     path = Path(cfg.run_dir).parent / "cfg.yaml"
     path.write_text(to_yaml(cfg))
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "offpolicy_moe", "train", str(path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    marker, deadline = Path(cfg.run_dir) / "checkpoints" / "step_2", time.time() + 240
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline, f"{marker} did not appear"
-        time.sleep(0.05)
+    # held at step 3 once step 2's checkpoint is written (tests/kill.py): the run cannot end before the kill
+    proc, cmd, env = train_until_checkpoint(path, Path(cfg.run_dir), 2, timeout=240)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (Path(cfg.run_dir) / "summary.json").exists()

@@ -26,11 +26,15 @@ def _rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl") if line.strip()]
 
 
-def _train(cfg, *, on_step_end=None):
+def _train(cfg, *, on_step_end=None, on_batch=None):
     seen = []
-    cb = FunctionCallback(on_batch=lambda tr, b: seen.append((b.input_ids.clone(), b.behav_logp.clone(),
-                                                              b.version, b.generated_at)),
-                          on_step_end=on_step_end)
+
+    def record(tr, b):
+        seen.append((b.input_ids.clone(), b.behav_logp.clone(), b.version, b.generated_at))
+        if on_batch is not None:
+            on_batch(tr, b)
+
+    cb = FunctionCallback(on_batch=record, on_step_end=on_step_end)
     trainer = Trainer(cfg, callbacks=[cb])
     summary = trainer.run()
     return summary, seen, {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}, trainer
@@ -83,17 +87,29 @@ def test_ray_actors_at_staleness_0_reproduce_the_local_pipeline_bit_for_bit(clus
 
 def test_an_actor_killed_mid_run_is_named_restarted_and_its_iteration_reissued_with_its_seed(
         cluster, local_run, make_cfg, capfd):
-    """SIGKILL of the actor's process after step 0 (it is generating iteration 1): the trainer names it, starts a
-    new actor, issues iteration 1 again with its seed: the samples and weights still equal the local run's."""
+    """SIGKILL of the actor's process after step 1 (iteration 1 is issued to it, and it has not generated it): the
+    trainer names it, starts a new actor, issues iteration 1 again with its seed: the samples and weights still
+    equal the local run's.  The actor is stopped (SIGSTOP) when the trainer gets the batch of iteration 0, before
+    iteration 1 is issued (k=0), so that it cannot finish iteration 1 before the kill, however fast it is."""
     cfg = make_cfg(*RAY, "buffer.staleness=0", "algo.routing.replay=r3")
-    killed = []
+    frozen, killed = [], []
+
+    def freeze(trainer, batch):
+        if not frozen:
+            frozen.append(trainer.source.worker_pids()[0])
+            os.kill(frozen[0], signal.SIGSTOP)
 
     def kill(trainer, step, m):
         if step == 1 and not killed:
-            killed.append(trainer.source.worker_pids()[0])
+            killed.append(frozen[0])
             os.kill(killed[0], signal.SIGKILL)
 
-    summary, seen, weights, trainer = _train(cfg, on_step_end=kill)
+    try:
+        summary, seen, weights, trainer = _train(cfg, on_batch=freeze, on_step_end=kill)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert summary["status"] == "completed", summary.get("error")
     err = capfd.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("offpolicy-moe: Ray rollout actor 0"))
@@ -120,20 +136,22 @@ def test_an_unreachable_cluster_is_a_one_line_error_naming_the_address(make_cfg)
 
 def test_an_actor_that_stops_answering_makes_a_timeout_that_names_it(cluster, make_cfg):
     """SIGSTOP of the actor's process once it runs: the trainer gives up after rollout.worker_timeout_s (set to 2 s
-    for the wait, after the actor has started), naming the iteration, the actor, its pid and its node's IP."""
+    for the wait, after the actor has started), naming the iteration, the actor, its pid and its node's IP.  The
+    actor is stopped when the trainer gets the batch of iteration 0, before iteration 1 is issued (k=0): the batch
+    it never answers is iteration 1's, however fast it is."""
     cfg = make_cfg(*RAY, "buffer.staleness=0")
     stopped = []
 
-    def freeze(trainer, step, m):
-        if step == 1:
+    def freeze(trainer, batch):
+        if not stopped:
             trainer.source.timeout = 2.0
             stopped.append(trainer.source.worker_pids()[0])
             os.kill(stopped[0], signal.SIGSTOP)
 
     try:
         with pytest.raises(PipelineTimeout, match=r"waited 2 s \(rollout.worker_timeout_s\) for the batch of "
-                                                  r"iteration [12] from Ray rollout actor 0 \(pid \d+ on "):
-            _train(cfg, on_step_end=freeze)
+                                                  r"iteration 1 from Ray rollout actor 0 \(pid \d+ on "):
+            _train(cfg, on_batch=freeze)
     finally:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +16,7 @@ import pytest
 from offpolicy_moe.config.load import to_yaml
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer
+from tests.kill import train_until_checkpoint
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -48,19 +48,10 @@ def _yaml(tmp_path, run_dir, *overrides) -> Path:
     return path
 
 
-def _wait_for(path: Path, proc, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline, f"{path} did not appear"
-        time.sleep(0.05)
-
-
 def test_sigkill_of_the_trainer_then_resume_loses_and_repeats_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "offpolicy_moe", "train", str(_yaml(tmp_path, run_dir))]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_for(run_dir / "checkpoints" / "step_2", proc)
+    # held at step 3 once step 2's checkpoint is written (tests/kill.py): the run cannot end before the kill
+    proc, cmd, env = train_until_checkpoint(_yaml(tmp_path, run_dir), run_dir, 2, timeout=240, env=_env())
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children, "no worker processes"
     proc.send_signal(signal.SIGKILL)
@@ -68,7 +59,7 @@ def test_sigkill_of_the_trainer_then_resume_loses_and_repeats_nothing(tmp_path):
     assert not (run_dir / "summary.json").exists()
     _, alive = psutil.wait_procs(children, timeout=30)          # orphaned workers notice and exit
     assert not alive, f"workers still running after the trainer died: {alive}"
-    res = subprocess.run(cmd + ["--resume"], env=_env(), capture_output=True, text=True, timeout=400)
+    res = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     _check_nothing_lost(run_dir, 5, 1)
 

@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from offpolicy_moe.rollout import worker
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.sources.asynchronous import PipelineTimeout
 from offpolicy_moe.trainer.trainer import Trainer
@@ -61,28 +62,40 @@ def test_a_killed_worker_is_named_restarted_and_nothing_is_lost(make_cfg, capfd)
 
 
 def test_a_worker_idle_longer_than_its_poll_keeps_serving(make_cfg):
-    """k=0: while the trainer is busy (here 2.5 s in a callback) the worker has no order; it must keep waiting, not
-    mistake its fork-server parent for a dead trainer (the run stops at a worker death under ``stop``)."""
+    """k=0: while the trainer is busy (here 2.5 worker polls in a callback) the worker has no order; it must keep
+    waiting, not mistake its fork-server parent for a dead trainer (the run stops at a worker death under
+    ``stop``).  The callback is the batch of iteration 0's: the worker has sent it and gets no order before version 1
+    is published, so it is idle for the whole callback, however long its generation took."""
     cfg = make_cfg("buffer.mode=async", "buffer.staleness=0", "trainer.steps=2", "rollout.on_worker_death=stop")
-    summary, _ = _train(cfg, on_step_end=lambda tr, step, m: time.sleep(2.5) if step == 1 else None)
-    assert summary["status"] == "completed", summary.get("error")
+    idle_s = 2.5 * worker.ORDER_POLL_S
+    waited = []
+
+    def busy(trainer, batch):
+        if not waited:
+            waited.append(idle_s)
+            time.sleep(idle_s)
+
+    summary, _ = _train(cfg, on_batch=busy)
+    assert waited and summary["status"] == "completed", summary.get("error")
 
 
 def test_a_worker_that_stops_answering_makes_a_timeout_that_names_it(make_cfg):
     """SIGSTOP: the worker is alive but silent; the trainer gives up after rollout.worker_timeout_s, naming the
-    iteration, the worker and its pid, and ends the worker on the way out."""
+    iteration, the worker and its pid, and ends the worker on the way out.  The worker is stopped when the trainer
+    gets the batch of iteration 0, before iteration 1 is issued (k=0): it cannot have sent iteration 1 already,
+    however fast it is."""
     cfg = make_cfg("buffer.mode=async", "buffer.staleness=0", "trainer.steps=3", "rollout.worker_timeout_s=2")
     stopped = []
 
-    def freeze(trainer, step, m):
-        if step == 1:
+    def freeze(trainer, batch):
+        if not stopped:
             stopped.append(trainer.source.worker_pids()[0])
             os.kill(stopped[0], signal.SIGSTOP)
 
     try:
         with pytest.raises(PipelineTimeout, match=r"waited 2 s .* for the batch of iteration 1 from rollout worker 0 "
                                                   r"\(pid \d+, alive=True\)"):
-            _train(cfg, on_step_end=freeze)
+            _train(cfg, on_batch=freeze)
         assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
     finally:
         for pid in stopped:

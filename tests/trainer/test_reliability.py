@@ -30,6 +30,7 @@ from offpolicy_moe.run.signals import RunInterrupted, graceful_stop
 from offpolicy_moe.trainer.step_guard import StepGuard, max_abs
 from offpolicy_moe.trainer.trainer import Trainer
 from offpolicy_moe.tasks import RewardScores, make_task
+from tests.kill import Hold
 from tests.trainer.test_trainer import final_weights, read_metrics, strip_perf
 from tests.tiny import free_port, tiny_config, tiny_policy
 
@@ -195,9 +196,13 @@ def test_signal_stops_with_checkpoint_then_resume_is_bit_identical(signal_refere
     run_dir = tmp_path / "run"
     (tmp_path / "cfg.yaml").write_text(to_yaml(tiny_config(run_dir, *SIG)))
     cmd = [sys.executable, "-m", "offpolicy_moe", "train", str(tmp_path / "cfg.yaml")]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_for(lambda: len(metrics_steps(run_dir)) >= 2, proc, "step 1")      # mid-run
+    # mid-run: the run is held in step 2 (tests/kill.py) until the signal is sent, so it cannot end first
+    hold = Hold(tmp_path, 2)
+    proc = subprocess.Popen(hold.command(cmd[3:]), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    hold.wait(proc, 180, tail=2000)
+    assert metrics_steps(run_dir) == [0, 1]
     proc.send_signal(sig)
+    hold.release()
     err = proc.communicate(timeout=120)[1].decode()
     assert proc.returncode == rc, err[-2000:]
     assert "Traceback" not in err
@@ -205,7 +210,7 @@ def test_signal_stops_with_checkpoint_then_resume_is_bit_identical(signal_refere
     assert len(line) == 1 and signal.Signals(sig).name in line[0] and "--resume" in line[0]
     summary = json.loads((run_dir / "summary.json").read_text())
     stopped_at = summary["steps"]
-    assert summary["status"] == "stopped" and 1 <= stopped_at < 5
+    assert summary["status"] == "stopped" and stopped_at == 2       # at the boundary after the signal's step
     assert (run_dir / "checkpoints" / f"step_{stopped_at}").is_dir()       # checkpoint_every=0: the stop's own
     res = subprocess.run(cmd + ["--resume"], env=ENV, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -221,11 +226,15 @@ def test_graceful_stop_records_the_first_signal_and_restores_handlers():
     with graceful_stop() as req:
         assert not req.requested
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)
+        deadline = time.monotonic() + 10           # Python runs the handler soon after the signal: wait for it
+        while not req.requested and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert req.requested and req.name == "SIGTERM"
-        with pytest.raises(KeyboardInterrupt):    # a second signal stops at once
+        with pytest.raises(KeyboardInterrupt):    # a second signal stops at once ...
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.5)
+            deadline = time.monotonic() + 10       # ... as soon as its handler runs (else: DID NOT RAISE)
+            while time.monotonic() < deadline:
+                time.sleep(0.001)
     assert signal.getsignal(signal.SIGTERM) is before
     exc = RunInterrupted(signal.SIGINT, 3, "ck/step_3")
     assert exc.exit_code == 130 and "SIGINT" in str(exc) and "\n" not in str(exc)

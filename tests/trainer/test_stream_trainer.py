@@ -106,8 +106,9 @@ def test_a_stream_state_of_another_mode_is_refused(make_cfg):
 
 
 def test_sigkill_of_a_stream_then_resume_trains_every_step_and_every_group_once(tmp_path):
-    """The trainer (and with it the stream) is killed after its second checkpoint; ``--resume`` goes on from it,
-    issuing the groups that were in flight again under their seeds: every step is trained once, no group twice."""
+    """The trainer (and with it the stream) is killed after its second checkpoint (held in step 3 until the kill:
+    tests/kill.py); ``--resume`` goes on from it, issuing the groups that were in flight again under their seeds:
+    every step is trained once, no group twice."""
 
     run_dir = tmp_path / "run"
     cfg_path = tmp_path / "cfg.yaml"
@@ -117,6 +118,7 @@ def test_sigkill_of_a_stream_then_resume_trains_every_step_and_every_group_once(
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert not (run_dir / "summary.json").exists()                     # really killed before the end
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"streaming workers still running after the trainer died: {alive}"
     res = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=400)
