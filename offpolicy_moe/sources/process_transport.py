@@ -75,6 +75,22 @@ class _Watch:
     reading: bool = False
     forgotten: bool = False
 
+    def set_reading(self, on: bool) -> None:
+        """The thread reads the pipe now (``on``), or no longer."""
+        self.reading = on
+
+    def forget(self) -> None:
+        """The trainer let the worker go: its pipe is closed by whoever touches it last."""
+        self.forgotten = True
+
+    def pipe_ended(self) -> None:
+        """The pipe gave end-of-file: the process is gone, and its sentinel reports it."""
+        self.pipe_open = False
+
+    def ended(self) -> None:
+        """The death was queued: nothing of this worker is watched any more."""
+        self.pipe_open = self.sentinel_open = False
+
 
 class _Results:
     """The trainer's receiving end of every worker's result pipe: a thread (named ``name``) reads each pipe as soon
@@ -113,7 +129,7 @@ class _Results:
             if w is None:
                 p.results.close()
                 return
-            w.forgotten = True
+            w.forget()
             if not w.reading:
                 p.results.close()
         self._poke()
@@ -210,16 +226,16 @@ class _Results:
         with self._lock:
             if w.forgotten or not w.pipe_open:
                 return False
-            w.reading = True
+            w.set_reading(True)
         data: Optional[bytes] = None
         try:
             if not if_ready or w.p.results.poll(0):
                 data = w.p.results.recv_bytes()
         except (EOFError, OSError):
-            w.pipe_open = False                         # the process is gone: its sentinel reports it
+            w.pipe_ended()
         finally:
             with self._lock:
-                w.reading = False
+                w.set_reading(False)
                 if w.forgotten:
                     w.p.results.close()
                     data = None
@@ -233,7 +249,7 @@ class _Results:
             return
         while self._read(w, if_ready=True):
             pass
-        w.pipe_open = w.sentinel_open = False
+        w.ended()
         self._queue.put((w.p, None))
 
 

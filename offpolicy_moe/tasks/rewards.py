@@ -16,8 +16,9 @@ model emitted before its eos (``"1<pad>9"``, ``"7<pad>"``) makes the answer wron
            math-verify in a killable child process: see :mod:`offpolicy_moe.tasks.math_answer` (scored through
            :class:`offpolicy_moe.tasks.custom_rewards.RewardSet`, not by :func:`compute_rewards`).
 
-A reference answer that is empty once stripped cannot be scored and is never rewarded (0 under every kind; the math
-reward likewise needs a reference that math-verify reads), so a row whose answer was lost never pays for nothing.
+The math reward never pays for a reference in which math-verify reads no expression.  Sampled evaluation
+(:mod:`.sampled_scores`) excludes an empty reference and counts it; the exact and partial training rewards still
+score an empty reference as a string (1 for an empty completion), as the equivalence tests' fixed batches do.
 """
 from __future__ import annotations
 
@@ -36,19 +37,16 @@ def clean_completion(text: str, eos: str = EOS) -> str:
 
 
 def exact_match_reward(completion: str, answer: str) -> float:
-    """1.0 if the cleaned completion equals the (stripped) answer, else 0.0; a reference with no answer (empty once
-    stripped) cannot be scored and is never rewarded, not even for an empty completion."""
-    ref = answer.strip()
-    return 1.0 if ref and clean_completion(completion) == ref else 0.0
+    """1.0 if the cleaned completion equals the (stripped) answer, else 0.0."""
+    return 1.0 if clean_completion(completion) == answer.strip() else 0.0
 
 
 def partial_credit_reward(completion: str, answer: str) -> float:
-    """Right-aligned per-character credit: matches / max(len(completion), len(answer)), in [0, 1]; 0 for a reference
-    with no answer (it cannot be scored, so it is never rewarded)."""
+    """Right-aligned per-character credit: matches / max(len(completion), len(answer)), in [0, 1]."""
     c, a = clean_completion(completion), answer.strip()
     width = max(len(c), len(a))
-    if not a:
-        return 0.0
+    if width == 0:
+        return 1.0  # both empty: identical strings
     hits = sum(1 for i in range(1, min(len(c), len(a)) + 1) if c[-i] == a[-i])
     return hits / width
 
