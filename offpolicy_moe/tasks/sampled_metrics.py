@@ -80,6 +80,8 @@ def maj_at_k(answers: Sequence[Optional[str]], correct: Sequence[bool], k: int, 
     ``n``, the subsets keeping the samples' order; exact over every subset when there are at most :data:`SUBSETS`,
     else the mean over that many subsets drawn with ``seed``.  ``maj@n`` is the vote of all ``n`` samples."""
     n = len(answers)
+    if len(correct) != n:
+        raise ValueError(f"maj@k got {n} answers but {len(correct)} correctness flags")
     _check(n, k)
     total = math.comb(n, k)
     if total <= SUBSETS:

@@ -42,7 +42,7 @@ def score_samples(check: AnswerCheck, completions: Sequence[str], references: Se
     """Score ``completions`` (problem ``i``'s samples are ``completions[i * n:(i + 1) * n]``) against
     ``references`` (one per problem)."""
     if n < 1:
-        raise ValueError(f"eval.samples must be >= 1, got {n}")
+        raise ValueError(f"sampled scoring needs n >= 1 samples per problem, got n={n}")
     if len(completions) != len(references) * n:
         raise ValueError(f"{len(completions)} completions for {len(references)} problems x {n} samples")
     out = SampledScores(n=n)

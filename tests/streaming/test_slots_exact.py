@@ -231,3 +231,14 @@ if __name__ == "__main__":       # record the reference (see the module docstrin
     DATA.parent.mkdir(parents=True, exist_ok=True)
     DATA.write_text(json.dumps(cases, separators=(",", ":")) + "\n")
     print(f"wrote {DATA} ({DATA.stat().st_size} bytes)", file=sys.stderr)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_a_bad_free_rows_is_one_line(policy, bad):
+    from tests.tiny import rollout_engine
+
+    model, tok, _ = policy
+    eng = rollout_engine(model, tok, dtype="float32", max_new_tokens=MAX_NEW)
+    with pytest.raises(ValueError, match=r"free_rows >= 0 or None") as err:
+        SlotSampler(eng, 4, free_rows=bad)
+    assert "\n" not in str(err.value)

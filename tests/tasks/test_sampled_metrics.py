@@ -115,3 +115,8 @@ def test_report_ks():
     assert report_ks(16) == [1, 2, 4, 8, 16]
     assert report_ks(12) == [1, 2, 4, 8, 12]
     assert report_ks(1) == [1]
+
+
+def test_maj_at_k_refuses_answers_and_flags_of_different_lengths():
+    with pytest.raises(ValueError, match="2 answers but 1 correctness flags"):
+        maj_at_k(["1", "2"], [True], 1)

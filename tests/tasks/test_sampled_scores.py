@@ -51,6 +51,8 @@ def test_no_scorable_problem_gives_nan_not_zero():
 def test_bad_shapes_are_one_line():
     with pytest.raises(ValueError, match="3 completions for 1 problems x 4 samples"):
         score_samples(ExactCheck(), ["1"] * 3, ["1"], 4)
+    with pytest.raises(ValueError, match="n >= 1 samples per problem, got n=0"):
+        score_samples(ExactCheck(), ["1"], ["1"], 0)
 
 
 @pytest.fixture(scope="module")
