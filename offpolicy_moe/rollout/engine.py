@@ -78,8 +78,9 @@ class EngineNeeds:
         elif is_moe and bool(rt.metrics):
             routes = "algo.routing.metrics=true"
         offsets = f"algo.routing.replay={rt.replay}" if rt.replay == "pr2" and is_moe else ""
-        return cls(records_routes=routes, router_offsets=offsets or cls.of_rollout(cfg.rollout).router_offsets,
-                   kept_tokens=cls.of_rollout(cfg.rollout).kept_tokens)
+        sampling = cls.of_rollout(cfg.rollout)
+        return cls(records_routes=routes, router_offsets=offsets or sampling.router_offsets,
+                   kept_tokens=sampling.kept_tokens)
 
     @classmethod
     def of_rollout(cls, rollout: Any, *, record_routes: bool = False,
