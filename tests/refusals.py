@@ -14,9 +14,11 @@ from typing import Any, Callable, Iterator, Optional
 
 # a config key as an error names it: section.key
 KEY = re.compile(r"\b(?:rollout|buffer|algo|model|trainer|task)\.[a-z_]+")
-# the rooms whose functions the walk follows (the engines, their samplers, the run's checks and what they call)
+# the rooms whose functions the walk follows (the engines, their samplers, the run's checks and what they call,
+# and the batch sources' checks of the engine)
 FOLLOWED = ("offpolicy_moe.rollout", "offpolicy_moe.streaming", "offpolicy_moe.trainer.checks",
-            "offpolicy_moe.config.preflight")
+            "offpolicy_moe.config.preflight", "offpolicy_moe.sources.modes", "offpolicy_moe.sources.stream",
+            "offpolicy_moe.sources.asynchronous", "offpolicy_moe.sources.sync", "offpolicy_moe.sources.base")
 
 
 def _tree(fn: Callable) -> Optional[ast.AST]:
@@ -167,13 +169,17 @@ def constructors() -> list[Callable]:
 
 
 def run_checks() -> list[Callable]:
-    """The run's checks (``train --dry-run`` and a real start): ``check_config`` and the registered engines' own
-    ``check_config``, which it dispatches to by ``rollout.engine`` (tested apart)."""
+    """The run's checks (``train --dry-run`` and a real start): ``check_config``, the registered engines' own
+    ``check_config``, which it dispatches to by ``rollout.engine``, and the batch sources' ``check_engine``, which it
+    dispatches to by ``buffer.mode`` (both dispatches tested apart)."""
     from offpolicy_moe.rollout import vllm_engine  # noqa: F401
     from offpolicy_moe.rollout.engine import ENGINES
+    from offpolicy_moe.sources.modes import MODES
     from offpolicy_moe.trainer.checks import check_config
 
-    return [check_config] + [cls.check_config for cls in ENGINES.values()]
+    sources = {mode.source_class() for mode in MODES.values()}
+    return ([check_config] + [cls.check_config for cls in ENGINES.values()]
+            + [cls.check_engine for cls in sorted(sources, key=lambda c: c.__name__)])
 
 
 # vLLM's own log lines (its import prints some) are not ours: `INFO 11-28 22:55:05 [file.py:53] ...`

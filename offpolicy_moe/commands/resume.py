@@ -27,7 +27,8 @@ SEGMENTS_FILE = "segments.jsonl"
 #: keys that extend or observe a run without changing what it computes
 EXTEND_KEYS = frozenset({
     "run_dir", "trainer.steps", "trainer.eval_every", "trainer.log_every", "trainer.checkpoint_every",
-    "trainer.keep_checkpoints", "trainer.min_free_mb", "trainer.threads", "trainer.eval_batch_size",
+    "trainer.keep_checkpoints", "trainer.min_free_mb", "trainer.threads", "trainer.follow_threads",
+    "trainer.eval_batch_size",
 })
 EXTEND_PREFIXES = ("logging.",)
 

@@ -67,6 +67,7 @@ def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan]
     """The checked config of this command, the resume plan with ``--resume`` (nothing is written), and what the
     checks built (``CheckedConfig``; None for ``--print-config`` alone, which only validates)."""
     from offpolicy_moe.config.validate import validate
+    from offpolicy_moe.sources.modes import validate_run
 
     presets = getattr(args, "preset", [])
     if args.force_change and not args.resume:
@@ -87,10 +88,11 @@ def resolve(args: argparse.Namespace) -> tuple[TrainConfig, Optional[ResumePlan]
     else:
         cfg = build_config(args.config, args.overrides, args.run_dir, presets)
     if args.print_config and not args.dry_run:
-        validate(cfg)
+        validate_run(cfg)           # with the batch source's rules (it imports the source class)
         return cfg, plan, None
     # a valid config that forks local rollout workers early starts their fork server now: its imports run on the
-    # other core beside the checks, the trainer's imports and its model load (sources/fork_server.py)
+    # other core beside the checks, the trainer's imports and its model load (sources/fork_server.py); the batch
+    # source's own rules follow in check_config, which imports the source class
     validate(cfg)
     if not args.dry_run:
         fork_server.start_early(cfg)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -47,9 +47,10 @@ def preflight(cfg: Any) -> list[str]:
     return preflight_checked(cfg).warnings
 
 
-def preflight_checked(cfg: Any) -> CheckedConfig:
-    """:func:`preflight`, returning the task it built with the warnings."""
-    warnings = validate(cfg)
+def preflight_checked(cfg: Any, *, more: tuple[Callable[[Any, Findings], None], ...] = ()) -> CheckedConfig:
+    """:func:`preflight`, returning the task it built with the warnings; ``more``: rules that :func:`validate` adds
+    (the batch source's, from :func:`offpolicy_moe.trainer.checks.check_config`)."""
+    warnings = validate(cfg, more=more)
     found = Findings()
     task = check_task_data(cfg, found)
     model_config = check_model_folder(cfg, found)

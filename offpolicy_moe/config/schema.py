@@ -287,6 +287,8 @@ class TrainerConfig:
     max_nan_skips: int = ranged(10, ge=1)          # on_nan=skip: this many skips in a row end the run as diverged
     deterministic: bool = True
     threads: int = ranged(0, ge=0)                 # 0 = auto (commands/threads.py: 1 per process on <= 2 cores)
+    # async/stream with local workers: the threads follow the cores the workers leave idle (trainer/thread_follower.py)
+    follow_threads: bool = False
     fuse_old_logp: bool = True        # on-policy single update: take old_logp from the update forward (no extra pass)
     # rows whose advantage is 0 (and no KL, PR2 or fused old-logp term) skip the update's forward and backward:
     # their policy gradient is exactly zero; token counts keep them (docs/config.md: exact up to float summation order)

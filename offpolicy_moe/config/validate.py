@@ -20,12 +20,15 @@ cross-field rules (E = error, W = warning):
 | correction | ``mode`` ≠ none with ``old_logp_source=engine`` (E: the mismatch would be corrected twice); ``low`` < ``high`` (E); truncate with ``high`` < 1 (W) |
 | routing | replay on a dense model (E); R2 with bypass (E: R2 records in the old-log-prob pass bypass skips); R2 with one update per step (W: R3 paper, arXiv 2510.11370) |
 | rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W); a ``vllm_`` key with another engine (E); with ``engine=vllm``: ``vllm_devices`` distinct indices >= 0, not with ``backend=ray`` (E), ``vllm_max_model_len`` < ``max_new_tokens`` + 1 (E), ``vllm_routes=hooks`` without ``vllm_eager`` when routes are recorded (E); ``ray_num_gpus`` without ``backend=ray`` (W) |
-| trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached); ``buffer.max_delay`` set with a mode other than ``bounded`` (E: only ``bounded`` reads it), above ``buffer.staleness`` (W: the later batches are dropped, never trained staler than k) |
+| trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached); ``buffer.max_delay`` set with a mode other than ``bounded`` (E: only ``bounded`` reads it), above ``buffer.staleness`` (W: the later batches are dropped, never trained staler than k); ``trainer.follow_threads`` without local workers (``buffer.mode`` async or stream, ``rollout.backend=local``) (E) |
 | unread keys | a key set away from its default while the key that switches it on is off (:data:`UNREAD_UNLESS`: correction bounds without a correction, the KL kind without a KL, PR2 settings without PR2, ``task.max_terms`` / ``task.length_tail`` / ``task.estimate_share`` with a task other than longtail) (W) |
 | optim | ``betas`` two values in [0, 1) (E) |
 | model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder; ``experts_implementation=deepgemm`` with both dtypes bfloat16 (E) |
 | task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; reverse, chain: the same digit bounds; longtail: one-digit operands; else ``jsonl:<path>`` or ``dataset:<source>`` (E) |
 | logging | ``loggers`` ⊆ console, jsonl, wandb (E) |
+
+The rules of each ``buffer.mode`` belong to the batch source class that runs it (``check_rules``); ``more`` takes
+them (:func:`offpolicy_moe.sources.modes.validate_run`), so that this module never reads the mode's name.
 
 Checks that read files (task files, ``model.path``, tokenizer, answer lengths, buffer feasibility) live in
 :mod:`offpolicy_moe.config.preflight`.
@@ -35,7 +38,7 @@ from __future__ import annotations
 import json
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from offpolicy_moe.config.ranges import Rule, declared_rules, field_problems
 from offpolicy_moe.config.schema import LOGGERS, RolloutConfig, TrainConfig
@@ -96,8 +99,10 @@ def vocabularies() -> dict[str, tuple]:
     return out
 
 
-def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
-    """Check every key's declared range and every section's cross-field rules (module docstring).
+def validate(cfg: Any, *, model_is_moe: Optional[bool] = None,
+             more: tuple[Callable[[Any, Findings], None], ...] = ()) -> list[str]:
+    """Check every key's declared range and every section's cross-field rules (module docstring), then the rules
+    ``more`` adds (the batch source's: :func:`offpolicy_moe.sources.modes.validate_run` passes them).
 
     Returns the warnings (strings naming their keys). Raises :class:`ConfigError` listing every error found.
     """
@@ -110,7 +115,6 @@ def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
     check_correction(cfg, found)
     check_routing(cfg, found, model_is_moe)
     check_rollout(cfg, found, model_is_moe)
-    check_async(cfg, found)
     check_trainer(cfg, found)
     check_buffer(cfg, found)
     check_unread(cfg, found)
@@ -118,6 +122,8 @@ def validate(cfg: Any, *, model_is_moe: Optional[bool] = None) -> list[str]:
     check_model(cfg, found, model_is_moe)
     check_task(cfg, found)
     check_logging(cfg, found)
+    for rules in more:
+        rules(cfg, found)
     found.raise_if_errors()
     return found.warnings
 
@@ -201,66 +207,6 @@ def check_routing(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
     elif rt.drift_metrics and not rt.metrics and replay not in ("r3", "pr2"):
         found.error("algo.routing.drift_metrics=true needs the engine's routes: set algo.routing.metrics=true "
                     "(or replay r3/pr2, which record them)")
-    elif (rt.drift_metrics and cfg.trainer.updates_per_step == 1 and cfg.buffer.staleness == 0
-          and cfg.buffer.mode == "fixed"):
-        found.warn("algo.routing.drift_metrics=true with one update per on-policy batch logs nothing: drift/* is "
-                   "measured at off-policy mini-steps only")
-
-
-def stream_problems(cfg: Any) -> list[str]:
-    """What ``buffer.mode=stream`` cannot run: its rows always span weight updates (R2's one recorded route per
-    token cannot hold, PR2's predictors do not reach the workers), its slots are the built-in engine's native
-    sampler or vLLM's scheduler, over the full distribution, its workers run on this machine."""
-    rt, ro = cfg.algo.routing, cfg.rollout
-    out = []
-    if rt.replay in ("r2", "pr2"):
-        out.append(f"buffer.mode=stream does not support algo.routing.replay={rt.replay}: its rows continue across "
-                   "weight updates, so the trainer cannot record one version's routes for them; use r3 or none")
-    if ro.engine == "hf" and ro.sampler != "native":
-        out.append(f"buffer.mode=stream with rollout.engine=hf runs the built-in engine's slots, which need "
-                   f"rollout.sampler=native; got rollout.sampler={ro.sampler}")
-    if ro.top_k > 0 or ro.top_p < 1:
-        out.append("buffer.mode=stream samples the full distribution: set rollout.top_k=0 and rollout.top_p=1")
-    if ro.backend != "local":
-        out.append("buffer.mode=stream runs its workers on this machine: set rollout.backend=local")
-    if ro.publish_every > cfg.buffer.staleness + 1:
-        out.append(f"rollout.publish_every={ro.publish_every} with buffer.mode=stream and buffer.staleness="
-                   f"{cfg.buffer.staleness}: a group must be trained within k versions of the newest published one "
-                   "when it was issued; lower rollout.publish_every to <= k + 1")
-    return out
-
-
-def async_problems(cfg: Any) -> list[str]:
-    """What ``buffer.mode=async`` cannot run: PR2 (the rollout workers do not receive the predictors), and R2 with
-    sequences continuing across weight updates (one recorded route for tokens of several versions); for
-    ``buffer.mode=stream``, :func:`stream_problems`."""
-    if cfg.buffer.mode == "stream":
-        return stream_problems(cfg)
-    if cfg.buffer.mode != "async":
-        if cfg.rollout.backend == "ray":
-            return [f"rollout.backend=ray places rollout workers of buffer.mode=async; buffer.mode="
-                    f"{cfg.buffer.mode} generates in the trainer's process: set buffer.mode=async or "
-                    "rollout.backend=local"]
-        return []
-    rt, ro = cfg.algo.routing, cfg.rollout
-    out = []
-    if rt.replay == "pr2":
-        out.append("buffer.mode=async does not support algo.routing.replay=pr2: the rollout workers do not "
-                   "receive the PR2 predictors")
-    if rt.replay == "r2" and ro.update_in_flight:
-        out.append("algo.routing.replay=r2 with rollout.update_in_flight=true: the trainer would record one "
-                   "version's routes for tokens sampled by several; use r3 or turn update_in_flight off")
-    if ro.publish_every > cfg.buffer.staleness + 1:
-        out.append(f"rollout.publish_every={ro.publish_every} with buffer.mode=async and buffer.staleness="
-                   f"{cfg.buffer.staleness}: iteration t needs a published version >= t - k, which publishing every "
-                   f"n versions gives only when n <= k + 1; raise buffer.staleness or lower rollout.publish_every")
-    return out
-
-
-def check_async(cfg: Any, found: Findings) -> None:
-    """``buffer.mode=async``: the combinations it cannot run (:func:`async_problems`)."""
-    for msg in async_problems(cfg):
-        found.error(msg)
 
 
 def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
@@ -276,17 +222,6 @@ def check_rollout(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> No
     if ro.ray_num_gpus is not None and ro.backend != "ray":
         found.warn(f"rollout.ray_num_gpus={ro.ray_num_gpus} has no effect with rollout.backend={ro.backend}: it is "
                    "read only with rollout.backend=ray")
-    if cfg.buffer.mode != "stream":
-        if ro.stream_slots != RolloutConfig().stream_slots:
-            found.warn(f"rollout.stream_slots={ro.stream_slots} has no effect with buffer.mode={cfg.buffer.mode}: "
-                       "it is read only with buffer.mode=stream")
-        if cfg.buffer.admission != "deadline":
-            found.warn(f"buffer.admission={cfg.buffer.admission} has no effect with buffer.mode={cfg.buffer.mode}: "
-                       "it is read only with buffer.mode=stream")
-    if ro.engine == "vllm" and ro.update_in_flight and cfg.buffer.mode != "stream":
-        found.error("rollout.update_in_flight=true with rollout.engine=vllm: vLLM takes new weights between "
-                    "generations only, except in a stream (buffer.mode=stream, between engine steps); turn "
-                    "update_in_flight off")
     if ro.engine != "vllm":
         defaults = RolloutConfig()
         for key in (f.name for f in fields(RolloutConfig) if f.name.startswith("vllm_")):
@@ -319,7 +254,9 @@ def check_vllm(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None:
 
 
 def check_trainer(cfg: Any, found: Findings) -> None:
-    """``trainer`` with ``rollout`` and ``buffer``: mini-batches not empty (nor uneven); staleness reachable."""
+    """``trainer`` with ``rollout`` and ``buffer``: mini-batches not empty (nor uneven); staleness reachable (threads
+    that follow the workers need local workers: the batch source's rule,
+    :func:`offpolicy_moe.sources.modes.follow_threads_problem`)."""
     ro, tr = cfg.rollout, cfg.trainer
     n_seq = ro.prompts_per_step * ro.group_size
     parts = tr.updates_per_step * tr.grad_accum
@@ -346,10 +283,7 @@ def check_buffer(cfg: Any, found: Findings) -> None:
     b = cfg.buffer
     if b.max_delay is None:
         return
-    if b.mode != "bounded":
-        found.error(f"buffer.max_delay={b.max_delay} is read by buffer.mode=bounded only; buffer.mode={b.mode} "
-                    "ignores it: remove it, or set buffer.mode=bounded")
-    elif b.max_delay > b.staleness:
+    if b.max_delay > b.staleness:
         found.warn(f"buffer.max_delay={b.max_delay} > buffer.staleness={b.staleness}: a batch that arrives after the "
                    f"trainer has moved more than {b.staleness} versions past it is dropped (offpolicy/dropped), so "
                    f"no batch is trained more than {b.staleness} versions stale; raise buffer.staleness for staler "

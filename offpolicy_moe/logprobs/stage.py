@@ -24,7 +24,38 @@ from offpolicy_moe.logprobs.forward import RoutedForward
 from offpolicy_moe.logprobs.strategies import AfterGeneration, OldLogpStrategy
 from offpolicy_moe.logprobs.versions import PastWeights, VersionRing, versions_of
 
-__all__ = ["PreparationStage", "PreparedBatch"]
+__all__ = ["PreparationStage", "PreparedBatch", "engine_logp_exact", "one_version_rows"]
+
+
+def engine_logp_exact(cfg: Any, *, is_moe: bool, measure_routing: bool) -> bool:
+    """Whether the rollout engine's behaviour log-probs are what the trainer's old-log-prob pass would compute, up
+    to float rounding, for a row sampled under one version, so that the pass can be skipped for it: the built-in
+    engine (``rollout.engine=hf``) and the trainer both in float32; the engine's router unperturbed
+    (``rollout.router_noise = router_perturb = 0``) and, on an MoE model, its routes replayed by the pass
+    (``algo.routing.replay=r3``); the full distribution (``rollout.top_k=0``, ``top_p=1``: the behaviour
+    log-probs are not of a truncated one); and nothing measured in the pass (``trainer.mismatch_metrics`` and
+    routing metrics off).  Whether the run's strategy takes its old log-probs in a pass at all (the trainer's own,
+    ``algo.old_logp_source=trainer``) is the stage's question per batch (:meth:`PreparationStage.takes_engine_logp`).  Then ``log mu(x_t) = log pi_v(x_t | x_<t)`` for a row whose tokens all came from version ``v``.
+    A row that spans versions (weights taken in flight) is not covered: its later tokens were sampled over a
+    KV cache the earlier version wrote, so ``mu`` is not ``pi_v`` there, and that row keeps its pass."""
+    ro, rt = cfg.rollout, cfg.algo.routing
+    return (ro.engine == "hf" and ro.dtype == "float32" and cfg.model.dtype == "float32"
+            and float(ro.router_noise) == 0.0 and float(ro.router_perturb) == 0.0
+            and int(ro.top_k) == 0 and float(ro.top_p) >= 1.0
+            and (not is_moe or rt.replay == "r3") and not measure_routing and not bool(cfg.trainer.mismatch_metrics))
+
+
+def one_version_rows(batch: RolloutBatch) -> torch.Tensor:
+    """A bool per row: every response token of the row was sampled by one policy version (all rows when the batch
+    carries no per-token versions)."""
+    if batch.token_versions is None:
+        return torch.ones(batch.response_mask.shape[0], dtype=torch.bool)
+    mask = batch.response_mask.bool()
+    tv = batch.token_versions
+    big = torch.iinfo(tv.dtype).max if not tv.is_floating_point() else float("inf")
+    lo = torch.where(mask, tv, torch.full_like(tv, big)).amin(1)
+    hi = torch.where(mask, tv, torch.full_like(tv, -big)).amax(1)
+    return (lo == hi) | ~mask.any(1)
 
 
 @dataclass(frozen=True)
@@ -43,11 +74,15 @@ class PreparedBatch:
 class PreparationStage:
     """``strategy`` applied to generated batches on ``model`` (the trainer's bare policy, only read) through
     ``forward``; ``keep`` past versions in the ring (0: every batch is prepared at the version the model holds);
-    ``accelerator`` makes :meth:`agree` collective over the trainer's processes."""
+    ``accelerator`` makes :meth:`agree` collective over the trainer's processes; ``engine_exact``: the engine's
+    behaviour log-probs are the pass's old log-probs (:func:`engine_logp_exact`), so a batch whose old log-probs the
+    strategy would take in a pass takes them from the engine instead, for its rows sampled under one version
+    (:meth:`takes_engine_logp`)."""
 
     def __init__(self, strategy: OldLogpStrategy, *, model: torch.nn.Module, forward: RoutedForward,
-                 accelerator: Any, keep: int = 0):
+                 accelerator: Any, keep: int = 0, engine_exact: bool = False):
         self.strategy = strategy
+        self.engine_exact = bool(engine_exact)
         self.model = model
         self.accelerator = accelerator
         self.ring = VersionRing(keep) if keep > 0 else None
@@ -56,6 +91,24 @@ class PreparationStage:
     def prepare(self, batch: RolloutBatch, *, current: int) -> PreparedBatch:
         """``batch`` with its old log-probs and measurements, or its non-finite error (stage ``old_logp`` where the
         old log-probs are taken now, ``metrics`` where they are only measured)."""
+        if self.takes_engine_logp(batch):
+            return self._from_engine(batch, current)
+        return self._by_pass(batch, current)
+
+    def _from_engine(self, batch: RolloutBatch, current: int) -> PreparedBatch:
+        """The engine's log-probs for the rows sampled under one version; the pass for the rows that span several
+        (:func:`engine_logp_exact`)."""
+        old = batch.behav_logp.clone()
+        spans = (~one_version_rows(batch)).nonzero().flatten()
+        if spans.numel():
+            passed = self._by_pass(batch.index_select(spans), current)
+            if passed.error is not None:
+                return passed
+            old[spans] = passed.batch.old_logp.to(old.dtype)
+        return PreparedBatch(replace(batch, old_logp=old, extras={}))
+
+    def _by_pass(self, batch: RolloutBatch, current: int) -> PreparedBatch:
+        """The strategy's passes, each version's on the rows holding its tokens (module docstring)."""
         old = trainer_routes = None
         extras: dict[str, float] = {}
         try:
@@ -78,6 +131,14 @@ class PreparationStage:
             return PreparedBatch(None, err)
         routes = trainer_routes if trainer_routes is not None else batch.trainer_routes
         return PreparedBatch(replace(batch, old_logp=old, trainer_routes=routes, extras=extras))
+
+    def takes_engine_logp(self, batch: RolloutBatch) -> bool:
+        """Whether ``batch``'s old log-probs are its behaviour log-probs, with no pass: the engine's are exact
+        (``engine_exact``), the strategy would take them in a pass now (not fused, not at consumption) and the
+        batch has finite behaviour log-probs."""
+        return (self.engine_exact and batch.behav_logp is not None
+                and self.strategy.stage_after_generation(batch) == "old_logp"
+                and all_finite(batch.behav_logp, batch.response_mask))
 
     def _pass(self, model: torch.nn.Module, batch: RolloutBatch) -> AfterGeneration:
         stage = self.strategy.stage_after_generation(batch)

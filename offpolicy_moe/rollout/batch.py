@@ -28,7 +28,7 @@ import torch
 
 from offpolicy_moe.models.kept_tokens import KeptTokens
 
-__all__ = ["RolloutBatch"]
+__all__ = ["LENGTH_QUANTILES", "RolloutBatch", "generation_shape"]
 
 _TENSOR_FIELDS = ("input_ids", "attention_mask", "response_mask", "behav_logp", "old_logp", "group_ids",
                   "trainer_routes_ok")
@@ -158,3 +158,23 @@ class RolloutBatch:
         kept = state.pop("kept_tokens", None)     # absent in states written before kept sets existed
         return cls(**{k: _from_state(v) for k, v in state.items()},
                    kept_tokens=KeptTokens.from_state_dict(kept) if kept is not None else None)
+
+
+#: the response-length quantiles :func:`generation_shape` reports, in percent
+LENGTH_QUANTILES = tuple(range(0, 101, 10))
+
+
+def generation_shape(batch: RolloutBatch) -> dict[str, float]:
+    """The shape generation had to decode, for the bound of a step's generation (``experiments/bench/tta``):
+    ``rollout/prompt_len`` (the padded prompt width: the KV columns at the first decode forward) and
+    ``rollout/response_len_q<p>`` for ``p`` in :data:`LENGTH_QUANTILES`, the lower ``p``-th percentile of the rows'
+    response lengths (EOS included), so that the rows still decoding at each position can be read back (``q000`` the
+    shortest, ``q100`` the longest)."""
+    lengths = batch.response_mask.sum(-1).to(torch.float64)
+    if lengths.numel() == 0:
+        raise ValueError("generation_shape: the batch has no rows")
+    qs = torch.quantile(lengths, torch.tensor([p / 100 for p in LENGTH_QUANTILES], dtype=torch.float64),
+                        interpolation="lower")
+    out = {"rollout/prompt_len": float(batch.prompt_len)}
+    out.update({f"rollout/response_len_q{p:03d}": float(q) for p, q in zip(LENGTH_QUANTILES, qs.tolist())})
+    return out

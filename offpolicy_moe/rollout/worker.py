@@ -27,7 +27,7 @@ from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite
 from offpolicy_moe.tasks import apply_chat_template, make_task
 
-__all__ = ["Order", "Shutdown", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "records_routes", "worker_main", "pack",
+__all__ = ["Order", "Shutdown", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "records_routes", "worker_main", "pack", "send_timed",
            "unpack"]
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ class WorkerReady:
 @dataclass(frozen=True)
 class BatchDone:
     """The batch of ``iteration`` (order ``attempt``), as :meth:`RolloutBatch.state_dict`, with the worker's
-    ``timings`` (``wait_s``, ``sync_s``, ``generate_s``, ``cpu_s``)."""
+    ``timings``: ``wait_s`` (for the order and its weights), ``sync_s`` (loading them), ``generate_s``, ``cpu_s``,
+    and, of the message sent before this one, ``pack_s`` and ``send_s`` (blocked on a full pipe): a local worker's
+    seconds between two orders are the sum of these parts."""
 
     index: int
     iteration: int
@@ -109,6 +111,16 @@ def pack(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def send_timed(results: Any, msg: Any) -> dict[str, float]:
+    """Pack ``msg`` and send it on the pipe ``results``; returns ``{"pack_s", "send_s"}``, the seconds spent
+    packing it and blocked writing it (a full pipe: the reader is behind)."""
+    t0 = time.perf_counter()
+    data = pack(msg)
+    t1 = time.perf_counter()
+    results.send_bytes(data)
+    return {"pack_s": t1 - t0, "send_s": time.perf_counter() - t1}
 
 
 def unpack(data: bytes) -> Any:
@@ -210,6 +222,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
         if spec.update_in_flight:
             engine.call_between_tokens(board.load_into)
         results.send_bytes(pack(WorkerReady(spec.index, os.getpid())))
+        carried = {"pack_s": 0.0, "send_s": 0.0}      # the previous message's, reported with the next one
         while True:
             t0 = time.perf_counter()
             order = _next_order(orders, spec.parent_pid)
@@ -229,9 +242,10 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
                                                        exc.what)))
                 continue
             t3 = time.perf_counter()
-            timings = {"wait_s": t1 - t0, "sync_s": t2 - t1, "generate_s": t3 - t2, "cpu_s": time.process_time() - c1}
-            results.send_bytes(pack(BatchDone(spec.index, order.iteration, order.attempt, batch.state_dict(),
-                                              timings)))
+            timings = {"wait_s": t1 - t0, "sync_s": t2 - t1, "generate_s": t3 - t2, "cpu_s": time.process_time() - c1,
+                       **carried}
+            carried = send_timed(results, BatchDone(spec.index, order.iteration, order.attempt, batch.state_dict(),
+                                                    timings))
     except Exception:  # noqa: BLE001 - reported to the trainer, which names this worker
         try:
             results.send_bytes(pack(WorkerFailed(spec.index, iteration, traceback.format_exc())))

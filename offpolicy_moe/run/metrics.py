@@ -15,6 +15,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "reward/std": "std of the rewards of the consumed batch",
     "reward/frac_zero_std": "fraction of groups whose rewards are all equal (advantage 0)",
     "reward/response_len": "mean response length in tokens (EOS included)",
+    "rollout/prompt_len": "the consumed batch's padded prompt width (the KV columns at its first decode forward)",
     "reward/adv_abs_mean": "mean |advantage| over sequences",
     # actor (averaged over the step's micro-batches)
     "actor/loss": "policy loss (sum of micro-batch shares, averaged over mini-batches)",
@@ -51,6 +52,12 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "async/worker_wait_s": "seconds workers waited for an iteration they may start (the staleness bound)",
     "async/worker_generate_s": "seconds workers spent generating",
     "async/worker_cpu_s": "CPU seconds of the workers (weight loading and generation)",
+    "async/worker_pack_s": "seconds workers spent building and packing results for the pipe",
+    "async/worker_send_s": "seconds workers stood blocked writing results into a full pipe",
+    "async/worker_wall_s": "the workers' wall seconds these parts cover (async: the sum of wait, sync, generate, pack "
+                           "and send; stream: the clock between reports, loop bookkeeping included)",
+    "async/worker_blocked_share": "async/worker_send_s over async/worker_wall_s: the share of the workers' time "
+                                  "blocked on the result pipe",
     "async/worker_restarts": "cumulative rollout worker restarts",
     "async/trained_tokens": "response tokens of the consumed batch",
     # streaming rollouts (buffer.mode=stream, docs/async.md "Streaming")
@@ -76,6 +83,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "perf/time_eval_s": "seconds in evaluation",
     "perf/time_step_s": "seconds of the whole step (generation of warm-up iterations and evaluation included)",
     "perf/elapsed_s": "wall seconds of the training loop so far (evaluation included, start-up and SFT not), over segments",
+    "perf/trainer_threads": "torch threads the step's trainer ran with (trainer.follow_threads sets the next step's)",
     # non-finite values skipped, by the stage where they appeared (trainer.on_nan=skip; docs/faults.md)
     "nan/generation": "cumulative batches dropped: sampling met non-finite logits or behaviour log-probs",
     "nan/old_logp": "cumulative batches dropped: the old-log-prob pass gave NaN/Inf",
@@ -95,6 +103,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
 
 #: families whose keys vary with the objective or mechanism (documented in the losses/routing modules)
 DOCUMENTED_PREFIXES: tuple[str, ...] = (
+    "rollout/response_len_q",  # q000 ... q100: lower percentiles (every 10) of the consumed rows' response lengths
     "actor/",      # objective-specific: clipfrac_low/high, dual_clipfrac, ratio_max, seq_ratio_*, ...
     "mismatch/",   # correction-specific: is_mean, is_max, is_min, ess, clipped_frac, masked_frac, ...
     "gspo/",       # seq_clipfrac, seq_ratio_mean (sequence-level GSPO statistics)

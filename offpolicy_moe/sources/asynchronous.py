@@ -36,14 +36,14 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.config.validate import ConfigError, async_problems
+from offpolicy_moe.config.validate import ConfigError, Findings
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.seeds import iteration_seed
-from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
+from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order, worker_main
 from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.logprobs.stage import PreparedBatch
-from offpolicy_moe.sources.base import BatchSource, Preparation
+from offpolicy_moe.sources.base import BatchSource, Preparation, refuse_vllm_in_flight
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.schedule import Dispatcher
 from offpolicy_moe.sources.transport import (PipelineTimeout, PublishesToWorkers, WorkerDied, WorkerLost,
@@ -62,17 +62,18 @@ def check_async_config(cfg: Any) -> None:
         raise ValueError(f"rollout.worker_timeout_s must be > 0, got {ro.worker_timeout_s}")
     if b.max_ahead is not None and int(b.max_ahead) < 0:
         raise ValueError(f"buffer.max_ahead must be >= 0 or null, got {b.max_ahead}")
-    problems = async_problems(cfg)      # the cross-field rules live with the config validation
+    problems = AsyncBatchSource.problems(cfg)
     if problems:
         raise ValueError(problems[0])
 
 
 def make_transport(cfg: Any, *, rank: int = 0, world: int = 1) -> WorkerTransport:
-    """The transport of ``rollout.backend``: worker processes on this machine (``local``), or Ray actors (``ray``;
-    its module, and Ray, are imported only then)."""
+    """The transport of ``rollout.backend``: worker processes on this machine running
+    :func:`~offpolicy_moe.rollout.worker.worker_main` (``local``), or Ray actors (``ray``; its module, and Ray, are
+    imported only then)."""
     backend = cfg.rollout.backend
     if backend == "local":
-        return ProcessTransport(cfg, rank=rank, world=world)
+        return ProcessTransport(cfg, entry=worker_main, rank=rank, world=world)
     if backend == "ray":
         ray_transport = importlib.import_module("offpolicy_moe.sources.ray_transport")
         return ray_transport.RayTransport(cfg, rank=rank, world=world)
@@ -88,7 +89,45 @@ class AsyncBatchSource(PublishesToWorkers, BatchSource):
     (``rollout.early_start``: while the trainer evaluates step 0), else on the first :meth:`next`, with the
     weights last published."""
 
-    mode = "async"
+    worker_entry = staticmethod(worker_main)
+
+    @classmethod
+    def build(cls, cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, stage: Preparation, rank: int,
+              world: int, pad_id: int) -> "AsyncBatchSource":
+        """Workers over copies of ``model`` (each builds its own engine and task)."""
+        return cls(cfg, model=model, stage=stage, rank=rank, world=world)
+
+    @classmethod
+    def keeps_versions(cls, cfg: Any) -> int:
+        """``k + 1``: a batch may be sampled by any of the last ``k + 1`` published versions."""
+        return int(cfg.buffer.staleness) + 1
+
+    @classmethod
+    def problems(cls, cfg: Any) -> list[str]:
+        """What asynchronous workers cannot run: PR2 (the workers do not receive the predictors), and R2 with
+        sequences continuing across weight updates (one recorded route for tokens of several versions); a
+        ``rollout.publish_every`` that leaves iteration ``t`` without a version ``>= t - k``."""
+        rt, ro = cfg.algo.routing, cfg.rollout
+        out = []
+        if rt.replay == "pr2":
+            out.append("buffer.mode=async does not support algo.routing.replay=pr2: the rollout workers do not "
+                       "receive the PR2 predictors")
+        if rt.replay == "r2" and ro.update_in_flight:
+            out.append("algo.routing.replay=r2 with rollout.update_in_flight=true: the trainer would record one "
+                       "version's routes for tokens sampled by several; use r3 or turn update_in_flight off")
+        if ro.publish_every > cfg.buffer.staleness + 1:
+            out.append(f"rollout.publish_every={ro.publish_every} with buffer.mode=async and buffer.staleness="
+                       f"{cfg.buffer.staleness}: iteration t needs a published version >= t - k, which publishing "
+                       f"every n versions gives only when n <= k + 1; raise buffer.staleness or lower "
+                       "rollout.publish_every")
+        return out
+
+    @classmethod
+    def check_rules(cls, cfg: Any, found: Findings) -> None:
+        """:meth:`problems` as errors, and no vLLM weights in flight."""
+        for msg in cls.problems(cfg):
+            found.error(msg)
+        refuse_vllm_in_flight(cfg, found)
 
     def __init__(self, cfg: Any, *, model: torch.nn.Module, stage: Preparation, rank: int = 0, world: int = 1,
                  transport: Optional[WorkerTransport] = None):
@@ -117,7 +156,8 @@ class AsyncBatchSource(PublishesToWorkers, BatchSource):
         self.ready: dict[int, RolloutBatch] = {}
         self.restarts = 0
         self.timing = {"trainer_wait_s": 0.0, "prepare_s": 0.0, "weight_sync_s": 0.0, "worker_wait_s": 0.0,
-                       "worker_sync_s": 0.0, "worker_generate_s": 0.0, "worker_cpu_s": 0.0}
+                       "worker_sync_s": 0.0, "worker_generate_s": 0.0, "worker_cpu_s": 0.0, "worker_pack_s": 0.0,
+                       "worker_send_s": 0.0}
         self._before = dict(self.timing)
         self._slots: dict[int, int] = {}        # live worker slot -> how many times it was restarted
         self._started = False
@@ -177,10 +217,13 @@ class AsyncBatchSource(PublishesToWorkers, BatchSource):
             return PreparedBatch(None, self.errors.pop(0)), {}
         delta = {k: self.timing[k] - self._before[k] for k in self.timing}
         self._before = dict(self.timing)
+        wall = sum(delta[f"worker_{key}_s"] for key in ("wait", "sync", "generate", "pack", "send"))
         return PreparedBatch(batch), {
             "async/trainer_wait_s": waited, "async/weight_sync_s": delta["weight_sync_s"],
             "perf/time_old_logp_s": delta["prepare_s"], "async/worker_wait_s": delta["worker_wait_s"],
             "async/worker_generate_s": delta["worker_generate_s"], "async/worker_cpu_s": delta["worker_cpu_s"],
+            "async/worker_pack_s": delta["worker_pack_s"], "async/worker_send_s": delta["worker_send_s"],
+            "async/worker_wall_s": wall, "async/worker_blocked_share": delta["worker_send_s"] / max(wall, 1e-9),
             "async/worker_restarts": float(self.restarts), "async/trained_tokens": float(batch.num_tokens())}
 
     def _after_publish(self, version: int) -> None:
@@ -257,8 +300,8 @@ class AsyncBatchSource(PublishesToWorkers, BatchSource):
 
     def _on_batch(self, msg: BatchDone) -> None:
         """A worker's batch: kept and prepared, or dropped (stale, or a superseded answer)."""
-        for key in ("wait", "sync", "generate", "cpu"):
-            self.timing[f"worker_{key}_s"] += float(msg.timings[f"{key}_s"])
+        for key in ("wait", "sync", "generate", "cpu", "pack", "send"):     # a Ray actor sends no pack/send
+            self.timing[f"worker_{key}_s"] += float(msg.timings.get(f"{key}_s", 0.0))
         batch = RolloutBatch.from_state_dict({**msg.state, "extras": {}})
         oldest = int(batch.token_versions[batch.response_mask.bool()].min()) \
             if batch.token_versions is not None and bool(batch.response_mask.any()) else batch.version

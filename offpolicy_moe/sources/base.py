@@ -17,14 +17,16 @@ source's business.
 from __future__ import annotations
 
 import abc
-from typing import Mapping, Optional, Protocol
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol
 
 import torch
+
+from offpolicy_moe.config.validate import Findings
 
 from offpolicy_moe.logprobs.stage import PreparedBatch
 from offpolicy_moe.rollout.batch import RolloutBatch
 
-__all__ = ["BatchSource", "SourceStopped", "Preparation"]
+__all__ = ["BatchSource", "SourceStopped", "Preparation", "refuse_vllm_in_flight"]
 
 
 class Preparation(Protocol):
@@ -49,8 +51,57 @@ class SourceStopped(RuntimeError):
     ``rollout.on_worker_death=stop``); the loop checkpoints and ends the run with status ``stopped``."""
 
 
+def refuse_vllm_in_flight(cfg: Any, found: Findings) -> None:
+    """``rollout.update_in_flight`` with the vLLM engine outside a stream: vLLM takes new weights between whole
+    generations only, so the setting would be silently ignored."""
+    if cfg.rollout.engine == "vllm" and cfg.rollout.update_in_flight:
+        found.error("rollout.update_in_flight=true with rollout.engine=vllm: vLLM takes new weights between "
+                    "generations only, except in a stream (buffer.mode=stream, between engine steps); turn "
+                    "update_in_flight off")
+
+
 class BatchSource(abc.ABC):
-    """Where the training loop's batches come from (see module docstring)."""
+    """Where the training loop's batches come from (see module docstring).
+
+    A source class owns its ``buffer.mode`` (:mod:`~offpolicy_moe.sources.modes` maps the name to the class): the
+    class attributes and class methods below say what the rest of the run needs to know of it, so that no other
+    module tests the mode's name."""
+
+    #: the trainer's process builds the rollout engine and hands it to :meth:`build` (else each worker builds its own)
+    builds_engine: ClassVar[bool] = False
+    #: what each local worker process runs, ``entry(spec, board, orders, results)`` (None: no worker processes)
+    worker_entry: ClassVar[Optional[Callable[..., None]]] = None
+    #: keys only this kind of source reads, as ``(dotted key, default)``: set away from the default under another
+    #: source, :func:`~offpolicy_moe.sources.modes.check_mode` warns that they have no effect
+    reads: ClassVar[tuple[tuple[str, Any], ...]] = ()
+
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, stage: Preparation, rank: int,
+              world: int, pad_id: int) -> "BatchSource":
+        """The source of ``cfg`` from everything the trainer built (each class takes what it uses)."""
+
+    @classmethod
+    def keeps_versions(cls, cfg: Any) -> int:
+        """How many published versions' weights the preparation stage keeps for the batches this source hands it
+        (sampled under versions the trainer has moved past)."""
+        return 0
+
+    @classmethod
+    def on_policy(cls, cfg: Any) -> bool:
+        """Whether every batch is trained by the weights that sampled it (so the old-log-prob pass may be fused
+        with the update)."""
+        return False
+
+    @classmethod
+    def check_rules(cls, cfg: Any, found: Findings) -> None:
+        """The configurations this source refuses (``found.error``) or would silently not honour (``found.warn``);
+        one line each, naming the keys."""
+
+    @classmethod
+    def check_engine(cls, cfg: Any, model_config: Any) -> None:
+        """What this source asks of the rollout engine beyond the engine's own checks, before any engine starts (a
+        one-line ``ValueError``)."""
 
     #: generation iterations completed (a checkpointed counter; the fixed delay line runs ``k`` ahead of the step)
     iteration: int = 0

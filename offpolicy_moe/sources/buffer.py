@@ -23,21 +23,26 @@ from typing import Optional
 
 from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.sources.modes import mode_of
 from offpolicy_moe.sources.schedule import is_stale
 
 __all__ = ["StalenessBuffer", "check_buffer_feasible", "iteration_budget", "steps_within_budget"]
 
 
 class StalenessBuffer:
-    """FIFO of :class:`RolloutBatch` with an exact (``fixed``) or bounded (``bounded``) staleness ``k``."""
+    """FIFO of :class:`RolloutBatch` with an exact staleness ``k`` (``buffer.mode=fixed``), or, with
+    ``random_delay``, arrival delays drawn from ``U{0..max_delay}`` and staleness bounded by ``k``
+    (``buffer.mode=bounded``)."""
 
-    def __init__(self, staleness: int, mode: str = "fixed", *, max_delay: Optional[int] = None, seed: int = 0):
+    def __init__(self, staleness: int, random_delay: bool = False, *, max_delay: Optional[int] = None,
+                 seed: int = 0):
         if not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"buffer.staleness must be an integer >= 0, got {staleness!r}")
-        if mode not in ("fixed", "bounded"):
-            raise ValueError(f"buffer.mode must be 'fixed' or 'bounded', got {mode!r}")
+        if not isinstance(random_delay, bool):
+            raise ValueError(f"random_delay must be a bool, got {random_delay!r}")
         self.k = staleness
-        self.mode = mode
+        self.random_delay = random_delay
+        self.mode = "bounded" if random_delay else "fixed"      # the checkpoint's name for it
         self.max_delay = staleness if max_delay is None else int(max_delay)
         if self.max_delay < 0:
             raise ValueError(f"buffer.max_delay must be >= 0, got {max_delay!r}")
@@ -50,12 +55,12 @@ class StalenessBuffer:
 
     def push(self, batch: RolloutBatch, iteration: int) -> None:
         """Enqueue the batch generated at ``iteration``."""
-        delay = self._rng.randint(0, self.max_delay) if self.mode == "bounded" else self.k
+        delay = self._rng.randint(0, self.max_delay) if self.random_delay else self.k
         self._queue.append((iteration + delay, batch))
 
     def pop(self, iteration: int, current_version: int) -> tuple[Optional[RolloutBatch], int]:
         """The batch to train on at ``iteration`` (or None) and how many batches were dropped now."""
-        if self.mode == "fixed":
+        if not self.random_delay:
             if len(self._queue) > self.k:
                 return self._queue.popleft()[1], 0
             return None, 0
@@ -96,22 +101,22 @@ class StalenessBuffer:
 
 
 # ------------------------------------------------------------------ feasibility (checked before compute)
-def iteration_budget(steps: int, staleness: int, mode: str) -> int:
+def iteration_budget(steps: int, staleness: int, random_delay: bool) -> int:
     """Iterations a run may take to train ``steps`` steps before its buffer counts as starved.
 
-    ``fixed``: exactly ``steps + staleness``. ``bounded``: ``steps + staleness + 10 * steps`` (arrival delays and
-    drops leave some iterations without a batch).
+    An exact delay line: ``steps + staleness``.  With ``random_delay``: ``steps + staleness + 10 * steps`` (arrival
+    delays and drops leave some iterations without a batch).
     """
-    return steps + staleness + 10 * steps * (mode == "bounded")
+    return steps + staleness + 10 * steps * bool(random_delay)
 
 
-def steps_within_budget(staleness: int, mode: str, max_delay: Optional[int], seed: int, steps: int) -> int:
+def steps_within_budget(staleness: int, random_delay: bool, max_delay: Optional[int], seed: int, steps: int) -> int:
     """Trained steps a run reaches within :func:`iteration_budget`, found by driving the run's own buffer (same
     seed, so the same arrival delays) with placeholder batches: a batch's version is the number of steps trained when
     it was generated, as in the trainer's loop. It stops early once the remaining steps are out of reach (at most one
     per iteration), so a result below ``steps`` is a lower bound."""
-    buffer = StalenessBuffer(staleness, mode, max_delay=max_delay, seed=seed)
-    trained, budget = 0, iteration_budget(steps, staleness, mode)
+    buffer = StalenessBuffer(staleness, random_delay, max_delay=max_delay, seed=seed)
+    trained, budget = 0, iteration_budget(steps, staleness, random_delay)
     for iteration in range(budget):
         if budget - iteration < steps - trained:   # at most one step per iteration: the rest cannot be reached
             break
@@ -128,11 +133,11 @@ def check_buffer_feasible(cfg) -> None:
     """Raise :class:`~offpolicy_moe.config.validate.ConfigError` naming ``buffer.max_delay`` when a bounded
     buffer would drop so many batches that ``trainer.steps`` cannot be trained within the iteration budget."""
     b, steps = cfg.buffer, cfg.trainer.steps
-    if b.mode != "bounded" or steps < 1:
+    if not mode_of(cfg).random_delay or steps < 1:
         return
-    reached = steps_within_budget(b.staleness, b.mode, b.max_delay, cfg.seed, steps)
+    reached = steps_within_budget(b.staleness, True, b.max_delay, cfg.seed, steps)
     if reached < steps:
-        budget = iteration_budget(steps, b.staleness, b.mode)
+        budget = iteration_budget(steps, b.staleness, True)
         raise ConfigError(f"buffer.max_delay={b.max_delay}: with buffer.staleness={b.staleness} the bounded buffer "
                           f"drops most batches and trains at most {reached} of trainer.steps={steps} steps in "
                           f"{budget} iterations; lower buffer.max_delay (at most buffer.staleness drops none)")

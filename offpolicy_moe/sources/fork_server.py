@@ -14,6 +14,8 @@ import multiprocessing as mp
 from multiprocessing import forkserver
 from typing import Any
 
+from offpolicy_moe.sources.modes import mode_of
+
 __all__ = ["PRELOAD", "context", "start_early", "wants_early_start"]
 
 #: what the server imports once, before it forks any worker
@@ -29,10 +31,9 @@ def context() -> Any:
 
 
 def wants_early_start(cfg: Any) -> bool:
-    """Whether ``cfg``'s run forks local rollout workers (``buffer.mode=async`` or ``stream``, ``rollout.backend=local``) and
-    starts them early (``rollout.early_start``)."""
-    return (cfg.buffer.mode in ("async", "stream") and cfg.rollout.backend == "local"
-            and bool(cfg.rollout.early_start))
+    """Whether ``cfg``'s run forks local rollout workers (its mode's ``forks_workers``, ``rollout.backend=local``)
+    and starts them early (``rollout.early_start``)."""
+    return mode_of(cfg).forks_workers and cfg.rollout.backend == "local" and bool(cfg.rollout.early_start)
 
 
 def start_early(cfg: Any) -> bool:

@@ -1,7 +1,8 @@
 """Rollout workers as processes on this machine: the asynchronous source's default transport (``rollout.backend=local``).
 
-Each worker is a ``forkserver`` process (:mod:`.fork_server`) running
-:func:`~offpolicy_moe.rollout.worker.worker_main`, with its own pipe for orders and one for results (``torch.save``
+Each worker is a ``forkserver`` process (:mod:`.fork_server`) running the entry its source gives
+(:attr:`~offpolicy_moe.sources.base.BatchSource.worker_entry`: :func:`~offpolicy_moe.rollout.worker.worker_main` or
+:func:`~offpolicy_moe.streaming.stream_worker.stream_main`), with its own pipe for orders and one for results (``torch.save``
 bytes, so a worker killed mid-send corrupts nothing shared).
 Weights go through one :class:`~offpolicy_moe.rollout.weights.WeightBoard` in shared memory.
 
@@ -22,15 +23,15 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
 from offpolicy_moe.rollout.devices import worker_environment
-from offpolicy_moe.streaming.stream_worker import GroupDone, GroupsNonFinite, stream_main
+from offpolicy_moe.streaming.stream_worker import GroupDone, GroupsNonFinite
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import (BatchDone, BatchNonFinite, Order, Shutdown, WorkerFailed, WorkerSpec,
-                                          pid_alive, unpack, worker_main)
+                                          pid_alive, unpack)
 from offpolicy_moe.run import probes
 from offpolicy_moe.sources import fork_server
 from offpolicy_moe.sources.transport import Event, WorkerLost
@@ -254,12 +255,13 @@ class _Results:
 
 
 class ProcessTransport:
-    """Worker processes of trainer process ``rank`` (of ``world``) on this machine (see module docstring)."""
+    """Worker processes of trainer process ``rank`` (of ``world``) on this machine, each running
+    ``entry(spec, board, orders, results)`` (see module docstring)."""
 
     noun = "worker"
 
-    def __init__(self, cfg: Any, *, rank: int = 0, world: int = 1):
-        self.cfg, self.rank, self.world = cfg, int(rank), int(world)
+    def __init__(self, cfg: Any, *, entry: Callable[..., None], rank: int = 0, world: int = 1):
+        self.cfg, self.entry, self.rank, self.world = cfg, entry, int(rank), int(world)
         self.timeout = float(cfg.rollout.worker_timeout_s)
         self._ctx = fork_server.context()
         self._board: Optional[WeightBoard] = None
@@ -281,8 +283,7 @@ class ProcessTransport:
                           threads=int(ro.worker_threads), weight_timeout_s=self.timeout,
                           update_in_flight=bool(ro.update_in_flight), probe=probes.handoff(),
                           env=worker_environment(self.cfg, rank=self.rank, index=index))
-        main = stream_main if self.cfg.buffer.mode == "stream" else worker_main
-        proc = self._ctx.Process(target=main, args=(spec, self._board, o_recv, r_send),
+        proc = self._ctx.Process(target=self.entry, args=(spec, self._board, o_recv, r_send),
                                  name=f"offpolicy-moe-rollout-{self.rank}-{index}", daemon=True)
         proc.start()
         o_recv.close()

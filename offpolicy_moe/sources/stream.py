@@ -24,12 +24,14 @@ from typing import Any, Optional
 
 import torch
 
-from offpolicy_moe.config.validate import ConfigError, async_problems
+from offpolicy_moe.config.schema import BufferConfig, RolloutConfig
+from offpolicy_moe.config.validate import ConfigError, Findings
 from offpolicy_moe.logprobs.stage import PreparedBatch
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.streaming.group_batch import cat_batches
 from offpolicy_moe.rollout.seeds import iteration_seed
-from offpolicy_moe.streaming.stream_worker import GroupDone, GroupOrder, GroupsNonFinite
+from offpolicy_moe.streaming.slots import check_slot_settings
+from offpolicy_moe.streaming.stream_worker import GroupDone, GroupOrder, GroupsNonFinite, stream_main
 from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.admission import Ticket, deadline_choice, first_finished_choice, ks_distance, may_issue
@@ -43,7 +45,7 @@ __all__ = ["StreamBatchSource", "check_stream_config"]
 
 def check_stream_config(cfg: Any, world: int = 1) -> None:
     """One-line ``ValueError`` for a config ``buffer.mode=stream`` cannot run (before any process starts)."""
-    problems = async_problems(cfg)
+    problems = StreamBatchSource.problems(cfg)
     if problems:
         raise ValueError(problems[0])
     if world != 1:
@@ -60,7 +62,59 @@ class StreamBatchSource(PublishesToWorkers, BatchSource):
     policy (refused when sharded); ``stage``: the preparation of each step's batch; ``pad_id``: the tokenizer's
     padding id; ``transport``: the workers (default: processes on this machine)."""
 
-    mode = "stream"
+    worker_entry = staticmethod(stream_main)
+    reads = (("rollout.stream_slots", RolloutConfig().stream_slots), ("buffer.admission", BufferConfig().admission))
+
+    @classmethod
+    def build(cls, cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, stage: Preparation, rank: int,
+              world: int, pad_id: int) -> "StreamBatchSource":
+        """Streaming workers over copies of ``model``; ``pad_id`` pads the groups concatenated into a step."""
+        return cls(cfg, model=model, stage=stage, pad_id=pad_id, rank=rank, world=world)
+
+    @classmethod
+    def keeps_versions(cls, cfg: Any) -> int:
+        """``k + 1``: a row's tokens may be sampled by any of the last ``k + 1`` published versions."""
+        return int(cfg.buffer.staleness) + 1
+
+    @classmethod
+    def problems(cls, cfg: Any) -> list[str]:
+        """What a stream cannot run: its rows always span weight updates (R2's one recorded route per token cannot
+        hold, PR2's predictors do not reach the workers), its slots are the built-in engine's native sampler or
+        vLLM's scheduler, over the full distribution, its workers run on this machine, and a group must be trained
+        within ``k`` versions of the newest one published when it was issued."""
+        rt, ro = cfg.algo.routing, cfg.rollout
+        out = []
+        if rt.replay in ("r2", "pr2"):
+            out.append(f"buffer.mode=stream does not support algo.routing.replay={rt.replay}: its rows continue "
+                       "across weight updates, so the trainer cannot record one version's routes for them; use r3 "
+                       "or none")
+        if ro.engine == "hf" and ro.sampler != "native":
+            out.append(f"buffer.mode=stream with rollout.engine=hf runs the built-in engine's slots, which need "
+                       f"rollout.sampler=native; got rollout.sampler={ro.sampler}")
+        if ro.top_k > 0 or ro.top_p < 1:
+            out.append("buffer.mode=stream samples the full distribution: set rollout.top_k=0 and rollout.top_p=1")
+        if ro.backend != "local":
+            out.append("buffer.mode=stream runs its workers on this machine: set rollout.backend=local")
+        if ro.publish_every > cfg.buffer.staleness + 1:
+            out.append(f"rollout.publish_every={ro.publish_every} with buffer.mode=stream and buffer.staleness="
+                       f"{cfg.buffer.staleness}: a group must be trained within k versions of the newest published "
+                       "one when it was issued; lower rollout.publish_every to <= k + 1")
+        return out
+
+    @classmethod
+    def check_rules(cls, cfg: Any, found: Findings) -> None:
+        """:meth:`problems` as errors."""
+        for msg in cls.problems(cfg):
+            found.error(msg)
+
+    @classmethod
+    def check_engine(cls, cfg: Any, model_config: Any) -> None:
+        """On the built-in engine, its slot sampler's settings (vLLM's stream engine is the vLLM engine, whose own
+        checks ran)."""
+        ro = cfg.rollout
+        if ro.engine == "hf":
+            check_slot_settings(ro.sampler, int(ro.top_k), float(ro.top_p), cfg.algo.routing.replay == "pr2",
+                                model_config)
 
     def __init__(self, cfg: Any, *, model: torch.nn.Module, stage: Preparation, pad_id: int, rank: int = 0,
                  world: int = 1, transport: Optional[WorkerTransport] = None):
@@ -95,11 +149,12 @@ class StreamBatchSource(PublishesToWorkers, BatchSource):
         self.trained_groups: list[int] = []      # every group trained, in order
         self._arrived_since: list[int] = []
         self.timing = {"worker_generate_s": 0.0, "worker_wait_s": 0.0, "worker_cpu_s": 0.0, "worker_tokens": 0.0,
-                       "weight_sync_s": 0.0}
+                       "worker_pack_s": 0.0, "worker_send_s": 0.0, "worker_wall_s": 0.0, "weight_sync_s": 0.0}
         self._before = dict(self.timing)
         self._slots: dict[int, int] = {}
         self._started = False
-        self.transport: WorkerTransport = transport if transport is not None else ProcessTransport(cfg, rank=rank)
+        self.transport: WorkerTransport = (transport if transport is not None
+                                           else ProcessTransport(cfg, entry=stream_main, rank=rank))
 
     # ------------------------------------------------------------------ the BatchSource seam
     @property
@@ -186,6 +241,9 @@ class StreamBatchSource(PublishesToWorkers, BatchSource):
             "async/trainer_wait_s": waited, "perf/time_old_logp_s": prep,
             "async/weight_sync_s": delta["weight_sync_s"], "async/worker_wait_s": delta["worker_wait_s"],
             "async/worker_generate_s": delta["worker_generate_s"], "async/worker_cpu_s": delta["worker_cpu_s"],
+            "async/worker_pack_s": delta["worker_pack_s"], "async/worker_send_s": delta["worker_send_s"],
+            "async/worker_wall_s": delta["worker_wall_s"],
+            "async/worker_blocked_share": delta["worker_send_s"] / max(delta["worker_wall_s"], 1e-9),
             "async/worker_restarts": float(self.restarts), "async/trained_tokens": float(sum(trained)),
             "stream/worker_tokens": delta["worker_tokens"],
             "stream/generated_len_mean": fmean(generated), "stream/trained_len_mean": fmean(trained),
@@ -263,8 +321,8 @@ class StreamBatchSource(PublishesToWorkers, BatchSource):
         return group in self.tickets and group not in self.ready and self.attempts.get(group) == attempt
 
     def _on_group(self, msg: GroupDone) -> None:
-        for key in ("generate_s", "wait_s", "cpu_s"):
-            self.timing[f"worker_{key}"] += float(msg.timings[key])
+        for key in ("generate_s", "wait_s", "cpu_s", "pack_s", "send_s", "wall_s"):
+            self.timing[f"worker_{key}"] += float(msg.timings.get(key, 0.0))
         self.timing["worker_tokens"] += float(msg.timings["tokens"])
         if not self._current(msg.group, msg.attempt):
             return                                # a superseded attempt, or a dropped group

@@ -25,7 +25,9 @@ from offpolicy_moe.rollout.worker import checked_generation
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.buffer import StalenessBuffer, iteration_budget
 from offpolicy_moe.logprobs.stage import PreparedBatch
-from offpolicy_moe.sources.base import BatchSource, Preparation
+from offpolicy_moe.config.validate import Findings, infer_model_is_moe
+from offpolicy_moe.sources.base import BatchSource, Preparation, refuse_vllm_in_flight
+from offpolicy_moe.sources.modes import mode_of
 
 __all__ = ["SyncBatchSource"]
 
@@ -35,13 +37,50 @@ class SyncBatchSource(BatchSource):
     docstring); ``rank`` / ``world``: this process generates prompts ``rank, rank + world, ...`` of each
     iteration."""
 
+    builds_engine = True
+
+    @classmethod
+    def build(cls, cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, stage: Preparation, rank: int,
+              world: int, pad_id: int) -> "SyncBatchSource":
+        """The source over the trainer's own ``engine`` (``model`` and ``pad_id`` are the workers' business)."""
+        return cls(cfg, engine=engine, task=task, stage=stage, rank=rank, world=world)
+
+    @classmethod
+    def keeps_versions(cls, cfg: Any) -> int:
+        """One past version when generation holds a version the trainer has moved past (``rollout.publish_every``
+        > 1), else none: the delay line's batches are prepared as they are generated."""
+        return 1 if int(cfg.rollout.publish_every) > 1 else 0
+
+    @classmethod
+    def on_policy(cls, cfg: Any) -> bool:
+        """An exact delay line of staleness 0 (``buffer.mode=fixed``): every batch is trained by the weights that
+        sampled it."""
+        return not mode_of(cfg).random_delay and int(cfg.buffer.staleness) == 0
+
+    @classmethod
+    def check_rules(cls, cfg: Any, found: Findings) -> None:
+        """No Ray backend (it places workers, and this source has none); ``buffer.max_delay`` read by the random
+        delay line only; drift metrics that an on-policy run with one update per step never logs (a warning); vLLM
+        takes no weights in flight."""
+        b, ro, rt = cfg.buffer, cfg.rollout, cfg.algo.routing
+        if ro.backend == "ray":
+            found.error(f"rollout.backend=ray places rollout workers of buffer.mode=async; buffer.mode={b.mode} "
+                        "generates in the trainer's process: set buffer.mode=async or rollout.backend=local")
+        if (rt.drift_metrics and (rt.metrics or rt.replay in ("r3", "pr2")) and infer_model_is_moe(cfg) is not False
+                and cfg.trainer.updates_per_step == 1 and cls.on_policy(cfg)):
+            found.warn("algo.routing.drift_metrics=true with one update per on-policy batch logs nothing: drift/* is "
+                       "measured at off-policy mini-steps only")
+        refuse_vllm_in_flight(cfg, found)
+
     def __init__(self, cfg: Any, *, engine: Any, task: Any, stage: Preparation, rank: int = 0, world: int = 1):
         b = cfg.buffer
         self.cfg, self.engine, self.task, self.stage = cfg, engine, task, stage
         self.nan_dropped = 0        # iterations dropped for non-finite values (each extends the budget by one)
         self.rank, self.world = int(rank), int(world)
-        self.buffer = StalenessBuffer(b.staleness, b.mode, max_delay=b.max_delay, seed=cfg.seed)
-        self.max_iterations = iteration_budget(cfg.trainer.steps, b.staleness, b.mode)
+        self.kind = mode_of(cfg).name           # the checkpoint's record of the mode
+        random_delay = mode_of(cfg).random_delay
+        self.buffer = StalenessBuffer(b.staleness, random_delay, max_delay=b.max_delay, seed=cfg.seed)
+        self.max_iterations = iteration_budget(cfg.trainer.steps, b.staleness, random_delay)
         self.publish_every = int(cfg.rollout.publish_every)
         self.iteration = 0
         self.version = 0            # the version the trainer's model holds
@@ -116,13 +155,13 @@ class SyncBatchSource(BatchSource):
         self.engine.close()
 
     def state_dict(self) -> dict:
-        return {"mode": self.buffer.mode, "iteration": self.iteration, "published": self.published,
+        return {"mode": self.kind, "iteration": self.iteration, "published": self.published,
                 "nan_dropped": self.nan_dropped, "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("mode") != self.buffer.mode:
+        if state.get("mode") != self.kind:
             raise ValueError(f"checkpointed batch source has buffer.mode={state.get('mode')!r}, but the config asks "
-                             f"for buffer.mode={self.buffer.mode!r}")
+                             f"for buffer.mode={self.kind!r}")
         self.buffer.load_state_dict(state["buffer"])
         self.iteration, self._released = int(state["iteration"]), False
         self.published = int(state["published"])

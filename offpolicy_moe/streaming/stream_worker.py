@@ -29,7 +29,7 @@ from offpolicy_moe.rollout.vllm_engine import VLLMRolloutEngine
 from offpolicy_moe.streaming.vllm_stream import VLLMStreamSampler
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.worker import (Shutdown, WorkerFailed, WorkerReady, WorkerSpec, build_engine, pack,
-                                          pid_alive, records_routes)
+                                          pid_alive, records_routes, send_timed)
 from offpolicy_moe.routing.state import ModelShape
 from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite
@@ -86,15 +86,20 @@ class _Open:
 
 
 class _Clock:
-    """The worker's time since its last report: decoding, waiting for orders, CPU, tokens finished."""
+    """The worker's time since its last report (``wall_s``): decoding (weights taken between tokens included),
+    waiting for orders, building and packing groups, blocked sending them, the rest (``wall_s`` minus those: the
+    loop's own bookkeeping); CPU seconds and tokens finished."""
 
     def __init__(self):
-        self.generate_s = self.wait_s = 0.0
+        self.generate_s = self.wait_s = self.pack_s = self.send_s = 0.0
         self.tokens = 0
         self.cpu0 = time.process_time()
+        self.t0 = time.perf_counter()
 
     def report(self) -> dict:
-        out = {"generate_s": self.generate_s, "wait_s": self.wait_s, "cpu_s": time.process_time() - self.cpu0,
+        """The parts since the last report, and start a new period."""
+        out = {"generate_s": self.generate_s, "wait_s": self.wait_s, "pack_s": self.pack_s, "send_s": self.send_s,
+               "wall_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.cpu0,
                "tokens": float(self.tokens)}
         self.__init__()
         return out
@@ -223,14 +228,20 @@ def _send_finished(stream: _Stream, finished: Any, results: Any) -> None:
         if len(entry.done) < G:
             continue
         del stream.open_groups[group]
+        t0 = time.perf_counter()
         batch = group_batch([entry.done[i] for i in range(G)], answer=entry.answer, group=group,
                             tokenizer=stream.tok, route_shape=stream.route_shape)
-        if not all_finite(batch.behav_logp, batch.response_mask):
-            results.send_bytes(pack(GroupsNonFinite(stream.spec.index, (group,), (entry.order.attempt,),
-                                                    "generation", "behaviour log-probs of the sampled tokens")))
-            continue
-        results.send_bytes(pack(GroupDone(stream.spec.index, group, entry.order.attempt, batch.state_dict(),
-                                          stream.clock.report())))
+        finite = all_finite(batch.behav_logp, batch.response_mask)
+        state = batch.state_dict() if finite else None
+        stream.clock.pack_s += time.perf_counter() - t0
+        if finite:      # its report closes the clock's period; packing and sending it fall in the next one
+            msg: Any = GroupDone(stream.spec.index, group, entry.order.attempt, state, stream.clock.report())
+        else:
+            msg = GroupsNonFinite(stream.spec.index, (group,), (entry.order.attempt,), "generation",
+                                  "behaviour log-probs of the sampled tokens")
+        spent = send_timed(results, msg)
+        stream.clock.pack_s += spent["pack_s"]
+        stream.clock.send_s += spent["send_s"]
 
 
 def _serve(stream: _Stream, orders: Any, results: Any) -> None:

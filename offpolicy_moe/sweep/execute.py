@@ -32,7 +32,8 @@ from typing import Callable, Optional, Sequence
 import yaml
 
 from offpolicy_moe.config.load import save_resolved
-from offpolicy_moe.config.validate import ConfigError, validate
+from offpolicy_moe.config.validate import ConfigError
+from offpolicy_moe.sources.modes import validate_run
 from offpolicy_moe.sweep.plan import Experiment, RunSpec, check_claims, load_experiment, plan_runs
 from offpolicy_moe.report.runs import read_json
 
@@ -147,7 +148,7 @@ def _validate_runs(exp: Experiment, runs: list[RunSpec], log: Callable[[str], No
     """Every run's config, before any compute (the error names the run)."""
     for spec in runs:
         try:
-            for w in validate(spec.config):
+            for w in validate_run(spec.config):
                 log(f"warning [{spec.name}]: {w}")
         except ConfigError as exc:
             raise ConfigError(f"experiment '{exp.name}', run {spec.name}: {exc}") from None

@@ -27,16 +27,14 @@ from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.run.nonfinite import NanCounter
 from offpolicy_moe.run.run_dir import RunDir
 from offpolicy_moe.sources import fork_server
-from offpolicy_moe.sources.asynchronous import AsyncBatchSource
 from offpolicy_moe.sources.base import BatchSource
-from offpolicy_moe.sources.stream import StreamBatchSource
-from offpolicy_moe.sources.sync import SyncBatchSource
+from offpolicy_moe.sources.modes import source_class
 from offpolicy_moe.tasks import apply_chat_template, make_task
 from offpolicy_moe.trainer.checks import CheckedConfig, check_config
 from offpolicy_moe.logprobs.forward import RoutedForward
 from offpolicy_moe.logprobs.micro_batch import MicroBatching, max_over_processes
 from offpolicy_moe.logprobs import (AtConsumption, FromEngine, Fused, Loglinear, OldLogpPass, OldLogpStrategy,
-                                            PreparationStage, Recomputed)
+                                    PreparationStage, Recomputed, engine_logp_exact)
 from offpolicy_moe.trainer.optim import adamw, lr_schedule
 from offpolicy_moe.trainer.run_checkpoints import RunCheckpoints
 from offpolicy_moe.trainer.update import PolicyUpdate, TrainedPolicy, loss_setup
@@ -89,13 +87,11 @@ def build_engine(model: torch.nn.Module, tok: Any, cfg: Any, predictors: Optiona
 
 def build_source(cfg: Any, *, engine: Any, task: Any, model: torch.nn.Module, stage: PreparationStage, rank: int,
                  world: int, pad_id: int = 0) -> BatchSource:
-    """The batch source of ``buffer.mode``: workers for ``async`` (Ray actors with ``rollout.backend=ray``),
-    streaming workers for ``stream``, this process's ``engine`` otherwise; each hands its batches to ``stage``."""
-    if cfg.buffer.mode == "async":
-        return AsyncBatchSource(cfg, model=model, stage=stage, rank=rank, world=world)
-    if cfg.buffer.mode == "stream":
-        return StreamBatchSource(cfg, model=model, stage=stage, pad_id=pad_id, rank=rank, world=world)
-    return SyncBatchSource(cfg, engine=engine, task=task, stage=stage, rank=rank, world=world)
+    """The batch source of ``buffer.mode`` (:func:`~offpolicy_moe.sources.modes.source_class`), built from what the
+    trainer made (``engine`` is None when the source's workers build their own); it hands its batches to
+    ``stage``."""
+    return source_class(cfg).build(cfg, engine=engine, task=task, model=model, stage=stage, rank=rank, world=world,
+                                   pad_id=pad_id)
 
 
 def frozen_reference(model: torch.nn.Module, state: Optional[dict] = None) -> torch.nn.Module:
@@ -114,14 +110,14 @@ def frozen_reference(model: torch.nn.Module, state: Optional[dict] = None) -> to
 
 def fuses_old_logp(cfg: Any, *, measure_routing: bool, needs_global_pass: bool) -> bool:
     """True when the recompute pass after generation is redundant, so the update forward gives the old log-probs:
-    ``trainer.fuse_old_logp``, ``old_logp_source=trainer``, fixed staleness 0, one update per step, no correction
+    ``trainer.fuse_old_logp``, ``old_logp_source=trainer``, an on-policy source (fixed staleness 0), one update per step, no correction
     weights, no global selection pass (``needs_global_pass``, e.g. M2PO's: it needs them before the update
     forward), routing none or R3, and routing measurements only without replay (they record the update forward's
     routes; a batch of several micro-batches then still gets the pass).  Under R3 the "with R3" counterfactual
     mismatch keeps its one replayed pass (with ``trainer.mismatch_metrics``)."""
     replay = cfg.algo.routing.replay
     return (bool(getattr(cfg.trainer, "fuse_old_logp", True))
-            and cfg.algo.old_logp_source == "trainer" and cfg.buffer.mode == "fixed" and cfg.buffer.staleness == 0
+            and cfg.algo.old_logp_source == "trainer" and source_class(cfg).on_policy(cfg)
             and cfg.trainer.updates_per_step == 1 and cfg.algo.correction.mode == "none"
             and replay in ("none", "r3") and (not measure_routing or replay == "none")
             and not needs_global_pass)
@@ -145,12 +141,10 @@ def old_logp_strategy(cfg: Any, passes: OldLogpPass, *, needs_global_pass: bool,
 
 
 def past_versions_kept(cfg: Any) -> int:
-    """How many published versions the preparation stage keeps: ``k + 1`` for workers that sample ahead
-    (``buffer.mode=async``), the one generation holds when it lags behind the trainer (``rollout.publish_every``
-    > 1), else none."""
-    if cfg.buffer.mode in ("async", "stream"):
-        return int(cfg.buffer.staleness) + 1
-    return 1 if int(cfg.rollout.publish_every) > 1 else 0
+    """How many published versions the preparation stage keeps: what the batch source asks for
+    (:meth:`~offpolicy_moe.sources.base.BatchSource.keeps_versions`: ``k + 1`` for workers that sample ahead, the one
+    generation holds when it lags behind the trainer with ``rollout.publish_every`` > 1, else none)."""
+    return source_class(cfg).keeps_versions(cfg)
 
 
 @dataclass
@@ -214,7 +208,7 @@ def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig
         predictors.to(accelerator.device)
     # the synchronous source's engine: its own copy of the bare model, before FSDP can shard it
     engine = (build_engine(model, tok, cfg, predictors, is_moe=moe, measure_routing=measure_routing,
-                           device=accelerator.device) if cfg.buffer.mode not in ("async", "stream") else None)
+                           device=accelerator.device) if source_class(cfg).builds_engine else None)
     wrapped, optimizer = accelerator.prepare(model, optimizer)
     bare = accelerator.unwrap_model(wrapped)
     forward = RoutedForward(device=accelerator.device, controller=controller, replay=rt.replay,
@@ -226,8 +220,12 @@ def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig
     passes = OldLogpPass(forward, cfg, is_moe=moe, measure_routing=measure_routing)
     strategy = old_logp_strategy(cfg, passes, needs_global_pass=loss.spec.needs_global_pass,
                                  device=accelerator.device, model=bare)
+    # workers' engines sample every token under its own version: where their log-probs are exact, the stage takes
+    # them and skips the pass (an in-process source keeps its pass: its numbers must not move)
+    engine_exact = (not source_class(cfg).builds_engine
+                    and engine_logp_exact(cfg, is_moe=moe, measure_routing=measure_routing))
     stage = PreparationStage(strategy, model=bare, forward=forward, accelerator=accelerator,
-                             keep=past_versions_kept(cfg))
+                             keep=past_versions_kept(cfg), engine_exact=engine_exact)
     policy = TrainedPolicy(wrapped, bare, optimizer, scheduler, predictors)
     policy_update = PolicyUpdate(cfg, loss=loss, forward=forward, old_logps=strategy, policy=policy,
                                  accelerator=accelerator, task=task)

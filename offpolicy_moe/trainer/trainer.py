@@ -45,6 +45,7 @@ from offpolicy_moe.trainer.checks import CheckedConfig
 from offpolicy_moe.trainer.evaluation import eval_due, evaluate_policy
 from offpolicy_moe.trainer.sft import sft_warm_start
 from offpolicy_moe.trainer.step_metrics import mean_over_processes, offpolicy_metrics
+from offpolicy_moe.trainer.thread_follower import THREADS_KEY, follower_for
 from offpolicy_moe.trainer.transaction import StepTransaction
 
 __all__ = ["Trainer", "TrainingStopped"]
@@ -79,6 +80,7 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         self.saved_at: Optional[tuple[int, int]] = None     # (step, iteration) of the newest checkpoint written
         self.stop_request = StopRequest()                    # set by a signal inside run()
+        self.follower = follower_for(cfg)                    # trainer.follow_threads: threads follow the idle cores
         self.logger: Optional[MultiLogger] = None
         self.console: Optional[ConsoleLogger] = None
         # what a rolled-back step puts back besides weights, optimizer and scheduler
@@ -297,6 +299,8 @@ class Trainer:
             # however the run ends, the step-0 evaluation's failure included
             self.source.close()
             self.task.rewards.close()
+            if self.follower is not None:       # the process outlives the run: its thread count as it was
+                self.follower.restore()
             if self.logger is not None:
                 self.logger.close()
             summary = {"status": status, "steps": int(self.step), "iterations": int(self.iteration),
@@ -397,11 +401,15 @@ class Trainer:
     def _end_step(self, m: dict[str, float], t_step: float, t_loop: float) -> None:
         """Log, checkpoint when due, call back (evaluation, when due, is in ``m`` already).  ``perf/elapsed_s``:
         wall seconds of the training loop so far (evaluation included, start-up and SFT not), summed over the run's
-        segments."""
+        segments; ``perf/trainer_threads``: the torch threads the step ran with, which ``trainer.follow_threads``
+        then sets for the next step from the step's metrics (:mod:`~offpolicy_moe.trainer.thread_follower`)."""
         tc = self.cfg.trainer
         now = time.perf_counter()
         m["perf/time_step_s"] = now - t_step
         m["perf/elapsed_s"] = now - t_loop
+        m[THREADS_KEY] = float(torch.get_num_threads())
+        if self.follower is not None:
+            self.follower.observe(m)
         self.log(self.step, m)
         if (tc.checkpoint_every > 0 and self.step % tc.checkpoint_every == 0) or self.step == tc.steps:
             self.save()

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from offpolicy_moe.rollout.batch import RolloutBatch
+from offpolicy_moe.rollout.batch import RolloutBatch, generation_shape
 from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite, nonfinite_as
 from offpolicy_moe.logprobs.finite_agreement import FiniteAgreement
@@ -210,6 +210,7 @@ class PolicyUpdate:
         metrics.update(scores.metrics())
         metrics["reward/std"] = float(rewards.std(unbiased=False)) if rewards.numel() > 1 else 0.0
         metrics["reward/response_len"] = float(batch.response_mask.sum(-1).float().mean())
+        metrics.update(generation_shape(batch))
         metrics["reward/adv_abs_mean"] = float(adv.abs().mean())
         return adv, metrics
 

@@ -1,7 +1,8 @@
 """Every enumerated key refuses an unknown value, naming the key and the valid values."""
 import pytest
 
-from offpolicy_moe.config import ConfigError, load_config, validate
+from offpolicy_moe.config import ConfigError, load_config
+from offpolicy_moe.sources.modes import validate_run as validate
 from offpolicy_moe.config.validate import vocabularies
 
 ENUMS = vocabularies()

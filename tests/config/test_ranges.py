@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 import offpolicy_moe
-from offpolicy_moe.config import ConfigError, load_config, validate
+from offpolicy_moe.config import ConfigError, load_config
+from offpolicy_moe.sources.modes import validate_run as validate
 from offpolicy_moe.config.ranges import Rule, declared_rules, field_problems
 from offpolicy_moe.config.schema import TrainConfig
 from offpolicy_moe.config.validate import LOSS_RULES, vocabularies

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from offpolicy_moe.config import ConfigError, load_config, validate
+from offpolicy_moe.config import ConfigError, load_config
+from offpolicy_moe.sources.modes import validate_run as validate
 from offpolicy_moe.config.validate import infer_model_is_moe
 
 

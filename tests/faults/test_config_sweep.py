@@ -186,7 +186,7 @@ def test_caught_experts_kernels_are_refused_before_compute_naming_the_key():
     # (deepgemm: "requires bfloat16 hidden states"; sonicmoe: "requires the `kernels` package")
     import torch
 
-    from offpolicy_moe.config.validate import validate
+    from offpolicy_moe.sources.modes import validate_run as validate
     from offpolicy_moe.trainer.checks import check_config
 
     cfg = TrainConfig()
@@ -210,7 +210,8 @@ def test_caught_experts_kernels_are_refused_before_compute_naming_the_key():
 # the run bit-identical (so the warning is true), with its switch on the same value changes the run (so the switch is
 # the right one). buffer.max_delay is refused outside bounded mode and warned about above the staleness, whose
 # meaning (drops, never staler batches) the bounded buffer itself pins.
-from offpolicy_moe.config.validate import UNREAD_UNLESS, validate  # noqa: E402
+from offpolicy_moe.config.validate import UNREAD_UNLESS  # noqa: E402
+from offpolicy_moe.sources.modes import validate_run as validate  # noqa: E402
 
 #: PR2 trains its predictors at off-policy mini-steps: two updates per step, one step stale
 PR2_ON = ["algo.routing.replay=pr2", "trainer.updates_per_step=2", "buffer.staleness=1", "trainer.steps=3",
@@ -305,7 +306,7 @@ def test_max_delay_above_the_staleness_is_said_and_means_drops_never_staler_batc
     assert said == ["offpolicy-moe train: warning: buffer.max_delay=100 > buffer.staleness=1: a batch that arrives "
                     "after the trainer has moved more than 1 versions past it is dropped (offpolicy/dropped), so no "
                     "batch is trained more than 1 versions stale; raise buffer.staleness for staler data"]
-    buf, trained, lags, delays = StalenessBuffer(1, "bounded", max_delay=100, seed=0), 0, [], []
+    buf, trained, lags, delays = StalenessBuffer(1, True, max_delay=100, seed=0), 0, [], []
     for it in range(2000):
         buf.push(SimpleNamespace(version=trained, generated_at=it), it)
         batch, _ = buf.pop(it, trained)

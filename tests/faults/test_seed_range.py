@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from offpolicy_moe.config.schema import TrainConfig
-from offpolicy_moe.config.validate import ConfigError, validate
+from offpolicy_moe.config.validate import ConfigError
+from offpolicy_moe.sources.modes import validate_run as validate
 
 
 @pytest.mark.parametrize("key", ["seed", "task.seed"])

@@ -74,12 +74,13 @@ def test_the_process_transport_hands_each_worker_its_gpu(monkeypatch):
     monkeypatch.setattr(devices, "visible_gpus", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    transport = ProcessTransport(cfg("rollout.workers=2"), rank=1, world=2)
+    transport = ProcessTransport(cfg("rollout.workers=2"), entry=worker_main, rank=1, world=2)
     transport._ctx = _Ctx()
     transport.spawn(0)
     transport.spawn(1)
     assert [s.env for s in transport._ctx.started] == [{"CUDA_VISIBLE_DEVICES": "2"}, {"CUDA_VISIBLE_DEVICES": "3"}]
-    hf = ProcessTransport(load_config(overrides=["buffer.mode=async", "buffer.staleness=1"]), rank=1, world=2)
+    hf = ProcessTransport(load_config(overrides=["buffer.mode=async", "buffer.staleness=1"]), entry=worker_main,
+                          rank=1, world=2)
     hf._ctx = _Ctx()
     hf.spawn(0)
     assert hf._ctx.started[0].env == {}

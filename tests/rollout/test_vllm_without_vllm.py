@@ -9,6 +9,7 @@ import torch
 
 from offpolicy_moe.config import load_config
 from offpolicy_moe.config.validate import ConfigError, validate
+from offpolicy_moe.sources.modes import validate_run
 from offpolicy_moe.models.loading import build_model
 from offpolicy_moe.rollout import vllm_worker
 from offpolicy_moe.rollout.engine import make_engine
@@ -29,8 +30,8 @@ def test_the_vllm_engine_without_vllm_is_one_line_naming_the_extra(hide_package)
 
 def test_vllm_refusals_in_the_config():
     with pytest.raises(ConfigError, match="rollout.update_in_flight=true with rollout.engine=vllm"):
-        validate(load_config(overrides=["rollout.engine=vllm", "rollout.update_in_flight=true",
-                                        "buffer.mode=async", "buffer.staleness=1"]))
+        validate_run(load_config(overrides=["rollout.engine=vllm", "rollout.update_in_flight=true",
+                                            "buffer.mode=async", "buffer.staleness=1"]))
     for key in ("rollout.vllm_kv_cache_mib=512", "rollout.vllm_eager=false"):
         with pytest.raises(ConfigError, match=rf"{key.split('=')[0]} sets the vLLM engine, but rollout.engine=hf"):
             validate(load_config(overrides=[key]))

@@ -66,7 +66,7 @@ def simulate_bounded(k: int, max_delay: int, seed: int, iterations: int):
 @settings(max_examples=30, deadline=None)
 @given(k=st.integers(0, 3), max_delay=st.integers(0, 6), seed=st.integers(0, 1000))
 def test_bounded_mode_matches_brute_force(k, max_delay, seed):
-    buf = StalenessBuffer(k, "bounded", max_delay=max_delay, seed=seed)
+    buf = StalenessBuffer(k, True, max_delay=max_delay, seed=seed)
     got = drive(buf, 30)
     want, dropped = simulate_bounded(k, max_delay, seed, 30)
     assert got == want
@@ -76,7 +76,7 @@ def test_bounded_mode_matches_brute_force(k, max_delay, seed):
 
 
 def test_bounded_mode_drops_and_counts():
-    buf = StalenessBuffer(1, "bounded", max_delay=6, seed=3)
+    buf = StalenessBuffer(1, True, max_delay=6, seed=3)
     consumed = drive(buf, 40)
     assert buf.dropped > 0
     gens = [c[2] for c in consumed]
@@ -85,9 +85,9 @@ def test_bounded_mode_drops_and_counts():
 
 
 def test_state_dict_round_trip_continues_identically():
-    a = StalenessBuffer(2, "bounded", max_delay=4, seed=1)
+    a = StalenessBuffer(2, True, max_delay=4, seed=1)
     drive(a, 7)
-    b = StalenessBuffer(2, "bounded", max_delay=4, seed=99)
+    b = StalenessBuffer(2, True, max_delay=4, seed=99)
     b.load_state_dict(a.state_dict())
     assert b.versions() == a.versions() and b.dropped == a.dropped
     for it in range(7, 15):
@@ -103,8 +103,8 @@ def test_state_dict_round_trip_continues_identically():
 def test_bad_arguments_and_mismatched_checkpoint():
     with pytest.raises(ValueError, match="staleness"):
         StalenessBuffer(-1)
-    with pytest.raises(ValueError, match="mode"):
-        StalenessBuffer(1, "eventually")
+    with pytest.raises(ValueError, match="random_delay"):
+        StalenessBuffer(1, "bounded")
     with pytest.raises(ValueError, match="staleness=3"):
         StalenessBuffer(3).load_state_dict(StalenessBuffer(2).state_dict())
 

@@ -29,7 +29,7 @@ def reference_steps(k: int, max_delay: int, seed: int, steps: int) -> int:
 @settings(max_examples=60, deadline=None)
 @given(k=st.integers(0, 3), max_delay=st.integers(0, 400), seed=st.integers(0, 2**16), steps=st.integers(1, 30))
 def test_simulation_matches_the_plain_rule(k, max_delay, seed, steps):
-    mine, ref = steps_within_budget(k, "bounded", max_delay, seed, steps), reference_steps(k, max_delay, seed, steps)
+    mine, ref = steps_within_budget(k, True, max_delay, seed, steps), reference_steps(k, max_delay, seed, steps)
     assert (mine == steps) == (ref == steps)
     assert mine == ref if ref == steps else mine <= ref   # it stops once the rest is out of reach
 
@@ -38,12 +38,12 @@ def test_simulation_matches_the_plain_rule(k, max_delay, seed, steps):
 @given(k=st.integers(0, 4), seed=st.integers(0, 2**16), steps=st.integers(1, 40), data=st.data())
 def test_delays_within_staleness_never_starve(k, seed, steps, data):
     max_delay = data.draw(st.integers(0, k))
-    assert steps_within_budget(k, "bounded", max_delay, seed, steps) == steps
-    assert steps_within_budget(k, "fixed", None, seed, steps) == steps
+    assert steps_within_budget(k, True, max_delay, seed, steps) == steps
+    assert steps_within_budget(k, False, None, seed, steps) == steps
 
 
 def test_budget():
-    assert iteration_budget(5, 2, "fixed") == 7 and iteration_budget(5, 2, "bounded") == 57
+    assert iteration_budget(5, 2, False) == 7 and iteration_budget(5, 2, True) == 57
 
 
 def test_starving_config_is_refused_naming_max_delay():

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from offpolicy_moe.sources import process_transport
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.transport import WorkerLost
 from offpolicy_moe.streaming.stream_worker import GroupDone
@@ -39,9 +38,8 @@ def _receivers() -> list[threading.Thread]:
 
 
 def _transport(tmp_path, monkeypatch, stand_in) -> ProcessTransport:
-    monkeypatch.setattr(process_transport, "worker_main", stand_in)
     cfg = tiny_config(tmp_path, "buffer.mode=async", "buffer.staleness=0", "rollout.worker_timeout_s=5")
-    return ProcessTransport(cfg)
+    return ProcessTransport(cfg, entry=stand_in)
 
 
 def _spawned(transport: ProcessTransport, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offpolicy_moe.config.load import load_config, to_yaml
-from offpolicy_moe.config.validate import stream_problems
+from offpolicy_moe.sources.stream import StreamBatchSource
 from offpolicy_moe.run.checkpoint import STATE_FILE
 from offpolicy_moe.sources.stream import StreamBatchSource
 from offpolicy_moe.trainer.callbacks import FunctionCallback
@@ -51,10 +51,16 @@ def test_a_stream_trains_every_group_once_within_the_bound_and_replays_its_route
         assert r["stream/trained_len_mean"] == pytest.approx(float(b.response_mask.sum(1).float().mean()))
         assert sum(r[f"offpolicy/lag_tokens_{j}"] for j in range(2)) == float(b.response_mask.sum())
         assert r["stream/dropped_late"] == 0.0 and r["stream/outstanding"] <= 2 * 2
+        # the worker's seconds: its named parts never exceed the wall they were measured in
+        parts = sum(r[f"async/worker_{k}_s"] for k in ("generate", "wait", "pack", "send"))
+        assert parts <= r["async/worker_wall_s"] * (1 + 1e-9) + 1e-9
+        assert r["async/worker_blocked_share"] == pytest.approx(r["async/worker_send_s"]
+                                                                / max(r["async/worker_wall_s"], 1e-9))
         # every group's G rows answer one prompt: the group's own, as the synchronous loop would pose it
         for g in b.group_ids.unique():
             rows_g = b.input_ids[b.group_ids == g]
             assert bool((rows_g[:, :b.prompt_len] == rows_g[:1, :b.prompt_len]).all())
+    assert sum(r["async/worker_wall_s"] for r in rows) > 0.0
     assert rows[-1]["stream/ks_trained_vs_generated"] >= 0.0
 
 
@@ -87,15 +93,15 @@ def test_the_naive_rule_is_selectable_and_counts_what_it_drops(make_cfg):
 ])
 def test_what_a_stream_cannot_run_is_refused_in_one_line(override, words):
     cfg = load_config(None, [*STREAM, override])
-    problems = stream_problems(cfg)
+    problems = StreamBatchSource.problems(cfg)
     assert problems and words in problems[0] and "\n" not in problems[0]
 
 
 def test_a_stream_on_vllm_passes_the_stream_checks():
     """vLLM streams through its own scheduler (streaming/vllm_stream.py): not refused; the built-in engine's HF
     sampler still is."""
-    assert stream_problems(load_config(None, [*STREAM, "rollout.engine=vllm"])) == []
-    assert stream_problems(load_config(None, [*STREAM, "rollout.engine=vllm", "rollout.sampler=hf"])) == []
+    assert StreamBatchSource.problems(load_config(None, [*STREAM, "rollout.engine=vllm"])) == []
+    assert StreamBatchSource.problems(load_config(None, [*STREAM, "rollout.engine=vllm", "rollout.sampler=hf"])) == []
 
 
 def test_a_stream_state_of_another_mode_is_refused(make_cfg):
