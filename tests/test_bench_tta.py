@@ -383,9 +383,10 @@ def test_target_sensitivity_reports_the_headline_at_minus_and_plus_005():
 
 
 def test_seeds_start_at_first_seed_and_arms_rotate(monkeypatch, tmp_path):
-    calls = []
+    calls, grids, partial = [], [], []
     monkeypatch.setattr(bench_tta, "warm_start", lambda args, seed, work: (f"w{seed}", 1.0))
-    monkeypatch.setattr(bench_tta, "save_partial", lambda *a: None)
+    monkeypatch.setattr(bench_tta, "save_partial", lambda *a: partial.append(a[-1]))
+    monkeypatch.setattr(bench_tta, "measure_grids", lambda args, arms: grids.append(calls[:]) or {"grids": {"1": 0}})
 
     def fake_run(args, arm, seed, warm, work):
         calls.append((seed, arm.name, warm))
@@ -398,12 +399,15 @@ def test_seeds_start_at_first_seed_and_arms_rotate(monkeypatch, tmp_path):
     rec = bench_tta.collect(args)
     assert calls == [(5, "sync", "w5"), (5, "async-k1-grpo", "w5"), (6, "async-k1-grpo", "w6"), (6, "sync", "w6")]
     assert rec["headline"] == "async-k1-grpo" and set(rec["warm_start_s"]) == {5, 6}
+    # the decode grid: measured once, before the first run, kept in the record and in every partial one
+    assert grids == [[]] and rec["decode_grids"] == {"grids": {"1": 0}} and partial == [{"grids": {"1": 0}}] * 4
 
 
 def test_a_shared_warm_start_is_made_once_and_every_seed_starts_from_it(monkeypatch, tmp_path):
     made = []
     monkeypatch.setattr(bench_tta, "warm_start", lambda args, seed, work: made.append(seed) or (f"w{seed}", 1.0))
     monkeypatch.setattr(bench_tta, "save_partial", lambda *a: None)
+    monkeypatch.setattr(bench_tta, "measure_grids", lambda args, arms: {})
     calls = []
 
     def fake_run(args, arm, seed, warm, work):

@@ -89,6 +89,21 @@ generation phase in one process), the trainer's idle share (the share of its ste
 pass or the update), and the per-token lag histogram (``offpolicy/lag_tokens_<j>``: the share of trained tokens
 ``j`` versions behind).
 
+**Every arm's bound** (in the table, per arm; tta/bounds.py has the formulas): the step time the arm's parts
+allow, G the generation floor, O its old-log-prob pass and U its update as the run measured them (seconds a step,
+steps 2..N): sync ``G + U``; fixed-k ``G + O + U``; async and stream ``max(O + U, G)``; and ``achieved / bound``
+(the run's step over it; target <= 1.2x).  G sums, over a step's decode forwards, a bare decode forward at the rows
+still generating and the KV columns of that forward, read off a **decode grid** (rows x KV columns -> ms,
+bench_bounds.py ``decode_ms``, bilinear between points) measured once per invocation before the first run, on the
+job's model at the run's own rows and columns, for each thread count an arm generates with (``--grid-repeats``
+timed forwards a cell; 0: none) and kept in the record (``decode_grids``), so ``--reanalyse`` prints it again
+without measuring.  The rows alive come from each step's response length percentiles where the run records them
+(``rollout/response_len_q<p>``; a lower bound of G, exact at the percentiles' ranks),
+else every row at the step's mean length (``reward/response_len``; a lower bound of G); the columns from its
+padded prompt width where recorded, else the task's shortest prompt.  Beside it: the trainer's idle share
+(``async/trainer_wait_s`` / the step) and the worker's blocked shares (``async/worker_wait_s``,
+``async/worker_send_s`` / the step with its evaluation, which the worker waits through; '—' where not recorded).
+
 **Output** (``--out``, default experiments/results/tta/<full|long|longtail|quick>/, ``full`` for the default job):
 ``runs.json`` (every run: arm, seed, eval curve on every clock, TTA, phases, start-up, loads, diagnostics, flow),
 ``table.md`` (printed too), ``tta.png``
@@ -107,9 +122,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
+import torch
+
+import bench_bounds
+from _machine import cpu_model
+from offpolicy_moe.config.load import load_config
+from offpolicy_moe.models import load_policy
+from offpolicy_moe.tasks import make_task
+from offpolicy_moe.tasks.tokenizer import encode_texts
 from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, equal_steps_ceiling, flow, gain_target,
                           parse_arms, per_seed_ratios, rotated, speedup, time_to_accuracy)
+from tta.bounds import (BOUND_TARGET, RULES, ArmBound, DecodeGrid, arm_kind, generation_floor_s, grid_axes, share,
+                        step_shapes)
 from tta.clock import eval_seconds, process_curve, tail, watch
 
 HERE = Path(__file__).resolve().parent
@@ -132,6 +158,8 @@ JOBS = {
 }
 #: target sensitivity: the headline's ratios are also reported at target -/+ this
 SENSITIVITY = 0.05
+#: untimed decode forwards before each cell of the decode grid (its timed ones: --grid-repeats)
+GRID_WARMUP = 2
 
 
 def portable(words: list[str], scratch: list[str | Path | None]) -> list[str]:
@@ -232,8 +260,45 @@ def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
             "cpu_total_s": w.cpu_total_s, "startup_s": w.wall_s - c.end_s,
             "s_per_step": c.end_no_eval_s / max(args.steps - 1, 1), "load_before": load0,
             "load_after": os.getloadavg(), "fairness": fair, "diagnostics": diag,
-            "flow": flow(rows, args.prompts * args.group).__dict__,
+            "flow": flow(rows, args.prompts * args.group).__dict__, "shapes": step_shapes(rows),
             "command": portable(cmd, [work, getattr(args, "warm_cache", None)])}
+
+
+def measure_grids(args, arms: list[Arm]) -> dict:
+    """The decode grid (tta/bounds.py) of this invocation, measured once before its first run: the job's model
+    (random weights of the warm start's shape, float32, as the runs generate) on every thread count an arm of ours
+    generates with (:func:`arm_threads`: ``--threads`` in one process, 1 in a worker), at the run's own rows (1, 2,
+    4, ... up to prompts x group) and KV columns (the task's shortest padded prompt to its longest plus
+    ``--max-new-tokens - 2``), each cell the median of ``--grid-repeats`` bare decode forwards
+    (bench_bounds.py ``decode_ms``).  ``{}`` with ``--grid-repeats 0`` or no arm of ours."""
+    threads = sorted({arm_threads(args, a) for a in arms if a.system == "ours"})
+    if not threads or args.grid_repeats == 0:
+        return {}
+    overrides = [*job_overrides(args, args.first_seed, None), *getattr(args, "model", ()),
+                 *getattr(args, "task_set", ())]
+    cfg = load_config(overrides=overrides)
+    task = make_task(cfg.task)
+    model, tok = load_policy(cfg.model, seed=0, task=task)
+    model = model.float().eval()
+    widths = [len(ids) for ids in encode_texts(tok, task.train_prompts, add_bos=True)]
+    rows_per_step = args.prompts * args.group
+    rows, columns = grid_axes(rows_per_step, min(widths), max(widths), args.max_new_tokens)
+    grids, before = {}, torch.get_num_threads()
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            t0, load0 = time.perf_counter(), os.getloadavg()
+            ms = [[bench_bounds.decode_ms(model, r, c, args.grid_repeats, GRID_WARMUP) for c in columns]
+                  for r in rows]
+            grids[str(n)] = {**DecodeGrid(tuple(rows), tuple(columns), tuple(map(tuple, ms)), n).to_dict(),
+                             "seconds": time.perf_counter() - t0, "load_before": load0, "load_after": os.getloadavg()}
+    finally:
+        torch.set_num_threads(before)
+    print(f"decode grid: {len(rows)} rows x {len(columns)} KV columns on {', '.join(map(str, threads))} thread(s), "
+          f"{sum(g['seconds'] for g in grids.values()):.1f} s", flush=True)
+    return {"grids": grids, "rows_per_step": rows_per_step, "prompt_columns": [min(widths), max(widths)],
+            "max_new_tokens": args.max_new_tokens, "repeats": args.grid_repeats, "warmup": GRID_WARMUP,
+            "dtype": "float32", "cpu": cpu_model(), "torch": torch.__version__}
 
 
 def _fmt_cmp(cmp) -> str:
@@ -497,6 +562,99 @@ def split_table(runs: list[dict], arms: list[Arm], target: float, headline: str)
     return "\n".join(lines)
 
 
+def run_bound(run: dict, arm: Arm, grids: dict, steps: int) -> Optional[dict]:
+    """One run's bound (tta/bounds.py :class:`ArmBound`) and the shares beside it, seconds a step (steps 2..N: the
+    phase sums over ``steps - 1``): the generation floor from the run's step shapes on the grid of the threads it
+    generated with, its old-log-prob pass and update as measured, the achieved step; the measured generation, the
+    trainer's idle share (``async/trainer_wait_s`` / the achieved step) and the worker's blocked shares
+    (``async/worker_wait_s`` and ``async/worker_send_s`` / the step with its evaluation, ``curve.end_s / (steps -
+    1)``: the worker blocks through the trainer's evaluations too; None where not recorded).  None for TRL, a run
+    without step shapes or an update time, or a record without the grid of the run's threads."""
+    kind = arm_kind(arm.system, arm.mode, arm.staleness)
+    grid = (grids.get("grids") or {}).get(str(run.get("threads", 1)))
+    phases = (run.get("curve") or {}).get("phases") or {}
+    if kind is None or grid is None or not run.get("shapes") or phases.get("perf/time_update_s") is None:
+        return None
+    n = max(steps - 1, 1)
+    floor_s, source = generation_floor_s(DecodeGrid.from_dict(grid), run["shapes"], int(grids["rows_per_step"]),
+                                         int(grids["prompt_columns"][0]))
+    b = ArmBound(kind, floor_s, phases.get("perf/time_old_logp_s", 0.0) / n, phases["perf/time_update_s"] / n,
+                 run["s_per_step"])
+    per_step = {k: (phases[k] / n if k in phases else None)
+                for k in ("async/worker_generate_s", "perf/time_generate_s", "async/trainer_wait_s",
+                          "async/worker_wait_s", "async/worker_send_s")}
+    generated = per_step["async/worker_generate_s" if kind in ("async", "stream") else "perf/time_generate_s"]
+    with_eval = run["curve"].get("end_s")           # the worker waits through the trainer's evaluations too
+    worker_step = with_eval / n if with_eval else b.achieved_s
+    return {"bound": b, "source": source, "generation_measured_s": generated,
+            "trainer_idle": share(per_step["async/trainer_wait_s"], b.achieved_s),
+            "worker_wait": share(per_step["async/worker_wait_s"], worker_step),
+            "worker_send": share(per_step["async/worker_send_s"], worker_step)}
+
+
+def grid_note(grids: dict) -> str:
+    """One line on the record's decode grids: their shape, and per thread count the seconds the measurement took
+    and the load average (1 min) before and after it (a loaded machine's grid is slower, its fractions lower)."""
+    parts = []
+    for n, g in sorted(grids["grids"].items(), key=lambda kv: int(kv[0])):
+        load = [g.get("load_before"), g.get("load_after")]
+        when = f", {g['seconds']:.1f} s" if g.get("seconds") is not None else ""
+        when += f", load {load[0][0]:.2f} -> {load[1][0]:.2f}" if all(x is not None for x in load) else ""
+        rows, cols = g["rows"], g["columns"]
+        parts.append(f"{n} thread(s): {len(rows)} rows {rows[0]}..{rows[-1]} x {len(cols)} KV columns "
+                     f"{cols[0]}..{cols[-1]}{when}")
+    return "decode grid (measured before the runs): " + "; ".join(parts)
+
+
+def bound_table(runs: list[dict], arms: list[Arm], grids: dict, steps: int) -> str:
+    """Every arm's bound (tta/bounds.py): per arm, the medians over its runs (:func:`run_bound`) of the generation
+    floor G, the measured generation, the old-log-prob pass O, the update U, the bound, the achieved step and
+    ``achieved / bound``, the trainer's idle share and the worker's blocked shares ('—' where the run records
+    none); empty when the record has no decode grid (a record from before it, or ``--grid-repeats 0``)."""
+    if not grids.get("grids"):
+        return ""
+
+    def med(xs: list, fmt: str) -> str:
+        xs = [x for x in xs if x is not None]
+        return format(statistics.median(xs), fmt) if xs else "—"
+
+    lines = [f"every arm's bound (medians over runs, seconds a step, steps 2..N, evaluation excluded; G = the "
+             f"generation floor: the sum over the step's decode forwards of the bare decode grid at the rows alive "
+             f"and the KV columns of each, bilinear between measured points; O, U = the old-log-prob pass and the "
+             f"update as measured; trainer idle = its wait for a batch / the achieved step; worker blocked = its "
+             f"wait at the staleness bound or on sending results / the step with evaluation (it blocks through the "
+             f"trainer's evaluations too); G from `lengths`: each step's "
+             f"response length percentiles (a lower bound), `mean length`: every row at the step's mean length, a lower bound of G; "
+             f"the padded prompt width where recorded, else the task's shortest, "
+             f"{grids['prompt_columns'][0]} columns; target achieved / bound <= {BOUND_TARGET}x):", "",
+             grid_note(grids), "",
+             "| arm | bound | G floor | generation measured | O | U | bound s | achieved s | achieved / bound | "
+             "trainer idle | worker blocked (staleness wait) | worker blocked (send) | G from |",
+             "|" + " --- |" * 13]
+    over = []
+    for a in arms:
+        got = [b for b in (run_bound(r, a, grids, steps) for r in runs if r["arm"] == a.name) if b is not None]
+        if not got:
+            if any(r["arm"] == a.name for r in runs):
+                lines.append(f"| {a.name} | — |" + " — |" * 11)
+            continue
+        bs = [g["bound"] for g in got]
+        frac = statistics.median(b.fraction for b in bs)
+        over += [a.name] if frac > BOUND_TARGET else []
+        lines.append(f"| {a.name} | {RULES[bs[0].kind]} | {med([b.generation_s for b in bs], '.4f')} | "
+                     f"{med([g['generation_measured_s'] for g in got], '.4f')} | "
+                     f"{med([b.old_logp_s for b in bs], '.4f')} | {med([b.update_s for b in bs], '.4f')} | "
+                     f"{med([b.bound_s for b in bs], '.4f')} | {med([b.achieved_s for b in bs], '.4f')} | "
+                     f"{frac:.2f}x | {med([g['trainer_idle'] for g in got], '.0%')} | "
+                     f"{med([g['worker_wait'] for g in got], '.0%')} | "
+                     f"{med([g['worker_send'] for g in got], '.0%')} | "
+                     f"{' / '.join(sorted({g['source'] for g in got}))} |")
+    lines.append("")
+    lines.append(f"above {BOUND_TARGET}x of the bound: {', '.join(over)}" if over
+                 else f"every arm with a bound is within {BOUND_TARGET}x of it")
+    return "\n".join(lines)
+
+
 def headline_line(summary: dict, headline: str) -> str:
     """``time to accuracy (from process start): <arm> <x>x TRL, <y>x ours sync``: the pre-registered arm's geometric
     mean paired ratios on the clock from process start (``n/a`` where a ratio has no seed)."""
@@ -546,6 +704,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch threads of trl and sync (one process each; measure TRL's best first, see the "
                         "docstring); an asynchronous arm's trainer and worker have one each")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for our arms")
+    p.add_argument("--grid-repeats", type=int, default=10, metavar="N",
+                   help="timed decode forwards a cell of the decode grid (measured once, before the runs; every "
+                        "arm's bound); 0: no grid, no bound table")
     p.add_argument("--out", default=None,
                    help="output folder (default experiments/results/tta/<full|quick|long|longtail>)")
     p.add_argument("--warm-cache", default=None, metavar="DIR",
@@ -575,6 +736,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')} must be >= {0 if key == 'sft_steps' else 1}, got {getattr(args, key)}")
     if args.first_seed < 0:
         p.error(f"--first-seed must be >= 0, got {args.first_seed}")
+    if args.grid_repeats < 0:
+        p.error(f"--grid-repeats must be >= 0, got {args.grid_repeats}")
     if args.steps % args.eval_every:
         p.error(f"--steps {args.steps} must be a multiple of --eval-every {args.eval_every} (same eval points)")
     if args.target is not None and args.target_gain is not None:
@@ -622,9 +785,10 @@ def cached_warm_start(args, seed: int, work: Path) -> tuple[str, float]:
     return str(key / "warm"), wall
 
 
-def save_partial(args, arms: list[Arm], runs: list[dict], warm: dict, t_start: float, load_start) -> None:
+def save_partial(args, arms: list[Arm], runs: list[dict], warm: dict, t_start: float, load_start,
+                 grids: Optional[dict] = None) -> None:
     """The record so far as ``--out``/partial.json after every run (``--reanalyse`` reads it), so a benchmark cut
-    short by time keeps its finished runs."""
+    short by time keeps its finished runs (and the decode grid, :func:`measure_grids`)."""
     args.out.mkdir(parents=True, exist_ok=True)
     rec = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
            "command": "python experiments/bench/bench_tta.py " + " ".join(portable(args.argv, [args.warm_cache]))
@@ -632,7 +796,7 @@ def save_partial(args, arms: list[Arm], runs: list[dict], warm: dict, t_start: f
            "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
            "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
            "load_end": os.getloadavg(), "warm_start_s": warm, "warm_seed": args.warm_seed,
-           "target_gain": args.target_gain, "runs": runs}
+           "target_gain": args.target_gain, "decode_grids": grids or {}, "runs": runs}
     (args.out / "partial.json").write_text(json.dumps(rec, indent=1, default=str))
 
 
@@ -645,6 +809,7 @@ def collect(args) -> dict:
           f"{', '.join(a.name for a in arms)}; {args.seeds} seeds from {args.first_seed}; {args.steps} steps, eval every "
           f"{args.eval_every}; load average at start {' / '.join(f'{x:.2f}' for x in load_start)}", flush=True)
     runs, warm, made = [], {}, {}
+    grids = measure_grids(args, arms)
     with tempfile.TemporaryDirectory(prefix="bench_tta_") as tmp:
         work = Path(tmp)
         for i in range(args.seeds):
@@ -659,7 +824,7 @@ def collect(args) -> dict:
                 r = run_arm(args, arm, seed, path, work)
                 runs.append(r)
                 c = r["curve"]
-                save_partial(args, arms, runs, warm, t_start, load_start)
+                save_partial(args, arms, runs, warm, t_start, load_start, grids)
                 print(f"  {arm.name:>18} seed {seed}: final acc {c['final_accuracy']:.3f}, loop {c['end_s']:.1f} s "
                       f"(eval {c['eval_s']:.1f} s), process {r['process_wall_s']:.1f} s, load "
                       f"{r['load_after'][0]:.2f}", flush=True)
@@ -670,7 +835,7 @@ def collect(args) -> dict:
             "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
             "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
             "load_end": os.getloadavg(), "warm_start_s": warm, "warm_seed": args.warm_seed,
-            "target_gain": args.target_gain, "runs": runs}
+            "target_gain": args.target_gain, "decode_grids": grids, "runs": runs}
 
 
 def target_of(record: dict, target_arg: float | None, gain_arg: float | None) -> tuple[float, str]:
@@ -713,6 +878,9 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "", he
     split = split_table(runs, arms, target, headline) if any(r["curve"].get("time_process_s") for r in runs) else ""
     if split:
         text += "\n\n" + split
+    bounds = bound_table(runs, arms, record.get("decode_grids") or {}, int(steps))
+    if bounds:
+        text += "\n\n" + bounds
     load_start, load_end = record["load_start"], record["load_end"]
     header = (f"# bench_tta {record['date']}\n\ncommand: `{record['command']}`{note}"
               f"\n\npre-registered headline arm: **{headline}** (named on the command line before the run); job "

@@ -129,7 +129,7 @@ class Curve:
     final_accuracy: float
     eval_s: float                   # evaluation time after step 1
     first_step_s: float             # the loop's first step (start-up: async workers start on the first batch)
-    phases: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)     # sums over steps 2..N of the perf/* and async/* times logged
     # the clock from process start (experiments/bench/tta/clock.py), per eval point; empty when not watched
     time_process_s: list = field(default_factory=list)          # earlier evaluations charged
     time_process_no_eval_s: list = field(default_factory=list)  # every evaluation (step 0's too) excluded
@@ -186,7 +186,7 @@ def curve(rows: Sequence[Mapping], metric: str = "eval/accuracy") -> Curve:
     end = clock_of[trained[-1]["step"]] - origin
     phases = {k: sum(float(r.get(k, 0.0)) for r in trained[1:])
               for k in ("perf/time_generate_s", "perf/time_old_logp_s", "perf/time_update_s", "async/trainer_wait_s",
-                        "async/worker_generate_s", "async/weight_sync_s")
+                        "async/worker_generate_s", "async/weight_sync_s", "async/worker_wait_s", "async/worker_send_s")
               if any(k in r for r in trained)}
     return Curve(cs, ca, ct, cn, end, end - eval_cum, clock, ca[-1], eval_cum, origin, phases)
 
