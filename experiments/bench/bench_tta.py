@@ -460,7 +460,8 @@ def plot(runs: list[dict], arms: list[Arm], target: float, path: Path) -> None:
 
 PHASES = (("generate", "perf/time_generate_s"), ("old-logp pass", "perf/time_old_logp_s"),
           ("update", "perf/time_update_s"), ("trainer wait", "async/trainer_wait_s"),
-          ("worker generate (beside)", "async/worker_generate_s"), ("weight publish", "async/weight_sync_s"))
+          ("worker generate (beside)", "async/worker_generate_s"), ("weight publish", "async/weight_sync_s"),
+          ("unaccounted", "perf/time_other_s"))
 
 
 def phase_table(runs: list[dict], arms: list[Arm], steps: int) -> str:

@@ -82,6 +82,11 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "perf/time_update_s": "seconds in the optimizer updates",
     "perf/time_eval_s": "seconds in evaluation",
     "perf/time_step_s": "seconds of the whole step (generation of warm-up iterations and evaluation included)",
+    "perf/time_batch_s": "seconds the step waited on its batch source (generation, the old-log-prob pass and "
+                         "waiting for workers, as the source splits them)",
+    "perf/time_publish_s": "seconds publishing the step's weights to generation",
+    "perf/time_other_s": "seconds of the step in none of batch, update, evaluation and publish (the loop's "
+                         "bookkeeping)",
     "perf/elapsed_s": "wall seconds of the training loop so far (evaluation included, start-up and SFT not), over segments",
     "perf/trainer_threads": "torch threads the step's trainer ran with (trainer.follow_threads sets the next step's)",
     # non-finite values skipped, by the stage where they appeared (trainer.on_nan=skip; docs/faults.md)

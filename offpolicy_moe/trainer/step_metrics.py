@@ -10,7 +10,8 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.sources.base import BatchSource
 from offpolicy_moe.sources.schedule import lag
 
-__all__ = ["offpolicy_metrics", "mean_over_processes", "token_lag", "row_versions_max", "lag_histogram"]
+__all__ = ["STEP_PARTS", "offpolicy_metrics", "mean_over_processes", "token_lag", "row_versions_max", "lag_histogram",
+           "step_remainder"]
 
 
 def token_lag(step: int, batch: RolloutBatch) -> tuple[float, float]:
@@ -66,3 +67,15 @@ def mean_over_processes(metrics: dict[str, float], accelerator: Any) -> dict[str
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=accelerator.device)
         metrics = dict(zip(keys, accelerator.reduce(t, "mean").tolist()))
     return metrics
+
+
+#: the parts of a step's wall time the loop measures, in order (their sum and ``perf/time_other_s`` make
+#: ``perf/time_step_s``)
+STEP_PARTS = ("perf/time_batch_s", "perf/time_update_s", "perf/time_eval_s", "perf/time_publish_s")
+
+
+def step_remainder(m: dict[str, float]) -> float:
+    """``perf/time_other_s``: the step's wall seconds that none of :data:`STEP_PARTS` holds (the loop's bookkeeping:
+    step metrics, callbacks), ``time_step - sum(parts)``; a part the step did not have (no evaluation) counts 0.
+    The source's own parts (waiting, generating, the old-log-prob pass) are inside ``perf/time_batch_s``."""
+    return m["perf/time_step_s"] - sum(float(m.get(k, 0.0)) for k in STEP_PARTS)

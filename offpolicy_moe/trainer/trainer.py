@@ -44,7 +44,7 @@ from offpolicy_moe.trainer.callbacks import Callback, CallbackList
 from offpolicy_moe.trainer.checks import CheckedConfig
 from offpolicy_moe.trainer.evaluation import eval_due, evaluate_policy
 from offpolicy_moe.trainer.sft import sft_warm_start
-from offpolicy_moe.trainer.step_metrics import mean_over_processes, offpolicy_metrics
+from offpolicy_moe.trainer.step_metrics import mean_over_processes, offpolicy_metrics, step_remainder
 from offpolicy_moe.trainer.thread_follower import THREADS_KEY, follower_for
 from offpolicy_moe.trainer.transaction import StepTransaction
 
@@ -368,6 +368,7 @@ class Trainer:
         except SourceStopped as exc:
             self.save()
             raise TrainingStopped(f"{exc}; checkpoint written at step {self.step}") from exc
+        t_batch = time.perf_counter() - t_step
         self.callbacks.on_batch(self, batch)
         t0 = time.perf_counter()
         due = eval_due(tc, self.step + 1)
@@ -384,7 +385,9 @@ class Trainer:
         self.step += 1
         if due:           # before publishing: generation only ever gets weights known to be finite
             m.update(self._evaluate_step())
+        t0 = time.perf_counter()
         self.publish(self.step)
+        m["perf/time_batch_s"], m["perf/time_publish_s"] = t_batch, time.perf_counter() - t0
         self._end_step(m, t_step, t_loop)
 
     def _evaluate_step(self) -> dict[str, float]:
@@ -406,6 +409,7 @@ class Trainer:
         tc = self.cfg.trainer
         now = time.perf_counter()
         m["perf/time_step_s"] = now - t_step
+        m["perf/time_other_s"] = step_remainder(m)
         m["perf/elapsed_s"] = now - t_loop
         m[THREADS_KEY] = float(torch.get_num_threads())
         if self.follower is not None:

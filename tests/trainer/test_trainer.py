@@ -15,6 +15,7 @@ from offpolicy_moe.run.checkpoint import CheckpointError
 from offpolicy_moe.run.run_dir_checks import RunDirError
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.run.metrics import DOCUMENTED_KEYS, is_documented
+from offpolicy_moe.trainer.step_metrics import STEP_PARTS
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.launch import train
 from offpolicy_moe.rollout.seeds import iteration_seed
@@ -220,6 +221,10 @@ def test_jsonl_has_documented_keys(reference_run):
     for r in rows[1:]:
         missing = [k for k in core if k not in r]
         assert not missing, missing
+        # every second of the step is in one part: the parts and the remainder make the step exactly
+        parts = [r[k] for k in STEP_PARTS if k in r] + [r["perf/time_other_s"]]
+        assert min(parts) >= -1e-9 and sum(parts) == pytest.approx(r["perf/time_step_s"], rel=1e-12, abs=1e-12)
+        assert r["perf/time_generate_s"] + r["perf/time_old_logp_s"] <= r["perf/time_batch_s"] + 1e-9
     summary = json.loads((reference_run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 5
     assert "eval/accuracy" in summary["final"] and summary["wall_time_s"] > 0

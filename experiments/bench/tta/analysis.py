@@ -186,7 +186,9 @@ def curve(rows: Sequence[Mapping], metric: str = "eval/accuracy") -> Curve:
     end = clock_of[trained[-1]["step"]] - origin
     phases = {k: sum(float(r.get(k, 0.0)) for r in trained[1:])
               for k in ("perf/time_generate_s", "perf/time_old_logp_s", "perf/time_update_s", "async/trainer_wait_s",
-                        "async/worker_generate_s", "async/weight_sync_s", "async/worker_wait_s", "async/worker_send_s")
+                        "async/worker_generate_s", "async/weight_sync_s", "async/worker_wait_s", "async/worker_send_s",
+                        "async/worker_wall_s", "perf/time_batch_s", "perf/time_publish_s", "perf/time_other_s",
+                        "perf/time_step_s", "perf/time_eval_s")
               if any(k in r for r in trained)}
     return Curve(cs, ca, ct, cn, end, end - eval_cum, clock, ca[-1], eval_cum, origin, phases)
 
