@@ -9,15 +9,14 @@ subpackage's job and imports).
   3. ``integrations``  adapters into other trainers (verl, TRL)
   4. ``config``        the schema, loading and validation of a run's config
   5. ``run``           a run's folder, checkpoints, loggers and metric names
-  6. ``rollout``       the rollout engines and their worker processes
-  7. ``streaming``     streamed rollouts: continuous batching and the streaming worker
-  8. ``logprobs``      log-probs of generated batches under the policy
-  9. ``sources``       where each step's batch comes from: the trainer's process, workers or a stream
-  10. ``trainer``      the training loop and its update
-  11. ``report``       run folders read into tables and plots
-  12. ``sweep``        experiment grids, planned and run
-  13. ``commands``     one module per CLI subcommand
-  14. ``cli``          the ``offpolicy-moe`` entry point
+  6. ``rollout``       the rollout pipeline: engines, continuous batching, the worker processes and their messages
+  7. ``logprobs``      log-probs of generated batches under the policy
+  8. ``sources``       where each step's batch comes from: the trainer's process, workers or a stream
+  9. ``trainer``       the training loop and its update
+  10. ``report``       run folders read into tables and plots
+  11. ``sweep``        experiment grids, planned and run
+  12. ``commands``     one module per CLI subcommand
+  13. ``cli``          the ``offpolicy-moe`` entry point
 
 ``lazy`` (names imported from their modules on first use) imports nothing of the package; any layer may use it.
 """

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 KEY = re.compile(r"\b(?:rollout|buffer|algo|model|trainer|task)\.[a-z_]+")
 # the rooms whose functions the walk follows (the engines, their samplers, the run's checks and what they call,
 # and the batch sources' checks of the engine)
-FOLLOWED = ("offpolicy_moe.rollout", "offpolicy_moe.streaming", "offpolicy_moe.trainer.checks",
+FOLLOWED = ("offpolicy_moe.rollout", "offpolicy_moe.trainer.checks",
             "offpolicy_moe.config.preflight", "offpolicy_moe.sources.modes", "offpolicy_moe.sources.stream",
             "offpolicy_moe.sources.asynchronous", "offpolicy_moe.sources.sync", "offpolicy_moe.sources.base")
 
@@ -151,7 +151,7 @@ VLLM_CASES: dict[str, Case] = {
         ("rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.999"), "rollout.vllm_gpu_memory_utilization",
         machine="gpu"),
 }
-BUILT_IN = ("offpolicy_moe.rollout.engine.check_native_loop", "offpolicy_moe.streaming.slots.check_slot_settings")
+BUILT_IN = ("offpolicy_moe.rollout.engine.check_native_loop", "offpolicy_moe.rollout.slots.check_slot_settings")
 
 
 def constructors() -> list[Callable]:
@@ -159,8 +159,8 @@ def constructors() -> list[Callable]:
     ``from_config`` and constructor, the two stream samplers."""
     from offpolicy_moe.rollout import vllm_engine  # noqa: F401 - registers rollout.engine=vllm
     from offpolicy_moe.rollout.engine import ENGINES, make_engine
-    from offpolicy_moe.streaming.slots import SlotSampler
-    from offpolicy_moe.streaming.vllm_stream import VLLMStreamSampler
+    from offpolicy_moe.rollout.slots import SlotSampler
+    from offpolicy_moe.rollout.vllm_stream import VLLMStreamSampler
 
     roots: list[Callable] = [make_engine, SlotSampler, VLLMStreamSampler]
     for cls in ENGINES.values():

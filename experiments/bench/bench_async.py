@@ -43,7 +43,7 @@ from pathlib import Path
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.rollout.ray_actor import RolloutActor, WeightRegistry, encode_weights
-from offpolicy_moe.rollout.worker import Order, WorkerSpec
+from offpolicy_moe.rollout.messages import Order, WorkerSpec
 from offpolicy_moe.tasks import make_task
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer

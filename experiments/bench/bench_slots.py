@@ -1,4 +1,4 @@
-"""The slot sampler (``streaming/slots.py``, :class:`SlotSampler`): its decode of the occupied rows against the
+"""The slot sampler (``rollout/slots.py``, :class:`SlotSampler`): its decode of the occupied rows against the
 full-slot decode (``--compare full-slot``, the default), or continuous batching against the engine's static batches
 (``--compare static``).
 
@@ -42,7 +42,7 @@ from offpolicy_moe.config.load import load_config
 from offpolicy_moe.config.schema import ModelConfig, RolloutConfig
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.rollout.engine import HFRolloutEngine
-from offpolicy_moe.streaming.slots import FREE_ROWS, SlotSampler, StreamSample
+from offpolicy_moe.rollout.slots import FREE_ROWS, SlotSampler, StreamSample
 from offpolicy_moe.tasks import encode_prompts, make_task
 
 

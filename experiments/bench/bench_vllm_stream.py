@@ -1,4 +1,4 @@
-"""vLLM streamed (``streaming/vllm_stream.py``) against vLLM's whole-iteration ``generate``, and what loading weights
+"""vLLM streamed (``rollout/vllm_stream.py``) against vLLM's whole-iteration ``generate``, and what loading weights
 between two engine steps costs.
 
     python experiments/bench/bench_vllm_stream.py --iterations 4 --rounds 3 --out experiments/results/stream/bench_vllm_stream.json
@@ -62,9 +62,9 @@ def main(argv=None) -> None:
     from offpolicy_moe.config import load_config
     from offpolicy_moe.models.loading import build_model
     from offpolicy_moe.rollout.seeds import iteration_seed
-    from offpolicy_moe.streaming.slots import StreamSample
+    from offpolicy_moe.rollout.slots import StreamSample
     from offpolicy_moe.rollout.vllm_engine import VLLMRolloutEngine
-    from offpolicy_moe.streaming.vllm_stream import VLLMStreamSampler
+    from offpolicy_moe.rollout.vllm_stream import VLLMStreamSampler
     from offpolicy_moe.tasks import build_char_tokenizer, encode_prompts, make_task
 
     cfg = load_config(None, ["task.name=longtail", "rollout.engine=vllm", f"rollout.dtype={a.dtype}",

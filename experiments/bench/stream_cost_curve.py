@@ -8,7 +8,7 @@ rollouts (16 prompts x 8 samples a step, temperature 1, float32) twice:
 
 * **static**: ``engine.generate`` once per step with ``rollout.batch_size`` = the step's 128 rows, as the
   synchronous loop does (finished rows leave the decode batch; the step lasts as long as its longest row);
-* **stream**: one :class:`~offpolicy_moe.streaming.slots.SlotSampler` of ``--slots`` rows fed every step's samples
+* **stream**: one :class:`~offpolicy_moe.rollout.slots.SlotSampler` of ``--slots`` rows fed every step's samples
   at once, as the streaming worker is (a finished row's slot takes the next sample).
 
 The figure is response tokens per wall-clock second of each arm (median over interleaved rounds), their ratio, and
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     from offpolicy_moe.config.load import load_config
     from offpolicy_moe.models import load_policy
     from offpolicy_moe.rollout.engine import HFRolloutEngine
-    from offpolicy_moe.streaming.slots import SlotSampler, StreamSample
+    from offpolicy_moe.rollout.slots import SlotSampler, StreamSample
     from offpolicy_moe.tasks import encode_prompts, make_task
 
     P, G = 16, 8

@@ -71,7 +71,7 @@ class PreallocatedLayer(DynamicLayer):
             self._vbuf = self._vbuf.index_select(0, indices)
             self._expose()
 
-    # ---------------------------------------------------------------- per-row use (streaming/slots.py)
+    # ---------------------------------------------------------------- per-row use (rollout/slots.py)
     @property
     def allocated(self) -> int:
         """Columns the buffers hold (0 before the first write)."""

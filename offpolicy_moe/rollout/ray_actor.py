@@ -16,7 +16,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from offpolicy_moe.models import load_policy
-from offpolicy_moe.rollout.worker import BatchDone, Order, WorkerSpec, build_engine, generate_iteration
+from offpolicy_moe.rollout.messages import BatchDone, Order, WorkerSpec
+from offpolicy_moe.rollout.worker import build_engine, generate_iteration
 from offpolicy_moe.tasks import make_task
 
 __all__ = ["RolloutActor", "WeightRegistry", "encode_weights", "decode_weights"]

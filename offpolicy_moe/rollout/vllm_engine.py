@@ -141,7 +141,7 @@ class StartOptions:
     native_routes: bool = False                        # ask vLLM for its routed_experts (vllm_start.route_source)
     gpu_memory_utilization: Optional[float] = None     # passed on a GPU only
     device: Optional[int] = None                       # the GPU (as this process sees it); None: vLLM's own choice
-    stream: bool = False                               # stepped one engine step at a time (streaming/vllm_stream.py)
+    stream: bool = False                               # stepped one engine step at a time (rollout/vllm_stream.py)
 
     @classmethod
     def from_rollout(cls, rollout: Any, model_config: Any, *, seed: int = 0,
@@ -328,7 +328,7 @@ class VLLMRolloutEngine(RolloutEngine):
         when it cannot succeed: :func:`preflight`, :func:`start_plan`).  ``device``: the trainer's device; a
         CUDA one places the engine by the rule of :mod:`offpolicy_moe.rollout.devices`.  ``in_process``: vLLM's
         engine core in this process (default: only in a daemon process, which may not start one of its own).
-        ``stream``: for :class:`~offpolicy_moe.streaming.vllm_stream.VLLMStreamSampler`, which steps the engine
+        ``stream``: for :class:`~offpolicy_moe.rollout.vllm_stream.VLLMStreamSampler`, which steps the engine
         itself: the engine core in this process and no asynchronous scheduling, so each ``LLMEngine.step`` is one
         forward whose tokens were all scored by the weights loaded before it."""
         self.tokenizer = tokenizer

@@ -2,18 +2,17 @@
 
 A worker (a ``forkserver`` process of :class:`~offpolicy_moe.sources.process_transport.ProcessTransport`) builds its
 engine as the trainer builds its own, sets its GPU (:mod:`~offpolicy_moe.rollout.devices`) before touching CUDA, and
-serves :class:`Order` s: newest published weights (at least the order's version), the iteration's seed, the batch
+serves :class:`~offpolicy_moe.rollout.messages.Order` s: newest published weights (at least the order's version), the iteration's seed, the batch
 sent back as ``torch.save`` bytes over its own pipe (a worker killed mid-send corrupts nothing shared).  It exits on
-:class:`Shutdown`, when the trainer is gone, or after an error; non-finite sampling is reported
-(:class:`BatchNonFinite`) and the worker goes on.
+:class:`~offpolicy_moe.rollout.messages.Shutdown`, when the trainer is gone, or after an error; non-finite
+sampling is reported (:class:`~offpolicy_moe.rollout.messages.BatchNonFinite`) and the worker goes on.
 """
 from __future__ import annotations
 
-import io
 import os
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -22,110 +21,14 @@ from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.weights import WeightBoard
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
 from offpolicy_moe.rollout.engine import RolloutEngine, make_engine
+from offpolicy_moe.rollout.messages import (BatchDone, BatchNonFinite, Order, Shutdown, WorkerFailed, WorkerReady,
+                                            WorkerSpec, pack, send_timed)
 from offpolicy_moe.models import is_moe, load_policy
 from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite
 from offpolicy_moe.tasks import apply_chat_template, make_task
 
-__all__ = ["Order", "Shutdown", "WorkerSpec", "WorkerReady", "BatchDone", "BatchNonFinite", "WorkerFailed", "generate_iteration", "checked_generation", "build_engine", "records_routes", "worker_main", "pack", "send_timed",
-           "unpack"]
-
-@dataclass(frozen=True)
-class Order:
-    """Generate iteration ``iteration`` with sampling seed ``seed`` using policy version ``>= min_version``
-    (``attempt`` counts re-issues of a dropped or lost iteration)."""
-
-    iteration: int
-    seed: int
-    min_version: int
-    attempt: int = 0
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    """The trainer's last message to a worker: finish and exit."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs besides its pipes and the weight board."""
-
-    cfg: Any                    # the run's TrainConfig
-    index: int                  # worker number on this trainer process
-    rank: int                   # the trainer process whose share of the prompts it generates
-    world: int
-    parent_pid: int             # the trainer process (the worker's OS parent is the fork server)
-    threads: int = 1
-    weight_timeout_s: float = 600.0
-    update_in_flight: bool = False
-    probe: Any = None           # a test probe's hand-off (run/probes.py); None in every real run
-    # environment set before anything else (its GPU: CUDA_VISIBLE_DEVICES, rollout/devices.py); None: inherited
-    env: Optional[dict] = None
-
-
-@dataclass(frozen=True)
-class WorkerReady:
-    """A worker built its engine and waits for orders."""
-
-    index: int
-    pid: int
-
-
-@dataclass(frozen=True)
-class BatchDone:
-    """The batch of ``iteration`` (order ``attempt``), as :meth:`RolloutBatch.state_dict`, with the worker's
-    ``timings``: ``wait_s`` (for the order and its weights), ``sync_s`` (loading them), ``generate_s``, ``cpu_s``,
-    and, of the message sent before this one, ``pack_s`` and ``send_s`` (blocked on a full pipe): a local worker's
-    seconds between two orders are the sum of these parts."""
-
-    index: int
-    iteration: int
-    attempt: int
-    state: dict
-    timings: dict
-
-
-@dataclass(frozen=True)
-class BatchNonFinite:
-    """Sampling of ``iteration`` (order ``attempt``) met non-finite values at ``stage`` (``what``); the worker goes
-    on."""
-
-    index: int
-    iteration: int
-    attempt: int
-    stage: str
-    what: str
-
-
-@dataclass(frozen=True)
-class WorkerFailed:
-    """The worker failed at ``iteration`` (-1 before its first order) with ``traceback_text``; it exits."""
-
-    index: int
-    iteration: int
-    traceback_text: str
-
-
-def pack(obj: Any) -> bytes:
-    """``torch.save`` bytes of ``obj`` (what goes through a worker's pipe)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def send_timed(results: Any, msg: Any) -> dict[str, float]:
-    """Pack ``msg`` and send it on the pipe ``results``; returns ``{"pack_s", "send_s"}``, the seconds spent
-    packing it and blocked writing it (a full pipe: the reader is behind)."""
-    t0 = time.perf_counter()
-    data = pack(msg)
-    t1 = time.perf_counter()
-    results.send_bytes(data)
-    return {"pack_s": t1 - t0, "send_s": time.perf_counter() - t1}
-
-
-def unpack(data: bytes) -> Any:
-    """Inverse of :func:`pack`."""
-    return torch.load(io.BytesIO(data), weights_only=False)
+__all__ = ["generate_iteration", "checked_generation", "build_engine", "records_routes", "worker_main"]
 
 
 def build_engine(cfg: Any, model: torch.nn.Module, tok: Any) -> RolloutEngine:

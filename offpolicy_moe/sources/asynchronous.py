@@ -39,7 +39,8 @@ import torch
 from offpolicy_moe.config.validate import ConfigError, Findings
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.seeds import iteration_seed
-from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order, worker_main
+from offpolicy_moe.rollout.messages import BatchDone, BatchNonFinite, Order
+from offpolicy_moe.rollout.worker import worker_main
 from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.logprobs.stage import PreparedBatch

@@ -19,7 +19,7 @@ from offpolicy_moe.sources.modes import mode_of
 __all__ = ["PRELOAD", "context", "start_early", "wants_early_start"]
 
 #: what the server imports once, before it forks any worker
-PRELOAD = ("offpolicy_moe.rollout.worker", "offpolicy_moe.streaming.stream_worker", "transformers.modeling_utils", "transformers.generation.utils")
+PRELOAD = ("offpolicy_moe.rollout.worker", "offpolicy_moe.rollout.stream_worker", "transformers.modeling_utils", "transformers.generation.utils")
 
 
 def context() -> Any:

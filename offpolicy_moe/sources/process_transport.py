@@ -2,7 +2,7 @@
 
 Each worker is a ``forkserver`` process (:mod:`.fork_server`) running the entry its source gives
 (:attr:`~offpolicy_moe.sources.base.BatchSource.worker_entry`: :func:`~offpolicy_moe.rollout.worker.worker_main` or
-:func:`~offpolicy_moe.streaming.stream_worker.stream_main`), with its own pipe for orders and one for results (``torch.save``
+:func:`~offpolicy_moe.rollout.stream_worker.stream_main`), with its own pipe for orders and one for results (``torch.save``
 bytes, so a worker killed mid-send corrupts nothing shared).
 Weights go through one :class:`~offpolicy_moe.rollout.weights.WeightBoard` in shared memory.
 
@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from offpolicy_moe.rollout.devices import worker_environment
-from offpolicy_moe.streaming.stream_worker import GroupDone, GroupsNonFinite
+from offpolicy_moe.rollout.messages import GroupDone, GroupsNonFinite
 from offpolicy_moe.rollout.weights import WeightBoard
-from offpolicy_moe.rollout.worker import (BatchDone, BatchNonFinite, Order, Shutdown, WorkerFailed, WorkerSpec,
-                                          pid_alive, unpack)
+from offpolicy_moe.rollout.messages import BatchDone, BatchNonFinite, Order, Shutdown, WorkerFailed, WorkerSpec, unpack
+from offpolicy_moe.rollout.worker import pid_alive
 from offpolicy_moe.run import probes
 from offpolicy_moe.sources import fork_server
 from offpolicy_moe.sources.transport import Event, WorkerLost

@@ -39,7 +39,7 @@ import torch
 from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.rollout.devices import ray_gpus_per_actor
 from offpolicy_moe.rollout.ray_actor import RolloutActor, WeightRegistry, encode_weights
-from offpolicy_moe.rollout.worker import BatchDone, Order, WorkerSpec
+from offpolicy_moe.rollout.messages import BatchDone, Order, WorkerSpec
 from offpolicy_moe.sources.transport import Event, PipelineTimeout, WorkerDied, WorkerLost
 
 __all__ = ["RayTransport", "actor_died", "actor_options", "connect", "ray_address"]

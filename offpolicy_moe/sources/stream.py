@@ -1,7 +1,7 @@
 """The trainer's side of streaming rollouts (``buffer.mode=stream``, docs/async.md "Streaming").
 
 :class:`StreamBatchSource` keeps ``rollout.workers`` streaming workers
-(:func:`~offpolicy_moe.streaming.stream_worker.stream_main`) busy with groups: whenever a version is published it
+(:func:`~offpolicy_moe.rollout.stream_worker.stream_main`) busy with groups: whenever a version is published it
 issues new groups, up to ``P (k + 1)`` outstanding (:func:`~offpolicy_moe.sources.admission.may_issue`), each with
 the deadline ``published + k``.  Workers send each group when its last sample finishes; a step trains ``P`` complete
 groups chosen by ``buffer.admission`` (:mod:`~offpolicy_moe.sources.admission`), concatenated into one batch and
@@ -28,10 +28,11 @@ from offpolicy_moe.config.schema import BufferConfig, RolloutConfig
 from offpolicy_moe.config.validate import ConfigError, Findings
 from offpolicy_moe.logprobs.stage import PreparedBatch
 from offpolicy_moe.rollout.batch import RolloutBatch
-from offpolicy_moe.streaming.group_batch import cat_batches
+from offpolicy_moe.rollout.group_batch import cat_batches
 from offpolicy_moe.rollout.seeds import iteration_seed
-from offpolicy_moe.streaming.slots import check_slot_settings
-from offpolicy_moe.streaming.stream_worker import GroupDone, GroupOrder, GroupsNonFinite, stream_main
+from offpolicy_moe.rollout.slots import check_slot_settings
+from offpolicy_moe.rollout.messages import GroupDone, GroupOrder, GroupsNonFinite
+from offpolicy_moe.rollout.stream_worker import stream_main
 from offpolicy_moe.run.full_state import is_sharded
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.admission import Ticket, deadline_choice, first_finished_choice, ks_distance, may_issue

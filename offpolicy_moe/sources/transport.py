@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Union
 
 import torch
 
-from offpolicy_moe.streaming.stream_worker import GroupDone, GroupsNonFinite
-from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
+from offpolicy_moe.rollout.messages import GroupDone, GroupsNonFinite
+from offpolicy_moe.rollout.messages import BatchDone, BatchNonFinite, Order
 from offpolicy_moe.sources.base import SourceStopped
 
 __all__ = ["WorkerTransport", "WorkerLost", "Event", "WorkerDied", "PipelineTimeout", "MAX_RESTARTS", "handle_events",

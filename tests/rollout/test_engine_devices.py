@@ -13,7 +13,8 @@ import torch
 from offpolicy_moe.config import load_config
 from offpolicy_moe.rollout import devices
 from offpolicy_moe.rollout.devices import engine_gpu, ray_gpus_per_actor, visible_devices, worker_environment
-from offpolicy_moe.rollout.worker import WorkerFailed, WorkerSpec, unpack, worker_main
+from offpolicy_moe.rollout.messages import WorkerFailed, WorkerSpec, unpack
+from offpolicy_moe.rollout.worker import worker_main
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.ray_transport import actor_options
 

@@ -20,7 +20,7 @@ from tests.tiny import tiny_config, tiny_policy
 def test_every_refusal_of_a_constructor_is_made_first_by_the_runs_checks():
     built, checked = reachable(constructors()), reachable(run_checks())
     core = {"offpolicy_moe.rollout.engine.check_capabilities", "offpolicy_moe.rollout.vllm_engine.preflight",
-            "offpolicy_moe.streaming.slots.check_slot_settings", "offpolicy_moe.rollout.vllm_start.route_source"}
+            "offpolicy_moe.rollout.slots.check_slot_settings", "offpolicy_moe.rollout.vllm_start.route_source"}
     assert core <= set(built), sorted(built)              # the walk sees through the constructors
     missing = sorted(set(built) - set(checked))
     assert not missing, (f"refused by a constructor but not by check_config (train --dry-run): {missing}; move the "

@@ -11,7 +11,7 @@ from offpolicy_moe.models.kept_tokens import KeptTokens, index_dtype, step_suppo
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.engine import (ENGINES, EngineCapabilities, HFRolloutEngine, make_engine,
                                           register_engine)
-from offpolicy_moe.rollout.worker import pack, unpack
+from offpolicy_moe.rollout.messages import pack, unpack
 from offpolicy_moe.run.checkpoint import load_checkpoint, save_checkpoint
 from tests.tiny import rollout_engine, tiny_policy
 

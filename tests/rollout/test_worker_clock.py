@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from offpolicy_moe.rollout.worker import BatchDone, send_timed, unpack
-from offpolicy_moe.streaming import stream_worker
+from offpolicy_moe.rollout.messages import BatchDone, send_timed, unpack
+from offpolicy_moe.rollout import stream_worker
 
 HELD_S = 0.2
 

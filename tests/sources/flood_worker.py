@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from offpolicy_moe.rollout.worker import WorkerFailed, WorkerReady, pack
-from offpolicy_moe.streaming.stream_worker import GroupDone
+from offpolicy_moe.rollout.messages import WorkerFailed, WorkerReady, pack
+from offpolicy_moe.rollout.messages import GroupDone
 
 GROUPS = 16
 ROWS, COLS = 128, 128          # 64 KiB of float32 a group: 1 MiB in all, a pipe holds 64 KiB

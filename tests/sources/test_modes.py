@@ -12,7 +12,7 @@ from offpolicy_moe.config.schema import BUFFER_MODES
 from offpolicy_moe.rollout.worker import worker_main
 from offpolicy_moe.sources.base import BatchSource
 from offpolicy_moe.sources.modes import MODES, mode_of, source_class, validate_run
-from offpolicy_moe.streaming.stream_worker import stream_main
+from offpolicy_moe.rollout.stream_worker import stream_main
 
 PACKAGE = Path(offpolicy_moe.__file__).parent
 

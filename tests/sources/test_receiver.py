@@ -11,12 +11,11 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from offpolicy_moe.sources.process_transport import ProcessTransport
 from offpolicy_moe.sources.transport import WorkerLost
-from offpolicy_moe.streaming.stream_worker import GroupDone
+from offpolicy_moe.rollout.messages import GroupDone
 from tests.sources import flood_worker
 from tests.tiny import tiny_config
 

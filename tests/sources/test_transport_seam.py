@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
-from offpolicy_moe.rollout.worker import BatchDone, BatchNonFinite, Order
+from offpolicy_moe.rollout.messages import BatchDone, BatchNonFinite, Order
 from offpolicy_moe.run.nonfinite import NonFiniteError
 from offpolicy_moe.sources.asynchronous import AsyncBatchSource, make_transport
 from offpolicy_moe.sources.transport import MAX_RESTARTS as _MAX_RESTARTS

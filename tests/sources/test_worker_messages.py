@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from offpolicy_moe.rollout.worker import (BatchDone, BatchNonFinite, WorkerFailed, WorkerReady, pack, unpack)
+from offpolicy_moe.rollout.messages import BatchDone, BatchNonFinite, WorkerFailed, WorkerReady, pack, unpack
 from offpolicy_moe.sources.schedule import Dispatcher
 
 

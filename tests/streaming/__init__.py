@@ -1,1 +1,1 @@
-"""Tests of offpolicy_moe.streaming."""
+"""Tests of offpolicy_moe.rollout."""

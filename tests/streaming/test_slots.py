@@ -1,4 +1,4 @@
-"""Continuous batching (``streaming/slots.py``): refilled slots give the log-probs and routes of a plain teacher-forced
+"""Continuous batching (``rollout/slots.py``): refilled slots give the log-probs and routes of a plain teacher-forced
 forward, a sample's tokens depend on its seed only, weight updates in flight are versioned per token, one decode
 forward per step, one-line refusals."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from offpolicy_moe.streaming.slots import SlotSampler, StreamSample
+from offpolicy_moe.rollout.slots import SlotSampler, StreamSample
 from tests.tiny import rollout_engine
 from tests.streaming.slot_policy import make_policy
 

@@ -2,7 +2,7 @@
 
 ``tests/data/slot_sampler_reference.json`` holds the tokens, float32 log-probs (exact: a float32 read back from its
 ``repr``), versions, routes and return order that the sampler produced BEFORE it decoded only the occupied rows
-(every slot was fed, free ones a pad token: offpolicy_moe/streaming/slots.py of commit 52887d7), on the cases of
+(every slot was fed, free ones a pad token: offpolicy_moe/rollout/slots.py of commit 52887d7), on the cases of
 :data:`CASES`, one thread, as the test session runs.  ``PYTHONPATH=. python tests/streaming/test_slots_exact.py``
 rewrites it from the code of the day (only ever from a sampler known to be right).  The same cases also run the
 sampler's own full-slot mode (``free_rows=None``), which the benchmark compares with.
@@ -11,7 +11,7 @@ Bits depend on the CPU's BLAS.  The recorded ones are compared bit for bit on th
 (``_machine``: torch version, AVX-512, AMX), and to float32 rounding elsewhere (tokens, versions and routes still
 exactly).  The occupied-row decode is compared live with the full-slot mode on every machine: bit for bit where this
 machine's sgemm rounds a row alike at every row count of 4 and more (:func:`rows_round_alike`, the premise of
-:data:`~offpolicy_moe.streaming.slots.FREE_ROWS`), to rounding where it does not.
+:data:`~offpolicy_moe.rollout.slots.FREE_ROWS`), to rounding where it does not.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offpolicy_moe.streaming.slots import FREE_ROWS, SlotSampler, StreamSample
+from offpolicy_moe.rollout.slots import FREE_ROWS, SlotSampler, StreamSample
 from tests.streaming.slot_policy import make_policy
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "slot_sampler_reference.json"

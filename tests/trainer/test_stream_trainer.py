@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from offpolicy_moe.config.load import load_config, to_yaml
-from offpolicy_moe.sources.stream import StreamBatchSource
 from offpolicy_moe.run.checkpoint import STATE_FILE
 from offpolicy_moe.sources.stream import StreamBatchSource
 from offpolicy_moe.trainer.callbacks import FunctionCallback
@@ -98,7 +97,7 @@ def test_what_a_stream_cannot_run_is_refused_in_one_line(override, words):
 
 
 def test_a_stream_on_vllm_passes_the_stream_checks():
-    """vLLM streams through its own scheduler (streaming/vllm_stream.py): not refused; the built-in engine's HF
+    """vLLM streams through its own scheduler (rollout/vllm_stream.py): not refused; the built-in engine's HF
     sampler still is."""
     assert StreamBatchSource.problems(load_config(None, [*STREAM, "rollout.engine=vllm"])) == []
     assert StreamBatchSource.problems(load_config(None, [*STREAM, "rollout.engine=vllm", "rollout.sampler=hf"])) == []

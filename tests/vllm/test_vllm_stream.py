@@ -1,4 +1,4 @@
-"""Continuous batching on vLLM (streaming/vllm_stream.py) against the trainer: weights loaded between two engine
+"""Continuous batching on vLLM (rollout/vllm_stream.py) against the trainer: weights loaded between two engine
 steps, each token's version and behaviour log-prob those of the weights that scored it, the engine's routes
 replayed exactly, and ``buffer.mode=stream rollout.engine=vllm`` end to end."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from offpolicy_moe.streaming.group_batch import group_batch
-from offpolicy_moe.streaming.slots import StreamSample
-from offpolicy_moe.streaming.stream_worker import sample_seed
+from offpolicy_moe.rollout.group_batch import group_batch
+from offpolicy_moe.rollout.slots import StreamSample
+from offpolicy_moe.rollout.stream_worker import sample_seed
 from offpolicy_moe.rollout.vllm_engine import VLLMRolloutEngine
-from offpolicy_moe.streaming.vllm_stream import VLLMStreamSampler
+from offpolicy_moe.rollout.vllm_stream import VLLMStreamSampler
 from offpolicy_moe.routing.state import ModelShape
 from offpolicy_moe.tasks import encode_prompts
 from tests.vllm.conftest import PROMPTS, TEMPERATURE, assert_routes_replay_exactly, vllm_config

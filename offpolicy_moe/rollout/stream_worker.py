@@ -1,8 +1,8 @@
 """The streaming rollout worker (``buffer.mode=stream``): continuous batching, groups sent as they complete.
 
 Where :func:`~offpolicy_moe.rollout.worker.worker_main` generates one whole iteration per order, this worker keeps
-``rollout.stream_slots`` rows decoding (:class:`~offpolicy_moe.streaming.slots.SlotSampler` on the built-in engine,
-:class:`~offpolicy_moe.streaming.vllm_stream.VLLMStreamSampler` on vLLM's own scheduler): a finished row's slot
+``rollout.stream_slots`` rows decoding (:class:`~offpolicy_moe.rollout.slots.SlotSampler` on the built-in engine,
+:class:`~offpolicy_moe.rollout.vllm_stream.VLLMStreamSampler` on vLLM's own scheduler): a finished row's slot
 takes the next queued sample at the next decode step, so no row waits for the longest one.  Orders name groups
 (:class:`GroupOrder`: group ``g`` is prompt ``g mod P`` of iteration ``g div P``, the prompt the synchronous trainer
 gives that group id; each of its ``G`` samples has its own seed).  Newer weights are loaded from the board before
@@ -22,55 +22,23 @@ from typing import Any
 import torch
 
 from offpolicy_moe.models import load_policy
-from offpolicy_moe.streaming.group_batch import group_batch
+from offpolicy_moe.rollout.group_batch import group_batch
 from offpolicy_moe.rollout.seeds import iteration_seed
-from offpolicy_moe.streaming.slots import SlotSampler, StreamSample
+from offpolicy_moe.rollout.slots import SlotSampler, StreamSample
 from offpolicy_moe.rollout.vllm_engine import VLLMRolloutEngine
-from offpolicy_moe.streaming.vllm_stream import VLLMStreamSampler
+from offpolicy_moe.rollout.vllm_stream import VLLMStreamSampler
 from offpolicy_moe.rollout.weights import WeightBoard
-from offpolicy_moe.rollout.worker import (Shutdown, WorkerFailed, WorkerReady, WorkerSpec, build_engine, pack,
-                                          pid_alive, records_routes, send_timed)
+from offpolicy_moe.rollout.messages import (GroupDone, GroupOrder, GroupsNonFinite, Shutdown, WorkerFailed, WorkerReady, WorkerSpec,
+                                            pack, send_timed)
+from offpolicy_moe.rollout.worker import build_engine, pid_alive, records_routes
 from offpolicy_moe.routing.state import ModelShape
 from offpolicy_moe.run import probes
 from offpolicy_moe.run.nonfinite import NonFiniteError, all_finite
 from offpolicy_moe.tasks import apply_chat_template, encode_prompts, make_task
 
-__all__ = ["GroupOrder", "GroupDone", "GroupsNonFinite", "sample_seed", "stream_sampler", "stream_main"]
+__all__ = ["sample_seed", "stream_sampler", "stream_main"]
 
 _ALIVE_CHECK_STEPS = 64         # decode steps between checks that the trainer still runs
-
-
-@dataclass(frozen=True)
-class GroupOrder:
-    """Generate group ``group`` (attempt ``attempt``; re-issues count up) with sampling seed ``seed``."""
-
-    group: int
-    seed: int
-    attempt: int = 0
-
-
-@dataclass(frozen=True)
-class GroupDone:
-    """Group ``group``'s ``G`` samples as :meth:`RolloutBatch.state_dict`, with the worker's ``timings`` since its
-    previous message (``generate_s``, ``wait_s``, ``cpu_s``, ``tokens``: response tokens finished meanwhile)."""
-
-    index: int
-    group: int
-    attempt: int
-    state: dict
-    timings: dict
-
-
-@dataclass(frozen=True)
-class GroupsNonFinite:
-    """Sampling met NaN/Inf at ``stage`` (``what``); ``groups`` (with their ``attempts``) were in the slots and are
-    lost; the worker goes on."""
-
-    index: int
-    groups: tuple[int, ...]
-    attempts: tuple[int, ...]
-    stage: str
-    what: str
 
 
 def sample_seed(group_seed: int, sample: int) -> int:
@@ -107,9 +75,9 @@ class _Clock:
 
 def stream_sampler(cfg: Any, model: torch.nn.Module, tok: Any) -> tuple[Any, Any, Any]:
     """``(engine, sampler, route shape)`` of a streaming worker: the built-in engine's
-    :class:`~offpolicy_moe.streaming.slots.SlotSampler`, or for ``rollout.engine=vllm`` a vLLM engine started for
+    :class:`~offpolicy_moe.rollout.slots.SlotSampler`, or for ``rollout.engine=vllm`` a vLLM engine started for
     stepping (``stream=True``, ``rollout.stream_slots`` sequences at once) and its
-    :class:`~offpolicy_moe.streaming.vllm_stream.VLLMStreamSampler`; the route shape is None when no routes are
+    :class:`~offpolicy_moe.rollout.vllm_stream.VLLMStreamSampler`; the route shape is None when no routes are
     recorded."""
     ro = cfg.rollout
     slots = int(ro.stream_slots)

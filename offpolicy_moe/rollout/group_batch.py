@@ -1,7 +1,7 @@
 """Rollout batches from streamed samples: one group's finished samples as a :class:`RolloutBatch`
 (:func:`group_batch`), and the groups a step trains as one batch (:func:`cat_batches`).
 
-A streamed sample is sampled row by row (:mod:`~offpolicy_moe.streaming.slots`), so its tokens carry their own
+A streamed sample is sampled row by row (:mod:`~offpolicy_moe.rollout.slots`), so its tokens carry their own
 versions, and its routes cover the positions it fed to the model.  Here they take the batch layout of
 :mod:`~offpolicy_moe.rollout.batch`: prompts left-padded, responses right-padded after the end-of-sequence token.
 """
@@ -22,7 +22,7 @@ __all__ = ["group_batch", "cat_batches"]
 
 def group_batch(samples: Sequence[Any], *, answer: str, group: int, tokenizer: Any,
                 route_shape: Optional[Any] = None) -> RolloutBatch:
-    """One group's finished samples (:class:`~offpolicy_moe.streaming.slots.FinishedSample`, in sample order) as a
+    """One group's finished samples (:class:`~offpolicy_moe.rollout.slots.FinishedSample`, in sample order) as a
     batch of ``G`` rows with ``group_ids = group``; ``version`` is the oldest token's version and ``generated_at``
     too (the version the group started from).  ``route_shape``: the engine's
     :class:`~offpolicy_moe.routing.state.ModelShape` when the samples carry routes."""

@@ -1,7 +1,7 @@
 """Continuous batching on vLLM (``buffer.mode=stream`` with ``rollout.engine=vllm``): vLLM's own scheduler fills
 the slots, and newer weights go in between two engine steps.
 
-:class:`VLLMStreamSampler` has the interface of :class:`~offpolicy_moe.streaming.slots.SlotSampler` (``submit``,
+:class:`VLLMStreamSampler` has the interface of :class:`~offpolicy_moe.rollout.slots.SlotSampler` (``submit``,
 ``step``, ``queued``, ``active``), so the streaming worker drives either.  Each submitted sample is one vLLM request
 with its own seed and ``RequestOutputKind.DELTA`` outputs; vLLM admits waiting requests into free sequence slots
 (``max_num_seqs`` = ``rollout.stream_slots``) at every step, so a finished row's slot is taken at the next step.
@@ -21,13 +21,13 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
 from offpolicy_moe.rollout import vllm_worker
-from offpolicy_moe.streaming.slots import FinishedSample, StreamSample, checked_sample
+from offpolicy_moe.rollout.slots import FinishedSample, StreamSample, checked_sample
 from offpolicy_moe.routing.engines import vllm_routes
 from offpolicy_moe.run.nonfinite import NonFiniteError
 
