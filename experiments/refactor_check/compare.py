@@ -22,6 +22,9 @@ parser.add_argument("cases", nargs="*", help="case names (default: every case of
 parser.add_argument("--cache", type=Path, default=None, help="keep (and reuse) the old tree's results here")
 parser.add_argument("--removed-key", action="append", default=[],
                     help="a key the change removed from checkpointed state on purpose: left out of the old side")
+parser.add_argument("--added-key-prefix", action="append", default=[],
+                    help="metric keys the change added on purpose (a prefix): left out of the new side; the old "
+                         "side must not hold them")
 opts = parser.parse_args()
 cache_dir, old, new = opts.cache, opts.old, opts.new
 py = sys.executable
@@ -38,6 +41,15 @@ def without(x, keys):
         return {k: without(v, keys) for k, v in x.items() if k not in keys}
     if isinstance(x, (list, tuple)):
         return type(x)(without(v, keys) for v in x)
+    return x
+
+def without_prefix(x, prefixes):
+    """``x`` with every dict entry whose key starts with one of ``prefixes`` left out, at any depth."""
+    if isinstance(x, dict):
+        return {k: without_prefix(v, prefixes) for k, v in x.items()
+                if not (isinstance(k, str) and k.startswith(tuple(prefixes)))}
+    if isinstance(x, (list, tuple)):
+        return type(x)(without_prefix(v, prefixes) for v in x)
     return x
 
 def eq(a, b, path=""):
@@ -83,11 +95,15 @@ for c in cases:
     removed = set(opts.removed_key)
     if removed:          # only the old side may hold them: the new side must not
         wa = without(wa, removed)
+    added = tuple(opts.added_key_prefix)
+    if added:            # only the new side may hold them: the old side must not
+        mb, wb = without_prefix(mb, added), without_prefix(wb, added)
     r1, r2 = eq(ma, mb), eq(wa, wb)
     ok = r1 is True and r2 is True
     fails += not ok
     n_ck = len(wa["ckpts"]); status = ma["summary"]["status"]
-    note = f", old side without {sorted(removed)}" if removed else ""
+    note = (f", old side without {sorted(removed)}" if removed else "") + (
+        f", new side without keys {list(added)}*" if added else "")
     print(f"{c}: {'IDENTICAL' if ok else 'DIFFERENT'} (rows {len(ma['rows'])}, checkpoints {n_ck}, status {status}{note})"
           + ("" if ok else f" {(r1 if r1 is not True else [])[:5]} {(r2 if r2 is not True else [])[:5]}"), flush=True)
 print(f"{len(cases) - fails}/{len(cases)} identical; work dir {work}")
