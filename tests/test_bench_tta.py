@@ -676,3 +676,8 @@ def test_records_name_no_path_of_the_machine(tmp_path):
         "python", "experiments/bench/bench_tta.py", "--trl-child", "<tmp>/trl-0", "model.path=<tmp>/longtail-seed0/warm",
         "--out", "experiments/results/x", "seed=3"]
     assert bench_tta.portable(["--warm-cache", str(cache)], [cache, None]) == ["--warm-cache", "<tmp>"]
+    # the record's args: the argv list too (it once kept --warm-cache's folder as it was)
+    assert bench_tta.recorded_arg(["--warm-cache", str(cache), "--steps", "5"], str(cache)) == [
+        "--warm-cache", "<tmp>", "--steps", "5"]
+    assert bench_tta.recorded_arg(str(cache / "w"), str(cache)) == "<tmp>/w"
+    assert bench_tta.recorded_arg(5, str(cache)) == 5 and bench_tta.recorded_arg([1, 2], str(cache)) == [1, 2]

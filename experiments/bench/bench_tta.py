@@ -162,6 +162,16 @@ SENSITIVITY = 0.05
 GRID_WARMUP = 2
 
 
+def recorded_arg(value, warm_cache: str | None):
+    """An argument as the record keeps it: a path or a list of words (``argv``) through :func:`portable`, so that
+    no folder of this machine is written into a result file; anything else as it is."""
+    if isinstance(value, (str, Path)):
+        return portable([str(value)], [warm_cache])[0]
+    if isinstance(value, list) and all(isinstance(w, str) for w in value):
+        return portable(value, [warm_cache])
+    return value
+
+
 def portable(words: list[str], scratch: list[str | Path | None]) -> list[str]:
     """A command as the record keeps it, with no path of this machine in it: the interpreter as ``python``, paths in
     the repository relative to its root and every ``scratch`` folder (the run's temporary folder, --warm-cache) as
@@ -831,8 +841,7 @@ def collect(args) -> dict:
                       f"{r['load_after'][0]:.2f}", flush=True)
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
             "command": "python experiments/bench/bench_tta.py " + " ".join(portable(args.argv, [args.warm_cache])),
-            "args": {k: (portable([str(v)], [args.warm_cache])[0] if isinstance(v, (str, Path)) else v)
-                     for k, v in vars(args).items() if k != "arm_list"},
+            "args": {k: recorded_arg(v, args.warm_cache) for k, v in vars(args).items() if k != "arm_list"},
             "arms": [a.name for a in arms], "headline": args.headline, "job": args.job, "metric": args.metric,
             "threads": args.threads, "wall_s": time.time() - t_start, "load_start": load_start,
             "load_end": os.getloadavg(), "warm_start_s": warm, "warm_seed": args.warm_seed,
