@@ -99,11 +99,6 @@ class AsyncBatchSource(PublishesToWorkers, BatchSource):
         return cls(cfg, model=model, stage=stage, rank=rank, world=world)
 
     @classmethod
-    def keeps_versions(cls, cfg: Any) -> int:
-        """``k + 1``: a batch may be sampled by any of the last ``k + 1`` published versions."""
-        return int(cfg.buffer.staleness) + 1
-
-    @classmethod
     def problems(cls, cfg: Any) -> list[str]:
         """What asynchronous workers cannot run: PR2 (the workers do not receive the predictors), and R2 with
         sequences continuing across weight updates (one recorded route for tokens of several versions); a
@@ -126,8 +121,7 @@ class AsyncBatchSource(PublishesToWorkers, BatchSource):
     @classmethod
     def check_rules(cls, cfg: Any, found: Findings) -> None:
         """:meth:`problems` as errors, and no vLLM weights in flight."""
-        for msg in cls.problems(cfg):
-            found.error(msg)
+        super().check_rules(cfg, found)
         refuse_vllm_in_flight(cfg, found)
 
     def __init__(self, cfg: Any, *, model: torch.nn.Module, stage: Preparation, rank: int = 0, world: int = 1,

@@ -94,9 +94,16 @@ class BatchSource(abc.ABC):
         return False
 
     @classmethod
+    def problems(cls, cfg: Any) -> list[str]:
+        """The configurations this source cannot run, one line each naming the keys (none by default)."""
+        return []
+
+    @classmethod
     def check_rules(cls, cfg: Any, found: Findings) -> None:
-        """The configurations this source refuses (``found.error``) or would silently not honour (``found.warn``);
-        one line each, naming the keys."""
+        """The configurations this source refuses (``found.error``: its :meth:`problems`, by default) or would
+        silently not honour (``found.warn``); one line each, naming the keys."""
+        for msg in cls.problems(cfg):
+            found.error(msg)
 
     @classmethod
     def check_engine(cls, cfg: Any, model_config: Any) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from offpolicy_moe.config.schema import BufferConfig, RolloutConfig
-from offpolicy_moe.config.validate import ConfigError, Findings
+from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.logprobs.stage import PreparedBatch
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.group_batch import cat_batches
@@ -73,11 +73,6 @@ class StreamBatchSource(PublishesToWorkers, BatchSource):
         return cls(cfg, model=model, stage=stage, pad_id=pad_id, rank=rank, world=world)
 
     @classmethod
-    def keeps_versions(cls, cfg: Any) -> int:
-        """``k + 1``: a row's tokens may be sampled by any of the last ``k + 1`` published versions."""
-        return int(cfg.buffer.staleness) + 1
-
-    @classmethod
     def problems(cls, cfg: Any) -> list[str]:
         """What a stream cannot run: its rows always span weight updates (R2's one recorded route per token cannot
         hold, PR2's predictors do not reach the workers), its slots are the built-in engine's native sampler or
@@ -101,12 +96,6 @@ class StreamBatchSource(PublishesToWorkers, BatchSource):
                        f"{cfg.buffer.staleness}: a group must be trained within k versions of the newest published "
                        "one when it was issued; lower rollout.publish_every to <= k + 1")
         return out
-
-    @classmethod
-    def check_rules(cls, cfg: Any, found: Findings) -> None:
-        """:meth:`problems` as errors."""
-        for msg in cls.problems(cfg):
-            found.error(msg)
 
     @classmethod
     def check_engine(cls, cfg: Any, model_config: Any) -> None:

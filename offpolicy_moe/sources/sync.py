@@ -59,9 +59,8 @@ class SyncBatchSource(BatchSource):
 
     @classmethod
     def check_rules(cls, cfg: Any, found: Findings) -> None:
-        """No Ray backend (it places workers, and this source has none); ``buffer.max_delay`` read by the random
-        delay line only; drift metrics that an on-policy run with one update per step never logs (a warning); vLLM
-        takes no weights in flight."""
+        """No Ray backend (it places workers, and this source has none); drift metrics that an on-policy run with
+        one update per step never logs (a warning); vLLM takes no weights in flight."""
         b, ro, rt = cfg.buffer, cfg.rollout, cfg.algo.routing
         if ro.backend == "ray":
             found.error(f"rollout.backend=ray places rollout workers of buffer.mode=async; buffer.mode={b.mode} "

@@ -132,6 +132,12 @@ class PublishesToWorkers:
     ``transport``, ``timing``, ``early_start`` and ``_started``, and says what follows a publish
     (:meth:`_after_publish`) and how its workers start early (:meth:`_start_early`)."""
 
+    @classmethod
+    def keeps_versions(cls, cfg: Any) -> int:
+        """``k + 1``: the workers sample ahead, so a token may come from any of the last ``k + 1`` published
+        versions, and the preparation stage keeps their weights (:meth:`BatchSource.keeps_versions`)."""
+        return int(cfg.buffer.staleness) + 1
+
     def publish(self, weights: Mapping[str, torch.Tensor], version: int,
                 predictors: Optional[Mapping[str, torch.Tensor]] = None, *, force: bool = False) -> None:
         """``weights`` are the trainer's version ``version``; when it is a multiple of ``rollout.publish_every``
