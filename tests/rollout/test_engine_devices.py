@@ -85,10 +85,10 @@ def test_the_process_transport_hands_each_worker_its_gpu(monkeypatch):
     hf._ctx = _Ctx()
     hf.spawn(0)
     assert hf._ctx.started[0].env == {}
-    for t in (transport, hf):
+    for t in (transport, hf):        # no process was started: close the order pipes, end the result reader
         for p in t._procs.values():
             p.orders.close()
-            p.results.close()
+        t._results.stop()
 
 
 def test_a_worker_sets_its_environment_before_anything_else(monkeypatch):

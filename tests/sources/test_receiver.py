@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -32,13 +33,19 @@ def _wait_for(path: Path, bound: float) -> bool:
     return path.exists()
 
 
-def _receivers() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("offpolicy-moe-results") and t.is_alive()]
+def _receivers(transport: Optional[ProcessTransport] = None) -> list[threading.Thread]:
+    """The live result-reading threads; with ``transport``, those started since it was made (another test's
+    transport may still be ending its own)."""
+    before = getattr(transport, "_threads_before", set())
+    return [t for t in threading.enumerate() if t.name.startswith("offpolicy-moe-results") and t.is_alive()
+            and t not in before]
 
 
 def _transport(tmp_path, monkeypatch, stand_in) -> ProcessTransport:
     cfg = tiny_config(tmp_path, "buffer.mode=async", "buffer.staleness=0", "rollout.worker_timeout_s=5")
-    return ProcessTransport(cfg, entry=stand_in)
+    transport = ProcessTransport(cfg, entry=stand_in)
+    transport._threads_before = set(_receivers())
+    return transport
 
 
 def _spawned(transport: ProcessTransport, tmp_path: Path) -> None:
@@ -75,7 +82,7 @@ def test_a_worker_finishes_sending_more_than_a_pipe_holds_while_the_trainer_does
         assert transport.alive(0)
     finally:
         transport.close(timeout=10)
-    assert _receivers() == []
+    assert _receivers(transport) == []
     assert not transport._procs
 
 
@@ -83,12 +90,12 @@ def test_close_ends_the_receiving_thread_and_the_workers(tmp_path, monkeypatch):
     transport = _transport(tmp_path, monkeypatch, flood_worker.flood)
     try:
         _spawned(transport, tmp_path)
-        assert len(_receivers()) == 1
+        assert len(_receivers(transport)) == 1
         proc = transport._procs[0].proc
     finally:
         t0 = time.monotonic()
         transport.close(timeout=10)
-    assert _receivers() == [] and not proc.is_alive()
+    assert _receivers(transport) == [] and not proc.is_alive()
     assert time.monotonic() - t0 < 10 + 2 + 2 + 5 + 5          # every join is bounded
     transport.close()                                           # idempotent
 
@@ -105,7 +112,7 @@ def test_a_worker_error_is_the_reason_of_its_death_reported_after_all_it_sent(tm
         assert list(transport.receive(timeout=0.2)) == []
     finally:
         transport.close()
-    assert _receivers() == []
+    assert _receivers(transport) == []
 
 
 def test_a_killed_worker_is_reported_by_its_exit_status_after_all_it_sent(tmp_path, monkeypatch):
@@ -120,7 +127,7 @@ def test_a_killed_worker_is_reported_by_its_exit_status_after_all_it_sent(tmp_pa
         transport.retire(0)
     finally:
         transport.close()
-    assert _receivers() == []
+    assert _receivers(transport) == []
 
 
 def test_receive_waits_at_most_its_timeout_when_nothing_comes(tmp_path, monkeypatch):
