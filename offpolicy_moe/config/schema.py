@@ -275,6 +275,9 @@ class TrainerConfig:
     # more micro-batches when one would hold more padded token positions than this (null: no cap; rollout/batch.py);
     # the no-grad passes over a whole batch (old-logp, reference) run on the same micro-batches
     micro_batch_tokens: Optional[int] = ranged(16384, ge=1, optional=True)
+    # one process: a batch of uneven lengths is cut into micro-batches of rows of like length when the forward's
+    # cost model says that pays (logprobs/length_buckets.py); each micro-batch's forward skips its padding columns
+    length_buckets: bool = True
     sft_warmup_steps: int = ranged(60, ge=0)       # SFT warm start -> partially solved default task (0 = none)
     sft_lr: float = ranged(3e-3, gt=0)
     sft_batch_size: int = ranged(64, ge=1)

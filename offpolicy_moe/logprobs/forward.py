@@ -13,14 +13,20 @@ import torch
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.rollout.engine import REPLAY_ENGINE
+from offpolicy_moe.logprobs.length_buckets import row_widths
 from offpolicy_moe.logprobs.micro_batch import MicroBatching
 from offpolicy_moe.models.forward_plan import MODES as FORWARD_MODES
 from offpolicy_moe.models.forward_plan import ForwardPlan
 from offpolicy_moe.models.response_logprobs import plan_shared_forward, response_logprobs
 from offpolicy_moe.routing import RoutingController, cat_traces
 
-__all__ = ["RoutedForward", "eval_mode"]
+__all__ = ["RoutedForward", "eval_mode", "trimmed_width"]
 
+
+def trimmed_width(attention_mask: torch.Tensor, prompt_len: int) -> int:
+    """The columns a forward over these rows needs: the widest row's last real position + 1, at least one response
+    column (``prompt_len + 1``).  Columns after it are padding in every row."""
+    return max(int(row_widths(attention_mask).max()), int(prompt_len) + 1)
 
 
 @contextlib.contextmanager
@@ -103,7 +109,11 @@ class RoutedForward:
 
         When the engine truncated its sampling distribution (top-k / top-p) the batch's kept sets
         (``batch.kept_tokens``) are replayed like its routes: every log-prob is over the engine's kept ids,
-        renormalised (:func:`~offpolicy_moe.models.response_logprobs.response_logprobs`)."""
+        renormalised (:func:`~offpolicy_moe.models.response_logprobs.response_logprobs`).
+
+        Columns that are padding in every row of ``batch`` are left out of the forward (:func:`trimmed_width`): their
+        log-probs are 0 anyway.  Not while recording (the trace holds the padding's routes too) nor while a
+        caller's routing context is open (its capture needs the ``[B, S]`` layout)."""
         dev = self.device
         ids, am = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         if routes is not None and hasattr(routes, "to"):
@@ -111,7 +121,16 @@ class RoutedForward:
         ctl = self.controller_for(model)
         if record and ctl is None:
             raise RuntimeError("route recording needs a RoutingController (an MoE model with routing enabled)")
-        share = self.share_prompt and not (ctl is not None and ctl.active)
+        caller_ctx = ctl is not None and ctl.active
+        S, P = int(ids.shape[1]), int(batch.prompt_len)
+        resp, kept = batch.response_mask.to(dev), batch.kept_tokens
+        # a caller's capture needs the [B, S] layout, and a recorded trace holds the padding's routes too
+        width = S if (caller_ctx or record) else trimmed_width(am, P)
+        if width < S:      # columns that are padding in every row: left out, their log-probs are 0 anyway
+            ids, am, resp = ids[:, :width], am[:, :width], resp[:, :width - P]
+            kept = kept.narrow(0, width - P) if kept is not None else None
+            routes = routes.slice(0, width) if routes is not None else None
+        share = self.share_prompt and not caller_ctx
         replaying = routes is not None or record
         plan, packing = ForwardPlan("plain"), None
         if share:   # replayed / recorded traces: packing only (they are re-laid out; no routes flow in the cache way)
@@ -126,12 +145,13 @@ class RoutedForward:
         self.last_plan = plan
         replay_ctx = ctl.replay(routes) if (routes is not None and ctl is not None) else contextlib.nullcontext()
         rec_ctx = ctl.record("used" if record is True else record) if record else contextlib.nullcontext()
-        kept = batch.kept_tokens.to(dev) if batch.kept_tokens is not None else None
+        kept = kept.to(dev) if kept is not None else None
         with replay_ctx, rec_ctx as rec:
-            logp = response_logprobs(model, ids, am, batch.prompt_len, temperature=self.temperature,
-                                     response_mask=batch.response_mask.to(dev),
+            logp = response_logprobs(model, ids, am, P, temperature=self.temperature, response_mask=resp,
                                      share_prompt="cache" if plan.mode == "cache" else False, packing=packing,
                                      kept=kept)
+        if width < S:
+            logp = torch.nn.functional.pad(logp, (0, S - width))
         if not record:
             return logp
         trace = rec.trace()
@@ -143,12 +163,15 @@ class RoutedForward:
         concatenated in row order: no forward holds more than ``trainer.micro_batch_tokens`` padded positions (the
         logits of a real vocabulary over a whole batch would not fit), and on-policy each piece's log-probs are
         those of the update forward on the same rows bit for bit.  For passes without gradient (old-logp,
-        reference, proximal, the R3 counterfactual)."""
-        pieces = self.micro_batching.pieces(batch.size, int(batch.input_ids.shape[1]))
+        reference, proximal, the R3 counterfactual).  Rows come back in the batch's order whatever the pieces'."""
+        pieces = self.micro_batching.batch_pieces(batch.attention_mask)
         if len(pieces) <= 1:
             return self.logp(model, batch, routes, record)
         outs = [self.logp(model, batch.index_select(rows),
                           routes.index_select(rows) if routes is not None else None, record) for rows in pieces]
+        order = torch.argsort(torch.cat(pieces))         # length buckets hold rows out of order: put them back
         if not record:
-            return torch.cat(outs, 0)
-        return torch.cat([o[0] for o in outs], 0), cat_traces([o[1] for o in outs], side="right")
+            return torch.cat(outs, 0).index_select(0, order.to(outs[0].device))
+        trace = cat_traces([o[1] for o in outs], side="right")
+        return (torch.cat([o[0] for o in outs], 0).index_select(0, order.to(outs[0][0].device)),
+                trace.index_select(order))

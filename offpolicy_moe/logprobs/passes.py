@@ -81,7 +81,7 @@ class OldLogpPass:
         """The whole batch is one micro-batch (without a batch, only ``trainer.grad_accum`` is known)."""
         if batch is None:
             return self.cfg.trainer.grad_accum == 1
-        return len(self.forward.micro_batching.pieces(batch.size, int(batch.input_ids.shape[1]))) == 1
+        return len(self.forward.micro_batching.batch_pieces(batch.attention_mask)) == 1
 
     @property
     def records_fused_routes(self) -> bool:

@@ -215,7 +215,7 @@ def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig
                             share_prompt=tc.share_prompt, temperature=cfg.rollout.temperature,
                             group_size=cfg.rollout.group_size,
                             micro_batching=MicroBatching.from_trainer(
-                                tc, max_over_processes(accelerator.device) if world > 1 else None))
+                                tc, max_over_processes(accelerator.device) if world > 1 else None, bare.config))
     loss = loss_setup(cfg.algo.loss, world)
     passes = OldLogpPass(forward, cfg, is_moe=moe, measure_routing=measure_routing)
     strategy = old_logp_strategy(cfg, passes, needs_global_pass=loss.spec.needs_global_pass,

@@ -254,7 +254,7 @@ class PolicyUpdate:
             err = exc
         self.finite.raise_agreed(err, "reference", "reference log-probs")
         return replace(work, routes=routes, old=old, ref_lp=ref_lp, skip_zero=self.skips_zero_advantage(old),
-                       cuts=self.forward.micro_batching.cut(batch.size, int(batch.input_ids.shape[1])))
+                       cuts=self.forward.micro_batching.batch_cut(batch.attention_mask))
 
     def optimizer_updates(self, work: UpdateWork) -> int:
         """How many optimizer updates :meth:`prepare` cut ``work``'s batch into."""
