@@ -5,6 +5,12 @@ import json, sys, os, io, contextlib, traceback
 from pathlib import Path
 import torch
 
+def timing(key: str) -> bool:
+    """A metric measured on the clock (left out of the comparison): ``perf/*``, ``*_s`` and the worker's blocked
+    share of its wall time."""
+    return key.startswith("perf/") or key.endswith("_s") or key == "async/worker_blocked_share"
+
+
 def main():
     case, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
@@ -85,11 +91,11 @@ def main():
         tr = go(make([]))
     run = out / "run"
     rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
-    rows = [{k: v for k, v in r.items() if not (k.startswith("perf/") or k.endswith("_s"))} for r in rows]
+    rows = [{k: v for k, v in r.items() if not timing(k)} for r in rows]
     summ = json.loads((run / "summary.json").read_text())
     for k in ("wall_time_s", "run_dir"):
         summ.pop(k, None)
-    summ["final"] = {k: v for k, v in summ.get("final", {}).items() if not (k.startswith("perf/") or k.endswith("_s"))}
+    summ["final"] = {k: v for k, v in summ.get("final", {}).items() if not timing(k)}
     if summ.get("error"):
         summ["error"] = summ["error"].replace(str(out), "OUT")
     json.dump({"rows": rows, "summary": summ}, open(out / "metrics.json", "w"), sort_keys=True)
@@ -98,7 +104,7 @@ def main():
         ck = load_checkpoint(d)
         ckpts[d.name] = {"model": ck.model, "optimizer": ck.state.get("optimizer"), "modules": ck.modules,
                          "state": {k: v for k, v in ck.state.items() if k not in ("optimizer", "last_metrics", "metrics_offset")},
-                         "last_metrics": {k: v for k, v in ck.state.get("last_metrics", {}).items() if not (k.startswith("perf/") or k.endswith("_s"))}}
+                         "last_metrics": {k: v for k, v in ck.state.get("last_metrics", {}).items() if not timing(k)}}
     torch.save({"final": {k: v.clone() for k, v in tr.unwrapped.state_dict().items()}, "ckpts": ckpts}, out / "w.pt")
     print("done", case, result["error"])
 
