@@ -27,6 +27,7 @@ COMMANDS = {
     "plot": "Plot metric curves (mean and band across seeds) from a sweep folder.",
     "env": "Print versions, threads and devices (paste it into bug reports).",
     "export": "Write a run's trained policy as a Hugging Face folder (safetensors, tokenizer, generation config).",
+    "eval": "Evaluate a run's checkpoint or a model folder on a task: greedy accuracy, avg@n, pass@k, maj@k.",
 }
 
 

@@ -30,7 +30,7 @@ class RunFailed(RuntimeError):
 #: user mistakes (exit code 2), as (module, class); the engine's are named, not imported, so that the parser and
 #: ``--help`` do not load torch: an exception of a module that was never imported cannot have been raised
 USER_ERRORS = (("offpolicy_moe.commands.errors", "UsageError"), ("offpolicy_moe.config.validate", "ConfigError"),
-               ("offpolicy_moe.run.run_dir_checks", "RunDirError"))
+               ("offpolicy_moe.run.run_dir_checks", "RunDirError"), ("offpolicy_moe.trainer.eval_run", "EvalInputError"))
 #: a run that started and failed (exit code 1)
 RUN_ERRORS = (("offpolicy_moe.commands.errors", "RunFailed"), ("offpolicy_moe.run.checkpoint", "CheckpointError"),
               ("offpolicy_moe.run.nonfinite", "NonFiniteError"),

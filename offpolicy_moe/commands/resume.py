@@ -30,7 +30,7 @@ EXTEND_KEYS = frozenset({
     "trainer.keep_checkpoints", "trainer.min_free_mb", "trainer.threads", "trainer.follow_threads",
     "trainer.eval_batch_size",
 })
-EXTEND_PREFIXES = ("logging.",)
+EXTEND_PREFIXES = ("logging.", "eval.")     # eval.*: the sampled evaluation observes (its own engine and seed)
 
 
 class ResumeError(UsageError):

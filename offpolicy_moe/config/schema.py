@@ -305,6 +305,20 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Sampled evaluation at each evaluation (docs/evaluation.md): ``samples`` responses per held-out problem, drawn by
+    the built-in engine's batched sampler and scored as avg@n, pass@k, maj@k; greedy accuracy is unchanged."""
+
+    samples: int = ranged(0, ge=0)                 # n per held-out problem (0: off, greedy evaluation only)
+    # the evaluation's own sampling settings; null: the rollout's (rollout.temperature, rollout.top_p, rollout.top_k)
+    temperature: Optional[float] = ranged(None, gt=0, optional=True)
+    top_p: Optional[float] = ranged(None, gt=0, le=1, optional=True)
+    top_k: Optional[int] = ranged(None, ge=0, optional=True)
+    # the sampler's seed: the same seed and weights give the same samples (in training and in `offpolicy-moe eval`)
+    seed: int = ranged(0, ge=0, lt=2**32)
+
+
+@dataclass
 class LoggingConfig:
     loggers: list = field(default_factory=lambda: ["console", "jsonl"])
     wandb_mode: str = ranged("offline", choices=WANDB_MODES)      # offline | online | disabled
@@ -326,6 +340,7 @@ class TrainConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ cross-field rules (E = error, W = warning):
 | routing | replay on a dense model (E); R2 with bypass (E: R2 records in the old-log-prob pass bypass skips); R2 with one update per step (W: R3 paper, arXiv 2510.11370) |
 | rollout | ``group_size`` < 2 with ``adv_norm=std`` (W: every advantage 0); router noise on a dense model (W); a ``vllm_`` key with another engine (E); with ``engine=vllm``: ``vllm_devices`` distinct indices >= 0, not with ``backend=ray`` (E), ``vllm_max_model_len`` < ``max_new_tokens`` + 1 (E), ``vllm_routes=hooks`` without ``vllm_eager`` when routes are recorded (E); ``ray_num_gpus`` without ``backend=ray`` (W) |
 | trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached); ``buffer.max_delay`` set with a mode other than ``bounded`` (E: only ``bounded`` reads it), above ``buffer.staleness`` (W: the later batches are dropped, never trained staler than k); ``trainer.follow_threads`` without local workers (``buffer.mode`` async or stream, ``rollout.backend=local``) (E) |
-| unread keys | a key set away from its default while the key that switches it on is off (:data:`UNREAD_UNLESS`: correction bounds without a correction, the KL kind without a KL, PR2 settings without PR2, ``task.max_terms`` / ``task.length_tail`` / ``task.estimate_share`` with a task other than longtail) (W) |
+| unread keys | a key set away from its default while the key that switches it on is off (:data:`UNREAD_UNLESS`: correction bounds without a correction, the KL kind without a KL, PR2 settings without PR2, ``task.max_terms`` / ``task.length_tail`` / ``task.estimate_share`` with a task other than longtail, the ``eval`` sampling keys with ``eval.samples=0``) (W) |
 | optim | ``betas`` two values in [0, 1) (E) |
 | model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder; ``experts_implementation=deepgemm`` with both dtypes bfloat16 (E) |
 | task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; reverse, chain: the same digit bounds; longtail: one-digit operands; else ``jsonl:<path>`` or ``dataset:<source>`` (E) |
@@ -300,6 +300,8 @@ UNREAD_UNLESS: dict[str, tuple[str, Any, str]] = {
        for k in ("pr2_lr_mult", "pr2_feature_sample_rate", "pr2_bias_in_weights")},
     **{f"task.{k}": ("task.name", lambda v: v == "longtail", "task.name=longtail")
        for k in ("max_terms", "length_tail", "estimate_share")},
+    **{f"eval.{k}": ("eval.samples", lambda v: v > 0, "eval.samples > 0 (sampled evaluation)")
+       for k in ("temperature", "top_p", "top_k", "seed")},
 }
 
 

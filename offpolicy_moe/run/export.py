@@ -22,10 +22,11 @@ from transformers.utils import logging as hf_logging
 
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.run.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, verify_checkpoint
-from offpolicy_moe.models import load_policy
-from offpolicy_moe.tasks import make_task
+from offpolicy_moe.models import load_policy, load_tokenizer, tokenizer_source
+from offpolicy_moe.tasks import embedded_tokenizer, make_task
 
-__all__ = ["export_run", "export_final", "write_hf_folder", "PREDICTORS_FILE", "EXPORT_DIRNAME"]
+__all__ = ["export_run", "export_final", "write_hf_folder", "pick_checkpoint", "run_tokenizer", "load_run_policy",
+           "PREDICTORS_FILE", "EXPORT_DIRNAME"]
 
 PREDICTORS_FILE = "pr2_predictors.safetensors"
 EXPORT_DIRNAME = "export"
@@ -89,12 +90,14 @@ def export_final(run_dir: str | os.PathLike, model: Any, tokenizer: Any, predict
                            state_dict=state_dict)
 
 
-def _pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
+def pick_checkpoint(run_dir: Path, step: Optional[int], what: str = "export") -> Path:
+    """The checkpoint folder of ``step`` in ``run_dir`` (verified), or the newest intact one; ``FileNotFoundError``
+    (one line naming the folder, and ``what`` was to be done with it) when there is none."""
     root = run_dir / "checkpoints"
     if step is None:
         path = resume_checkpoint(root)
         if path is None:
-            raise FileNotFoundError(f"run folder {str(run_dir)!r} has no checkpoint to export")
+            raise FileNotFoundError(f"run folder {str(run_dir)!r} has no checkpoint to {what}")
         return path
     path = root / f"step_{step}"
     if not path.is_dir():
@@ -103,6 +106,33 @@ def _pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
                               f"{', '.join(have) or 'none'})")
     verify_checkpoint(path)
     return path
+
+
+def run_tokenizer(cfg: Any, task: Any = None) -> Any:
+    """The tokenizer a run of config ``cfg`` trained with: its folder's (``model.tokenizer_path``, else
+    ``model.path``), else the built-in character tokenizer for the alphabet of the run's task (``task``, else built
+    from ``cfg.task``)."""
+    source = tokenizer_source(cfg.model)
+    if source is not None:
+        return load_tokenizer(*source)
+    return embedded_tokenizer((task if task is not None else make_task(cfg.task)).alphabet)
+
+
+def load_run_policy(cfg: Any, path: Path, *, tokenizer: Any = None) -> tuple[Any, Any, Optional[dict]]:
+    """``(model, tokenizer, PR2 predictor state or None)`` of checkpoint folder ``path`` of a run of config ``cfg``:
+    the model rebuilt from ``cfg`` with the tokenizer the run trained with (``tokenizer``, else
+    :func:`run_tokenizer`), with the checkpoint's verified weights; :class:`CheckpointError` when they do not fit."""
+    ck = load_checkpoint(path, require=())
+    tok = tokenizer if tokenizer is not None else run_tokenizer(cfg)
+    model, tok = load_policy(cfg.model, tok, seed=cfg.seed)
+    try:
+        model.load_state_dict(ck.model)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        cfg_file = Path(path).parent.parent / "config.yaml"
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model of {str(cfg_file)!r}: {first}") \
+            from None
+    return model, tok, ck.modules.get("predictors")
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: Optional[int] = None,
@@ -114,13 +144,6 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{str(cfg_file)!r} not found: {str(rd)!r} is not a run folder")
     cfg = load_config(cfg_file)
-    path = _pick_checkpoint(rd, step)
-    ck = load_checkpoint(path, require=())
-    model, tok = load_policy(cfg.model, seed=cfg.seed, task=make_task(cfg.task))
-    try:
-        model.load_state_dict(ck.model)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model of {str(cfg_file)!r}: {first}") \
-            from None
-    return write_hf_folder(out_dir, model, tok, ck.modules.get("predictors"), overwrite=overwrite)
+    path = pick_checkpoint(rd, step)
+    model, tok, predictors = load_run_policy(cfg, path)
+    return write_hf_folder(out_dir, model, tok, predictors, overwrite=overwrite)

@@ -81,6 +81,7 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "perf/time_old_logp_s": "seconds recomputing old log-probs (and mismatch/routing measurements)",
     "perf/time_update_s": "seconds in the optimizer updates",
     "perf/time_eval_s": "seconds in evaluation",
+    "perf/time_eval_sampled_s": "seconds of the sampled evaluation (eval.samples > 0), a part of perf/time_eval_s",
     "perf/time_step_s": "seconds of the whole step (generation of warm-up iterations and evaluation included)",
     "perf/time_batch_s": "seconds the step waited on its batch source (generation, the old-log-prob pass and "
                          "waiting for workers, as the source splits them)",
@@ -97,13 +98,18 @@ DOCUMENTED_KEYS: dict[str, str] = {
     "nan/loss": "cumulative optimizer updates skipped: a NaN/Inf loss (or loss input)",
     "nan/gradients": "cumulative optimizer updates skipped: a NaN/Inf gradient norm",
     "nan/optimizer": "cumulative optimizer updates undone: NaN/Inf parameters after the optimizer step",
-    "nan/evaluation": "cumulative steps undone: greedy evaluation met NaN/Inf logits",
+    "nan/evaluation": "cumulative steps undone: greedy evaluation met NaN/Inf logits (or the sampled evaluation "
+                      "non-finite sampling probabilities)",
     # evaluation
     "eval/accuracy": "greedy exact-match accuracy on the held-out split",
     "eval/partial": "greedy per-digit partial credit on the held-out split",
     "eval/train_accuracy": "greedy exact-match accuracy on the first training prompts (as many as the eval split)",
     "eval/train_partial": "greedy partial credit on the same training prompts",
     "eval/reward": "mean task reward (the weighted sum over the configured rewards) of the greedy held-out answers",
+    "eval/unscorable_refs": "held-out problems whose reference the answer check cannot read: excluded from the "
+                            "sampled metrics (eval.samples > 0)",
+    "eval/no_answer": "sampled responses of the scored problems with no extractable answer (scored wrong, no vote)",
+    "eval/scored_problems": "held-out problems the sampled metrics average over",
 }
 
 #: families whose keys vary with the objective or mechanism (documented in the losses/routing modules)
@@ -119,6 +125,9 @@ DOCUMENTED_PREFIXES: tuple[str, ...] = (
     "dynamic_sampling/",   # dropped_groups, kept_share (algo.dynamic_sampling=drop)
     "dppo/", "sapo/", "gmpo/", "vespo/",
     "offpolicy/lag_tokens_",    # offpolicy/lag_tokens_<j>: response tokens of the consumed batch with lag j
+    "eval/avg@",     # eval/avg@<n>: mean correctness of the n samples per held-out problem (eval.samples = n)
+    "eval/pass@",    # eval/pass@<k>, k = 1, 2, 4, ..., n: the unbiased pass@k of Chen et al. (2021)
+    "eval/maj@",     # eval/maj@<k>: the majority vote of k of the n samples is right
     "eval/reward/",  # one per configured reward: eval/reward/<name>, the mean of that reward before its weight   # the 2026 objectives' own statistics (docs/losses.md)
 )
 

@@ -13,7 +13,7 @@ import random
 from collections import Counter
 from typing import Optional, Sequence
 
-__all__ = ["pass_at_k", "avg_at_n", "majority_correct", "maj_at_k", "report_ks"]
+__all__ = ["pass_at_k", "avg_at_n", "majority_correct", "maj_at_k", "report_ks", "check_ks"]
 
 # maj@k over at most this many k-subsets of a problem's samples: every subset when there are no more, else a seeded
 # sample of this many (the estimate's standard error is then at most 0.5 / sqrt(SUBSETS) per problem)
@@ -100,3 +100,19 @@ def report_ks(n: int) -> list[int]:
         raise ValueError(f"sampled metrics need n >= 1 samples per problem, got n={n}")
     ks = [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
     return ks if ks[-1] == n else ks + [n]
+
+
+def check_ks(n: int, ks: Optional[Sequence[int]] = None) -> list[int]:
+    """The ``k`` at which pass@k and maj@k are reported for ``n`` samples: ``ks`` (sorted, distinct) when given,
+    else :func:`report_ks`; one-line ``ValueError`` when ``n < 1`` or a ``k`` is outside ``[1, n]`` (pass@k and
+    maj@k take ``k`` of the ``n`` samples)."""
+    if n < 1:
+        raise ValueError(f"sampled evaluation needs n >= 1 samples per problem, got n={n}")
+    if not ks:
+        return report_ks(n)
+    out = sorted({int(k) for k in ks})
+    bad = [k for k in out if not 1 <= k <= n]
+    if bad:
+        raise ValueError(f"pass@k and maj@k need 1 <= k <= n: k={bad[-1]} with n={n} samples per problem (draw at "
+                         f"least {max(bad)} samples, or ask for a smaller k)")
+    return out

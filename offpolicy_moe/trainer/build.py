@@ -3,8 +3,8 @@
 This is where a run's choices are made: the loss (:func:`~offpolicy_moe.trainer.update.loss_setup` of
 ``algo.loss``), where its old log-probs come from (:func:`old_logp_strategy`, the only reader of
 ``algo.old_logp_source``), the batch source of ``buffer.mode`` and the preparation stage it hands batches to, the
-routing controller, the optimizer and its schedule, the rollout engine, and the frozen reference of the KL
-penalty."""
+routing controller, the optimizer and its schedule, the rollout engine (and the sampled evaluation's, with
+``eval.samples`` > 0), and the frozen reference of the KL penalty."""
 from __future__ import annotations
 
 import copy
@@ -37,6 +37,7 @@ from offpolicy_moe.logprobs import (AtConsumption, FromEngine, Fused, Loglinear,
                                     PreparationStage, Recomputed, engine_logp_exact)
 from offpolicy_moe.trainer.optim import adamw, lr_schedule
 from offpolicy_moe.trainer.run_checkpoints import RunCheckpoints
+from offpolicy_moe.trainer.sampled_eval import SampledEvaluator
 from offpolicy_moe.trainer.update import PolicyUpdate, TrainedPolicy, loss_setup
 
 __all__ = ["build_run", "RunParts", "routing_controller", "build_optimizer", "build_engine", "build_source",
@@ -172,6 +173,7 @@ class RunParts:
     source: BatchSource
     run_checkpoints: RunCheckpoints
     nan: NanCounter
+    sampled_eval: Optional[SampledEvaluator] = None     # eval.samples > 0: the sampled evaluation's own engine
 
 
 def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig] = None) -> RunParts:
@@ -209,6 +211,9 @@ def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig
     # the synchronous source's engine: its own copy of the bare model, before FSDP can shard it
     engine = (build_engine(model, tok, cfg, predictors, is_moe=moe, measure_routing=measure_routing,
                            device=accelerator.device) if source_class(cfg).builds_engine else None)
+    # eval.samples > 0: the sampled evaluation's engine, its own copy of the bare model (synced at each evaluation)
+    sampled = (SampledEvaluator.build(model, tok, cfg, device=accelerator.device) if cfg.eval.samples > 0
+               else None)
     wrapped, optimizer = accelerator.prepare(model, optimizer)
     bare = accelerator.unwrap_model(wrapped)
     forward = RoutedForward(device=accelerator.device, controller=controller, replay=rt.replay,
@@ -236,7 +241,7 @@ def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig
                     controller=controller, predictors=predictors, optimizer=optimizer, scheduler=scheduler,
                     model=wrapped, unwrapped=bare, engine=engine, forward=forward, stage=stage,
                     policy_update=policy_update, source=source, run_checkpoints=run_checkpoints,
-                    nan=NanCounter(tc.on_nan, tc.max_nan_skips))
+                    nan=NanCounter(tc.on_nan, tc.max_nan_skips), sampled_eval=sampled)
 
 
 def seed_everything(seed: int) -> None:

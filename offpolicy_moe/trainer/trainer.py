@@ -73,6 +73,7 @@ class Trainer:
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.stage, self.policy_update, self.source = parts.stage, parts.policy_update, parts.source
         self.run_checkpoints, self.nan = parts.run_checkpoints, parts.nan
+        self.sampled_eval = parts.sampled_eval              # eval.samples > 0: the sampled evaluation
         self.ref_model: Optional[torch.nn.Module] = None   # created after the SFT warm start when algo.kl.coef > 0
         # the loop's own counters (checkpointed: state_dict)
         self.step = 0               # trained steps done = policy version
@@ -180,10 +181,11 @@ class Trainer:
                             self.predictors.state_dict() if self.predictors is not None else None, force=force)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out split and on as many training prompts (``eval/*``,
+        """Greedy accuracy on the held-out split and on as many training prompts, and with ``eval.samples`` > 0 the
+        sampled metrics of the held-out split (``eval/*``,
         :func:`~offpolicy_moe.trainer.evaluation.evaluate_policy`); non-finite logits raise :class:`NonFiniteError`
         (stage ``evaluation``)."""
-        return evaluate_policy(self.unwrapped, self.tok, self.task, self.cfg, self.step)
+        return evaluate_policy(self.unwrapped, self.tok, self.task, self.cfg, self.step, sampled=self.sampled_eval)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_parts(self) -> dict[str, Any]:
@@ -298,6 +300,8 @@ class Trainer:
             # the workers (started at the first publish: rollout.early_start) and the math reward's process stop
             # however the run ends, the step-0 evaluation's failure included
             self.source.close()
+            if self.sampled_eval is not None:
+                self.sampled_eval.close()
             self.task.rewards.close()
             if self.follower is not None:       # the process outlives the run: its thread count as it was
                 self.follower.restore()

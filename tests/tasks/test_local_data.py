@@ -104,3 +104,16 @@ def test_jsonl_shorthand_reads_any_file_name_as_json_lines(tmp_path):
                                                for i in range(6)))
     t = _task(f"jsonl:{tmp_path / 'data.txt'}", eval_size=2)
     assert len(t.train_prompts) == 4 and isinstance(t, JsonlTask)
+
+
+@pytest.mark.parametrize("answer, fmt", [("   ", "plain"), ("", "plain"), ("work\n#### ", "gsm8k"),
+                                         ("work\n####\n", "gsm8k")])
+def test_a_reference_with_no_answer_never_reaches_the_training_reward(tmp_path, answer, fmt):
+    """The exact and partial rewards score an empty reference as a string (an empty completion would match it), so
+    a task file with one is refused before training, naming the row; a gsm8k row with nothing after ``####`` too."""
+    rows = [{"prompt": f"{i}+1=", "answer": f"x\n#### {i + 1}" if fmt == "gsm8k" else str(i + 1)} for i in range(5)]
+    rows.insert(3, {"prompt": "9+9=", "answer": answer})
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"e.jsonl:4: empty 'answer'") as err:
+        _task(f"jsonl:{tmp_path / 'e.jsonl'}", eval_size=2, answer_format=fmt)
+    assert "\n" not in str(err.value)

@@ -120,3 +120,14 @@ def test_report_ks():
 def test_maj_at_k_refuses_answers_and_flags_of_different_lengths():
     with pytest.raises(ValueError, match="2 answers but 1 correctness flags"):
         maj_at_k(["1", "2"], [True], 1)
+
+
+def test_check_ks_defaults_to_report_ks_and_refuses_k_above_n_in_one_line():
+    from offpolicy_moe.tasks.sampled_metrics import check_ks
+
+    assert check_ks(8) == [1, 2, 4, 8] and check_ks(6) == [1, 2, 4, 6]
+    assert check_ks(6, [4, 1, 4]) == [1, 4]
+    for n, ks, match in ((4, [2, 8], r"k=8 with n=4"), (4, [0], r"k=0 with n=4"), (0, None, r"n >= 1")):
+        with pytest.raises(ValueError, match=match) as err:
+            check_ks(n, ks)
+        assert "\n" not in str(err.value)

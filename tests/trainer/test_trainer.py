@@ -212,7 +212,7 @@ def test_jsonl_has_documented_keys(reference_run):
         assert not undocumented, undocumented
         assert all(v is None or isinstance(v, float) for k, v in r.items() if k != "step")
     core = [k for k in DOCUMENTED_KEYS if k.split("/")[0] in ("reward", "offpolicy", "perf")
-            and k not in ("perf/time_eval_s",)] + ["actor/loss", "actor/grad_norm", "actor/clipfrac",
+            and k not in ("perf/time_eval_s", "perf/time_eval_sampled_s")] + ["actor/loss", "actor/grad_norm", "actor/clipfrac",
                                                    "actor/ppo_kl", "actor/lr", "actor/nan_skipped",
                                                    "mismatch/k3_kl", "mismatch/extreme_frac",
                                                    "mismatch/k3_kl_r3", "mismatch/k3_kl_no_r3",
