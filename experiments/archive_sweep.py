@@ -20,26 +20,17 @@ from pathlib import Path
 
 import yaml
 
+from offpolicy_moe.report.spec import metric_names, parse_report
+
 RUN_FILES = ("config.yaml", "run.json", "summary.json", "env.json")
 SWEEP_FILES = ("experiment.yaml", "sweep.json")
 
 
 def report_metrics(experiment_yaml: Path) -> set[str]:
-    """Every metric name the ``report:`` section reads (``:lower``/``:higher`` suffixes dropped)."""
-    report = (yaml.safe_load(experiment_yaml.read_text()) or {}).get("report") or {}
-    names: set[str] = set()
-
-    def add(spec) -> None:
-        items = spec if isinstance(spec, list) else str(spec).split(",")
-        names.update(str(m).strip().split(":")[0] for m in items if str(m).strip())
-
-    for t in report.get("tables") or []:
-        add(t.get("metric", ""))
-    for p in report.get("plots") or []:
-        add(p.get("metrics", []))
-    for c in report.get("claims") or []:
-        add(c.get("metric", ""))
-    return names
+    """Every metric name the ``report:`` section reads (``:lower``/``:higher`` suffixes dropped; ``report.metric``
+    for the entries that name none), as the report's own parser reads it."""
+    raw = (yaml.safe_load(experiment_yaml.read_text()) or {}).get("report")
+    return set(metric_names(parse_report(raw, str(experiment_yaml))))
 
 
 def archive(sweep: Path, out: Path) -> int:

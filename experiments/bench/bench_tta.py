@@ -1,5 +1,5 @@
-"""Time to accuracy: wall-clock seconds from launching the command until held-out greedy accuracy first reaches a
-target (issues 25 and 35).
+"""Time to accuracy: wall-clock seconds from launching the command until a held-out accuracy (greedy by default, or a
+sampled one: ``--metric``) first reaches a target (issues 25, 35 and 56).
 
     python experiments/bench/bench_tta.py --arms trl,sync,async-k1-grpo --headline async-k1-grpo --seeds 5
     python experiments/bench/bench_tta.py --job long --arms trl,sync,async-k1-grpo --headline async-k1-grpo --seeds 5
@@ -62,6 +62,13 @@ the first step).  **Loop** (beside it, the old clock): ``perf/elapsed_s`` from t
 CPU seconds (user + system) of the run's process and its descendants (the worker) when that row appears.  A run
 that never reaches the target is **censored** at its end (process wall time, total CPU) and counted in
 ``reached``; a censored time is a lower bound.
+
+**Metric** (``--metric``, default the job's greedy one, above): the accuracy every clock, target and ratio is read in.
+A sampled metric, ``eval/avg@N``, or ``eval/pass@K`` / ``eval/maj@K`` with ``--eval-samples N`` (N >= K for K a power
+of two, N = K otherwise), sets ``eval.samples`` of every arm: ours log it at each evaluation, and the TRL child
+evaluates its current weights with our trainer's sampled evaluator (``offpolicy_moe/trainer/sampled_eval.py``: the
+same engine, seed and answer check); the warm start does not sample.  The sampled evaluation's seconds are part of
+each evaluation's, charged as any evaluation is.  A combination that cannot log the metric is refused before any run.
 
 **Target**: ``--target A``; or ``--target-gain G``: the median step-0 accuracy of the runs plus G (a rise over the
 accuracy before training, named before the run); else the sync arm's median final accuracy over the seeds of this
@@ -130,6 +137,7 @@ import bench_bounds
 from _machine import cpu_model
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.models import load_policy
+from offpolicy_moe.report.names import SAMPLES_KEY, logged_text, logs_sampled, sampled_metric, sampled_requirement
 from offpolicy_moe.tasks import make_task
 from offpolicy_moe.tasks.tokenizer import encode_texts
 from tta.analysis import (TARGET_MARGIN, Arm, Curve, curve, default_target, equal_steps_ceiling, flow, gain_target,
@@ -189,7 +197,8 @@ def portable(words: list[str], scratch: list[str | Path | None]) -> list[str]:
 
 def job_overrides(args, seed: int, warm: str | None, threads: int = 1) -> list[str]:
     """The job every arm trains (module docstring), as trainer overrides; ``warm``: the warm-start folder;
-    ``threads``: the trainer's torch threads (``--threads`` for trl and sync, 1 for the asynchronous arms)."""
+    ``threads``: the trainer's torch threads (``--threads`` for trl and sync, 1 for the asynchronous arms); with a
+    sampled ``--metric``, ``eval.samples`` (``--eval-samples``)."""
     out = [*JOBS[getattr(args, "job", "default")]["task"], f"seed={seed}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
            f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
            "rollout.dtype=float32", f"optim.lr={args.lr}", "optim.grad_clip=1.0", "optim.scheduler=constant",
@@ -199,6 +208,8 @@ def job_overrides(args, seed: int, warm: str | None, threads: int = 1) -> list[s
            "algo.routing.replay=none", "algo.routing.metrics=false", "trainer.mismatch_metrics=false"]
     if warm is not None:
         out += [f"model.path={warm}", "trainer.sft_warmup_steps=0"]
+    if getattr(args, "eval_samples", None):      # a sampled --metric: every arm samples the held-out problems
+        out.append(f"{SAMPLES_KEY}={args.eval_samples}")
     return out
 
 
@@ -226,7 +237,8 @@ def _call(cmd: list[str], what: str) -> float:
 def warm_start(args, seed: int, work: Path) -> tuple[str, float]:
     """The SFT warm start of ``seed`` as a Hugging Face folder (module docstring); its path and wall seconds."""
     run, out = work / f"sft-{seed}", work / f"warm-{seed}"
-    base = [o for o in job_overrides(args, seed, None) if not o.startswith(("trainer.steps=", "trainer.checkpoint"))]
+    base = [o for o in job_overrides(args, seed, None)      # the warm start needs no sampled evaluation
+            if not o.startswith(("trainer.steps=", "trainer.checkpoint", f"{SAMPLES_KEY}="))]
     base += list(getattr(args, "model", ()))     # model.* overrides of the preset (a probe of another model size)
     base += list(getattr(args, "task_set", ()))  # task.* overrides of the job (a probe of another task law)
     wall = _call([sys.executable, "-m", "offpolicy_moe", "train", "--quiet", "--run-dir", str(run), *base,
@@ -258,6 +270,9 @@ def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
         raise RuntimeError(f"arm {arm.name} seed {seed} failed (rc={w.returncode}): {' '.join(cmd)}\n"
                            f"{tail(work / f'{arm.name}-{seed}.log')}")
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    if not any(r.get(args.metric) is not None for r in rows):
+        raise RuntimeError(f"arm {arm.name} seed {seed} logged no {args.metric} "
+                           f"{logged_text(args.metric, {k for r in rows for k in r})}")
     c = curve(rows, args.metric)
     c = Curve(**{**c.__dict__, **process_curve(c.steps, eval_seconds(rows), w.seen_s, w.cpu_s, w.wall_s,
                                               w.cpu_total_s)})
@@ -438,9 +453,9 @@ def sensitivity(runs: list[dict], arms: list[Arm], target: float, headline: str,
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], arms: list[Arm], target: float, path: Path) -> None:
-    """Accuracy against the clock from process start (the loop clock for a record without it; earlier evaluations
-    charged), thin per run, bold median per arm."""
+def plot(runs: list[dict], arms: list[Arm], target: float, path: Path, metric: str = "eval/accuracy") -> None:
+    """``metric`` (the record's accuracy) against the clock from process start (the loop clock for a record without
+    it; earlier evaluations charged), thin per run, bold median per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -460,7 +475,7 @@ def plot(runs: list[dict], arms: list[Arm], target: float, path: Path) -> None:
         ax.plot(xs, ys, color=color, lw=2, label=a.name)
     ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.3f}")
     ax.set_xlabel("wall-clock seconds from process start (earlier evaluations charged)")
-    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_ylabel(f"held-out {metric}")
     ax.set_title("time to accuracy (median over seeds bold)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -562,8 +577,8 @@ def split_table(runs: list[dict], arms: list[Arm], target: float, headline: str)
         t = time_to_accuracy(Curve(**r["curve"]), target)
         if t.seconds_process is not None and t.seconds_process == t.seconds_process and t.step != 0:
             tta.setdefault(r["arm"], {})[r["seed"]] = t.seconds_process
-    lines = [f"split of the headline's time to accuracy (from process start; paired ratios by seed, geometric mean "
-             f"[95%]; censored runs at their end)", "",
+    lines = ["split of the headline's time to accuracy (from process start; paired ratios by seed, geometric mean "
+             "[95%]; censored runs at their end)", "",
              "| ratio | what it measures | estimate [95%] | seeds |", "| --- | --- | --- | --- |"]
     for ref, arm, what in ((fixed, headline, "the system's share (same staleness and loss, one process vs this)"),
                            ("sync", fixed, "the objective's share (stale batches at k vs on-policy, one process)"),
@@ -709,8 +724,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the job's")
     p.add_argument("--lr", type=float, default=None, help="default: the job's")
     p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start steps (default: the job's)")
-    p.add_argument("--metric", default=None, help="the accuracy (default: the job's; eval/accuracy = exact match, "
-                                                  "eval/reward = the task's reward, the final answer's on long)")
+    p.add_argument("--metric", default=None,
+                   help="the accuracy the target is set on and reached in (default: the job's; eval/accuracy = "
+                        "greedy exact match, eval/reward = the task's reward, the final answer's on long; a sampled "
+                        "metric eval/avg@N, eval/pass@K or eval/maj@K: every arm, TRL's too, samples the held-out "
+                        "problems with eval.samples = --eval-samples)")
+    p.add_argument("--eval-samples", type=int, default=None, metavar="N",
+                   help="held-out samples per problem of a sampled --metric (eval.samples of every arm); default: the "
+                        "N of eval/avg@N; required for eval/pass@K and eval/maj@K")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of trl and sync (one process each; measure TRL's best first, see the "
                         "docstring); an asynchronous arm's trainer and worker have one each")
@@ -729,7 +750,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.set_defaults(trl_gradient_checkpointing=0)    # TRL at its best for a model this size (issue 35)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.out_given = args.out
+    args.out_given, args.metric_given = args.out, args.metric
     if args.reanalyse is not None and not Path(args.reanalyse).is_file():
         p.error(f"--reanalyse {args.reanalyse!r}: no such file")
     preset = QUICK if args.quick else FULL
@@ -741,28 +762,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     names = [a.name for a in args.arm_list]
-    for key in ("seeds", "steps", "eval_every", "eval_size", "prompts", "group", "max_new_tokens", "sft_steps",
-                "threads"):
-        if getattr(args, key) < (0 if key == "sft_steps" else 1):
-            p.error(f"--{key.replace('_', '-')} must be >= {0 if key == 'sft_steps' else 1}, got {getattr(args, key)}")
-    if args.first_seed < 0:
-        p.error(f"--first-seed must be >= 0, got {args.first_seed}")
-    if args.grid_repeats < 0:
-        p.error(f"--grid-repeats must be >= 0, got {args.grid_repeats}")
-    if args.steps % args.eval_every:
-        p.error(f"--steps {args.steps} must be a multiple of --eval-every {args.eval_every} (same eval points)")
-    if args.target is not None and args.target_gain is not None:
-        p.error("--target and --target-gain are two target rules: give one")
-    if args.target_gain is not None and not (args.target_gain > 0 and args.target_gain < 1):
-        p.error(f"--target-gain must be in (0, 1), got {args.target_gain}")
-    if args.warm_seed is not None and args.warm_seed < 0:
-        p.error(f"--warm-seed must be >= 0, got {args.warm_seed}")
-    if (args.target is None and args.target_gain is None and args.reanalyse is None and "sync" not in names):
-        p.error("--target or --target-gain is required when the sync arm is not among --arms (the default target "
-                "is sync's)")
-    for s in args.set:
-        if "=" not in s:
-            p.error(f"--set {s!r}: expected KEY=VALUE")
+    problem = range_problem(args) or metric_problem(args)
+    if problem:
+        p.error(problem)
     if args.reanalyse is None:
         if args.headline is None:
             p.error("--headline ARM is required: name the pre-registered arm before the run (one of ours in --arms)")
@@ -771,6 +773,63 @@ def parse_args(argv=None) -> argparse.Namespace:
     default_out = "quick" if args.quick else ("full" if args.job == "default" else args.job)
     args.out = Path(args.out or HERE.parent / "results" / "tta" / default_out)
     return args
+
+
+def range_problem(args: argparse.Namespace) -> Optional[str]:
+    """The first numeric option out of its range, or options that contradict each other (two target rules, no target
+    rule without the sync arm), in one line; None when there is none."""
+    for key in ("seeds", "steps", "eval_every", "eval_size", "prompts", "group", "max_new_tokens", "sft_steps",
+                "threads"):
+        if getattr(args, key) < (0 if key == "sft_steps" else 1):
+            return f"--{key.replace('_', '-')} must be >= {0 if key == 'sft_steps' else 1}, got {getattr(args, key)}"
+    if args.first_seed < 0:
+        return f"--first-seed must be >= 0, got {args.first_seed}"
+    if args.grid_repeats < 0:
+        return f"--grid-repeats must be >= 0, got {args.grid_repeats}"
+    if args.steps % args.eval_every:
+        return f"--steps {args.steps} must be a multiple of --eval-every {args.eval_every} (same eval points)"
+    if args.target is not None and args.target_gain is not None:
+        return "--target and --target-gain are two target rules: give one"
+    if args.target_gain is not None and not (args.target_gain > 0 and args.target_gain < 1):
+        return f"--target-gain must be in (0, 1), got {args.target_gain}"
+    if args.warm_seed is not None and args.warm_seed < 0:
+        return f"--warm-seed must be >= 0, got {args.warm_seed}"
+    if (args.target is None and args.target_gain is None and args.reanalyse is None
+            and "sync" not in [a.name for a in args.arm_list]):
+        return ("--target or --target-gain is required when the sync arm is not among --arms (the default target "
+                "is sync's)")
+    bad = next((s for s in args.set if "=" not in s), None)
+    return None if bad is None else f"--set {bad!r}: expected KEY=VALUE"
+
+
+def metric_problem(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with ``--metric`` and ``--eval-samples``, in one line (None when nothing is); fills in
+    ``args.eval_samples`` (the N of ``eval/avg@N`` when not given).  A sampled metric needs samples that log it
+    (``eval/pass@4``: N >= 4); the samples are every arm's ``eval.samples``, so ``--set`` may not give them; a
+    ``--reanalyse`` record keeps the curves of one metric only, so ``--metric`` must be the record's."""
+    metric, parsed = args.metric, sampled_metric(args.metric)
+    if args.reanalyse is not None and args.metric_given is not None:
+        try:
+            recorded = json.loads(Path(args.reanalyse).read_text()).get("metric", "eval/accuracy")
+        except (ValueError, AttributeError):
+            return f"--reanalyse {args.reanalyse!r}: not a runs.json record"
+        if recorded != args.metric_given:
+            return (f"--metric {args.metric_given}: {args.reanalyse} holds the curves of {recorded} only; a new run "
+                    f"measures another metric")
+    if parsed is None:
+        return None if args.eval_samples is None else (
+            f"--eval-samples is for a sampled --metric (eval/avg@N, eval/pass@K, eval/maj@K), not {metric}")
+    if any(s.split("=", 1)[0].strip() == SAMPLES_KEY for s in args.set):
+        return f"--set {SAMPLES_KEY}=...: give the samples with --eval-samples (TRL's arm samples them too)"
+    if args.eval_samples is None and parsed[0] != "avg":
+        return (f"--metric {metric} needs --eval-samples N: the samples per held-out problem it is estimated from "
+                f"({sampled_requirement(metric).replace(SAMPLES_KEY, 'N')})")
+    n = parsed[1] if args.eval_samples is None else args.eval_samples
+    if not logs_sampled(metric, n):
+        return (f"--metric {metric} is not logged with --eval-samples {n}: it needs "
+                f"{sampled_requirement(metric).replace(SAMPLES_KEY, '--eval-samples')}")
+    args.eval_samples = n
+    return None
 
 
 def cached_warm_start(args, seed: int, work: Path) -> tuple[str, float]:
@@ -907,7 +966,7 @@ def report(record: dict, target_arg: float | None, out: Path, note: str = "", he
     last = headline_line(summary, headline)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(header + "\n" + text + "\n\n" + last + "\n")
-    plot(runs, arms, target, out / "tta.png")
+    plot(runs, arms, target, out / "tta.png", record.get("metric", "eval/accuracy"))
     (out / "runs.json").write_text(json.dumps({**record, "target": target, "target_rule": rule, "clock": clocks,
                                                "summary": summary}, indent=1, default=str))
     print()

@@ -12,8 +12,9 @@ from offpolicy_moe.report.spec import PlotSpec, default_agg, parse_where, report
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep_dir", help="sweep folder (or any folder of run folders)")
-    p.add_argument("--metrics", help="comma-separated metric names. Omitted: every plot of the experiment's "
-                                     "report: section")
+    p.add_argument("--metrics", "--metric", dest="metrics", action="append", metavar="NAME[,NAME...]",
+                   help="metric names, comma-separated or repeated (any logged one, e.g. eval/avg@16: file "
+                        "eval_avg@16.png). Omitted: every plot of the experiment's report: section")
     p.add_argument("--by", help="axis with one line per value (e.g. algorithm)")
     p.add_argument("--out", help="output folder (default SWEEP_DIR/plots)")
     p.add_argument("--band", default="std", choices=["std", "minmax", "none"], help="band across seeds")

@@ -1,5 +1,6 @@
-"""``offpolicy-moe table SWEEP_DIR --rows AXIS --cols AXIS --metric NAME``: mean ± std (n) over seeds; without
-``--metric`` the experiment's ``report:`` tables, then its claims table (``--claims``: only that)."""
+"""``offpolicy-moe table SWEEP_DIR --rows AXIS --cols AXIS --metric NAME [--metric NAME ...]``: mean ± std (n) over
+seeds, a column per metric (any logged one: ``eval/accuracy``, ``eval/avg@16``, ``eval/pass@4``); without ``--metric``
+the experiment's ``report:`` tables, then its claims table (``--claims``: only that)."""
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep_dir", help="sweep folder (or any folder of run folders)")
     p.add_argument("--rows", help="axis (or comma-separated axes) for rows; axes of run.json or config keys")
     p.add_argument("--cols", help="axis (or axes) for columns; omit for one column per metric")
-    p.add_argument("--metric", help="metric name(s), comma-separated; suffix :lower / :higher sets the direction. "
-                                    "Omitted: render every table of the experiment's report: section, then its "
-                                    "claims")
+    p.add_argument("--metric", action="append", metavar="NAME[,NAME...]",
+                   help="metric name(s), comma-separated or repeated (--metric eval/accuracy --metric eval/avg@16: "
+                        "one column each, each with its paired interval under --baseline); suffix :lower / :higher "
+                        "sets the direction. Omitted: render every table of the experiment's report: section, then "
+                        "its claims")
     p.add_argument("--agg", default=None,
                    help="final | best | mean_last:N | min | max | collapse[:F] (step where the trailing 5-point mean "
                         "falls below F x its best; default F 0.5). Default: the sweep's report.agg, else final "

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from offpolicy_moe.report.names import check_axes, did_you_mean, known_metrics, leaf_keys
+from offpolicy_moe.report.names import (check_axes, did_you_mean, known_metrics, leaf_keys, metric_did_you_mean,
+                                        sampled_requirement)
 from offpolicy_moe.report.runs import RunRecord, load_runs
 from offpolicy_moe.report.stats import (
     CONFIDENCE,
@@ -85,28 +86,33 @@ class ClaimResult:
     failed: tuple[str, ...] = ()
 
 
-def parse_claims(items: Any, where: str = "report") -> list[Claim]:
+def parse_claims(items: Any, where: str = "report", default_metric: Optional[str] = None) -> list[Claim]:
     """Validate ``report.claims`` (a list of mappings) into :class:`Claim` records; every problem is a one-line
-    :class:`ValueError` naming ``<where>.claims[i]`` and the key."""
+    :class:`ValueError` naming ``<where>.claims[i]`` and the key.  ``default_metric`` (``report.metric``): the
+    metric of an entry that names none."""
     if items is None:
         return []
     if not isinstance(items, list):
         raise ValueError(f"{where}.claims must be a list of mappings, got {type(items).__name__}")
-    return [parse_claim(item, i, where) for i, item in enumerate(items)]
+    return [parse_claim(item, i, where, default_metric) for i, item in enumerate(items)]
 
 
-def parse_claim(item: Any, index: int, where: str = "report") -> Claim:
-    """One claim entry, checked strictly: known keys only, required keys present, values of the right kind."""
+def parse_claim(item: Any, index: int, where: str = "report", default_metric: Optional[str] = None) -> Claim:
+    """One claim entry, checked strictly: known keys only, required keys present (``metric``: ``default_metric``
+    when left out), values of the right kind."""
     at = f"{where}.claims[{index}]"
     if not isinstance(item, Mapping):
         raise ValueError(f"{at} must be a mapping with keys {', '.join(REQUIRED_KEYS)} and baseline or "
                          f"baseline_value")
+    if default_metric is not None and item.get("metric") is None:
+        item = {**item, "metric": default_metric}
     unknown = sorted(set(map(str, item)) - set(CLAIM_KEYS))
     if unknown:
         raise ValueError(f"{at}: unknown key(s) {unknown}; allowed {list(CLAIM_KEYS)}")
     missing = [k for k in REQUIRED_KEYS if item.get(k) in (None, "", {})]
     if missing:
-        raise ValueError(f"{at}: missing key(s) {missing}")
+        hint = " (or give report.metric, the metric of the entries that name none)" if "metric" in missing else ""
+        raise ValueError(f"{at}: missing key(s) {missing}{hint}")
     has_baseline, has_value = item.get("baseline") not in (None, "", {}), item.get("baseline_value") is not None
     if has_baseline == has_value:
         raise ValueError(f"{at}: give exactly one of baseline (axis labels of runs) or baseline_value (a number), "
@@ -256,8 +262,10 @@ def side_values(runs: Sequence[RunRecord], labels: Mapping[str, str], claim: Cla
                              f"{'unknown' if seed is None else seed + ' repeated'})")
         out[seed] = v
     if not out:
-        hint = did_you_mean(claim.metric, known_metrics(done))
-        return Side({}, f"no {desc} run logged {claim.metric}.{hint}".rstrip("."), failed)
+        hint = metric_did_you_mean(claim.metric, known_metrics(done))
+        need = sampled_requirement(claim.metric)
+        need = f" (logged only by runs trained with {need})" if need else ""
+        return Side({}, f"no {desc} run logged {claim.metric}.{hint}".rstrip(".") + need, failed)
     return Side(out, "", failed)
 
 

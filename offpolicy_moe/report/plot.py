@@ -32,8 +32,9 @@ def set_grid_ticks(ax, values: Sequence[float]) -> None:
 
 
 def metric_filename(metric: str) -> str:
-    """``reward/mean`` -> ``reward_mean``."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", metric).strip("_") or "metric"
+    """``reward/mean`` -> ``reward_mean``, ``eval/pass@4`` -> ``eval_pass@4``: every character but letters, digits,
+    ``.``, ``_``, ``-`` and ``@`` becomes ``_`` (a sampled metric's file keeps its ``@k``)."""
+    return re.sub(r"[^A-Za-z0-9._@-]+", "_", metric).strip("_") or "metric"
 
 
 def _select(sweep_dir, runs, where):

@@ -4,7 +4,10 @@ docs/sweeps.md).
 :func:`parse_report` is its one parser, into a :class:`ReportSpec` of :class:`TableSpec`, :class:`PlotSpec` and
 :class:`~offpolicy_moe.report.claims.Claim` records: the sweep planner checks an experiment file with it before any
 run, and ``table`` / ``plot`` read the copy in the sweep folder with it.  Tables and plots of one sweep aggregate
-the same way unless an entry or ``--agg`` says otherwise (:func:`default_agg`).
+the same way unless an entry or ``--agg`` says otherwise (:func:`default_agg`); likewise ``report.metric`` is the
+metric of every table and claim that names none and the curve of every plot that names none (a sweep that reports
+``eval/avg@16`` instead of ``eval/accuracy`` says so once), filled in here, so the parsed entries always name their
+metrics.
 """
 from __future__ import annotations
 
@@ -14,20 +17,21 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from offpolicy_moe.report.claims import Claim, parse_claims
-from offpolicy_moe.report.table import DEFAULT_AGG
+from offpolicy_moe.report.claims import parse_claims
+from offpolicy_moe.report.table import DEFAULT_AGG, parse_metrics
 
 __all__ = ["TableSpec", "PlotSpec", "ReportSpec", "parse_report", "report_spec", "default_agg", "parse_where",
-           "TABLE_KEYS", "PLOT_KEYS", "REPORT_KEYS"]
+           "metric_names", "TABLE_KEYS", "PLOT_KEYS", "REPORT_KEYS"]
 
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One table: ``rows`` (and ``cols``) axes, the ``metric`` list (``"a,b:lower"``), the aggregation, a
-    ``where`` filter, and an optional ``baseline`` row for paired differences."""
+    """One table: ``rows`` (and ``cols``) axes, the ``metric`` list (``"a,b:lower"`` or a list of names; in an
+    experiment file ``report.metric`` when left out), the aggregation, a ``where`` filter, and an optional
+    ``baseline`` row for paired differences."""
 
     rows: str
-    metric: str
+    metric: Any = None            # "a,b" or a list of names (report.table.parse_metrics reads both)
     cols: Optional[str] = None
     title: Optional[str] = None
     agg: Optional[str] = None
@@ -40,10 +44,10 @@ class TableSpec:
 @dataclass(frozen=True)
 class PlotSpec:
     """One figure: curves of ``metrics`` per value of ``by`` (with a seed ``band``), or, with ``staleness_axis``,
-    the aggregated metric against that numeric axis."""
+    the aggregated metric against that numeric axis; ``metrics`` left out of an experiment file: ``report.metric``."""
 
-    metrics: Any                  # "a,b" or a list of names (report.table.parse_metrics reads both)
     by: str
+    metrics: Any = None           # "a,b" or a list of names (report.table.parse_metrics reads both)
     title: Optional[str] = None
     band: str = "std"
     where: dict = field(default_factory=dict)
@@ -59,11 +63,12 @@ class ReportSpec:
     plots: tuple = ()
     claims: tuple = ()
     agg: Optional[str] = None
+    metric: Optional[str] = None   # the default metric of the entries that name none (already filled in)
 
 
 TABLE_KEYS = frozenset(f.name for f in fields(TableSpec))
 PLOT_KEYS = frozenset(f.name for f in fields(PlotSpec))
-REPORT_KEYS = frozenset({"tables", "plots", "agg", "claims"})
+REPORT_KEYS = frozenset({"tables", "plots", "agg", "claims", "metric"})
 
 
 def parse_where(items) -> dict[str, str]:
@@ -77,9 +82,10 @@ def parse_where(items) -> dict[str, str]:
     return out
 
 
-def _entry(cls: type, item: Any, where: str) -> Any:
+def _entry(cls: type, item: Any, where: str, metric_key: str, default_metric: Optional[str]) -> Any:
     """``cls(**item)`` with one-line errors naming ``where`` and the key: not a mapping, unknown or missing keys,
-    a ``where`` filter that is not a mapping."""
+    a ``where`` filter that is not a mapping, a metric list that names no metric (:func:`check_metric_list`).  The
+    entry's ``metric_key`` left out is ``default_metric`` (``report.metric``); with neither, the key is missing."""
     keys = {f.name for f in fields(cls)}
     if not isinstance(item, Mapping):
         raise ValueError(f"{where} must be a mapping")
@@ -91,10 +97,39 @@ def _entry(cls: type, item: Any, where: str) -> Any:
     if missing:
         raise ValueError(f"{where}: missing key(s) {missing}")
     values = dict(item)
+    if values.get(metric_key) is None:
+        if default_metric is None:
+            raise ValueError(f"{where}: missing key(s) ['{metric_key}'] (or give report.metric, the metric of the "
+                             f"entries that name none)")
+        values[metric_key] = default_metric
+    check_metric_list(values[metric_key], f"{where}.{metric_key}")
     if values.get("where") is not None and not isinstance(values["where"], Mapping):
         raise ValueError(f"{where}.where must be a mapping of axis -> value")
     values["where"] = dict(values.get("where") or {})
     return cls(**values)
+
+
+def check_metric_list(value: Any, where: str) -> None:
+    """One-line :class:`ValueError` naming ``where`` unless ``value`` is a metric list: a string ``"a,b:lower"``
+    or a list of such strings, naming at least one metric."""
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(x, str) for x in items):
+        raise ValueError(f"{where} must be a metric name, a comma list or a list of names, got {value!r}")
+    try:
+        parse_metrics(items)
+    except ValueError:
+        raise ValueError(f"{where} names no metric, got {value!r}") from None
+
+
+def _default_metric(raw: Mapping, where: str) -> Optional[str]:
+    """``report.metric``, checked: one metric name (a ``:lower`` / ``:higher`` suffix allowed), or None."""
+    metric = raw.get("metric")
+    if metric is None:
+        return None
+    if not isinstance(metric, str) or len([m for m in metric.split(",") if m.strip()]) != 1:
+        raise ValueError(f"{where}: report.metric must name one metric (e.g. eval/avg@16), got {metric!r}")
+    check_metric_list(metric, f"{where}: report.metric")
+    return metric.strip()
 
 
 def parse_report(raw: Any, where: str) -> ReportSpec:
@@ -102,17 +137,34 @@ def parse_report(raw: Any, where: str) -> ReportSpec:
     ``ValueError`` naming ``where`` (the file) and the entry."""
     raw = raw or {}
     if not isinstance(raw, Mapping):
-        raise ValueError(f"{where}: 'report' must be a mapping with 'tables', 'plots', 'agg' and/or 'claims'")
+        raise ValueError(f"{where}: 'report' must be a mapping with 'tables', 'plots', 'agg', 'metric' and/or "
+                         f"'claims'")
     bad_top = set(raw) - REPORT_KEYS
     if bad_top:
         raise ValueError(f"{where}: report: unknown key(s) {sorted(bad_top)}; allowed {sorted(REPORT_KEYS)}")
-    tables = tuple(_entry(TableSpec, t, f"{where}: report.tables[{i}]") for i, t in enumerate(raw.get("tables") or []))
-    plots = tuple(_entry(PlotSpec, t, f"{where}: report.plots[{i}]") for i, t in enumerate(raw.get("plots") or []))
-    claims = tuple(parse_claims(raw.get("claims"), where=f"{where}: report"))
+    metric = _default_metric(raw, where)
+    tables = tuple(_entry(TableSpec, t, f"{where}: report.tables[{i}]", "metric", metric)
+                   for i, t in enumerate(raw.get("tables") or []))
+    plots = tuple(_entry(PlotSpec, t, f"{where}: report.plots[{i}]", "metrics", metric)
+                  for i, t in enumerate(raw.get("plots") or []))
+    claims = tuple(parse_claims(raw.get("claims"), where=f"{where}: report", default_metric=metric))
     agg = raw.get("agg")
     if agg is not None and not isinstance(agg, str):
         raise ValueError(f"{where}: report.agg must be a string such as 'final' or 'mean_last:3', got {agg!r}")
-    return ReportSpec(tables, plots, claims, agg)
+    return ReportSpec(tables, plots, claims, agg, metric)
+
+
+def metric_names(spec: ReportSpec) -> dict[str, list[str]]:
+    """Every metric the report reads (direction suffixes dropped) -> the entries that read it
+    (``report.tables[0]``, ``report.plots[1]``, ``report.claims[2]``), in the order of the file."""
+    out: dict[str, list[str]] = {}
+    entries = [(f"report.tables[{i}]", t.metric) for i, t in enumerate(spec.tables)]
+    entries += [(f"report.plots[{i}]", p.metrics) for i, p in enumerate(spec.plots)]
+    entries += [(f"report.claims[{c.index}]", c.metric) for c in spec.claims]
+    for at, value in entries:
+        for m in parse_metrics(value):
+            out.setdefault(m.name, []).append(at)
+    return out
 
 
 def report_spec(sweep_dir: str | Path) -> ReportSpec:

@@ -34,7 +34,8 @@ import yaml
 from offpolicy_moe.config.load import save_resolved
 from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.sources.modes import validate_run
-from offpolicy_moe.sweep.plan import Experiment, RunSpec, check_claims, load_experiment, plan_runs
+from offpolicy_moe.sweep.plan import (Experiment, RunSpec, check_claims, check_report_metrics, load_experiment,
+                                      plan_runs)
 from offpolicy_moe.report.runs import read_json
 
 TRAIN_CMD_ENV = "OFFPOLICY_MOE_TRAIN_CMD"
@@ -101,13 +102,16 @@ def run_sweep(
 
     Each run gets ``threads`` CPU threads (``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` unless already set): the small CPU
     models gain nothing from more, and several multi-threaded runs on a few cores oversubscribe them, so ``jobs`` is
-    the parallelism.  Raises :class:`ConfigError` for an invalid run config or ``report.claims`` entry, or a sweep
+    the parallelism.  Raises :class:`ConfigError` for an invalid run config or ``report.claims`` entry, a sampled
+    metric of the report that no run logs (:func:`~offpolicy_moe.sweep.plan.check_report_metrics`), or a sweep
     folder that already holds runs without ``resume`` or ``overwrite``.
     """
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
     runs = plan_runs(exp, seeds=seeds, overrides=overrides)
     _validate_runs(exp, runs, log)
     for w in check_claims(exp, runs):      # report.claims' axis names, before any run (keys: load_experiment)
+        log(f"warning: {w}")
+    for w in check_report_metrics(exp, runs):      # sampled metrics the report reads vs the runs' eval.samples
         log(f"warning: {w}")
     if threads < 1:
         raise ConfigError(f"threads must be >= 1, got {threads}")

@@ -19,7 +19,8 @@ from offpolicy_moe.config.load import deep_merge, load_config_dict, nest_dotted,
 from offpolicy_moe.config.schema import TrainConfig
 from offpolicy_moe.config.validate import ConfigError
 from offpolicy_moe.report.claims import check_claim_axes
-from offpolicy_moe.report.spec import ReportSpec, parse_report
+from offpolicy_moe.report.names import SAMPLES_KEY, logs_sampled, sampled_requirement
+from offpolicy_moe.report.spec import ReportSpec, metric_names, parse_report
 
 _LABEL_RE = re.compile(r"[^A-Za-z0-9._+\-]+")
 
@@ -230,3 +231,34 @@ def check_claims(exp: Experiment, runs: Sequence[RunSpec]) -> list[str]:
         warnings.append(f"{exp.source_name}: report.claims: {len(seeds)} seed ({', '.join(map(str, seeds))}); "
                         f"every claim will read 'n too small' (a t interval needs 2 seeds)")
     return warnings
+
+
+def check_report_metrics(exp: Experiment, runs: Sequence[RunSpec]) -> list[str]:
+    """The sampled metrics the report reads (``eval/avg@n``, ``eval/pass@k``, ``eval/maj@k``) against the planned
+    runs' ``eval.samples``, before any run starts: a metric that no planned run will log is a one-line
+    :class:`ConfigError` naming the entry and the ``eval.samples`` it needs; one that only some runs will log is a
+    warning (returned): their cells read ``–``, their claims ``no runs``."""
+    samples = {r.name: planned_samples(r) for r in runs}
+    warnings: list[str] = []
+    for name, entries in metric_names(exp.report).items():
+        need = sampled_requirement(name)
+        lacking = [n for n, k in samples.items() if need is not None and not logs_sampled(name, k)]
+        if not lacking:
+            continue
+        at = f"{exp.source_name}: {entries[0]}"
+        if len(lacking) == len(samples):
+            have = ", ".join(str(k) for k in sorted(set(samples.values())))
+            raise ConfigError(f"{at}: metric '{name}' is logged only by runs trained with {need}, and no planned run "
+                              f"is ({SAMPLES_KEY}: {have}); set it in base: or on the command line")
+        more = f", +{len(lacking) - 3} more" if len(lacking) > 3 else ""
+        warnings.append(f"{at}: metric '{name}' is logged only by runs trained with {need}; {len(lacking)} of "
+                        f"{len(samples)} planned runs are not ({', '.join(lacking[:3])}{more})")
+    return warnings
+
+
+def planned_samples(run: RunSpec) -> int:
+    """``eval.samples`` of a planned run's resolved config: held-out samples per problem, 0 (off) when unset."""
+    value: Any = to_dict(run.config)
+    for part in SAMPLES_KEY.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

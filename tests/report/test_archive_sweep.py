@@ -52,3 +52,13 @@ def test_archive_keeps_a_run_that_logged_nothing_and_names_a_corrupt_line(tmp_pa
     (failed / "metrics.jsonl").write_text('{"step": 1}\n{not json\n')
     with pytest.raises(SystemExit, match=r"metrics.jsonl:2 is not a JSON line"):
         archive_sweep.archive(sw, out)
+
+
+def test_archive_keeps_the_report_metric_of_entries_that_name_none(tmp_path):
+    """report.metric is the metric of the entries that name none: the archive keeps it (its rows would otherwise
+    lose the key the report's tables and claims read)."""
+    exp = tmp_path / "experiment.yaml"
+    exp.write_text("report:\n  metric: eval/avg@16\n  tables:\n    - {rows: algorithm}\n"
+                   "    - {rows: algorithm, metric: 'eval/accuracy,mismatch/k3_kl:lower'}\n"
+                   "  plots:\n    - {by: algorithm}\n")
+    assert archive_sweep.report_metrics(exp) == {"eval/avg@16", "eval/accuracy", "mismatch/k3_kl"}

@@ -10,9 +10,11 @@ G samples each at temperature 1 / top-p 1, ``max_completion_length = rollout.max
 ``--trl-gradient-checkpointing`` and ``--trl-experts-implementation`` pass through).
 
 Evaluation: what our trainer's ``evaluate`` runs (``evaluate_greedy`` on the held-out split and on as many training
-prompts), before training (step 0) and in ``on_step_end`` every ``trainer.eval_every`` steps and at the last.  Each
-row gets ``perf/elapsed_s`` = wall seconds since ``on_train_begin`` (evaluation included, as ours) and
-``perf/time_eval_s``.  Rows go to ``RUN_DIR/metrics.jsonl``.
+prompts; with ``eval.samples`` > 0 also our trainer's sampled evaluation of the held-out split,
+``offpolicy_moe.trainer.sampled_eval.SampledEvaluator``: the same engine, seed and scoring, so ``eval/avg@n``,
+``eval/pass@k`` and ``eval/maj@k`` mean the same in both arms), before training (step 0) and in ``on_step_end``
+every ``trainer.eval_every`` steps and at the last.  Each row gets ``perf/elapsed_s`` = wall seconds since
+``on_train_begin`` (evaluation included, as ours) and ``perf/time_eval_s``.  Rows go to ``RUN_DIR/metrics.jsonl``.
 """
 from __future__ import annotations
 
@@ -29,19 +31,25 @@ from trl import GRPOConfig, GRPOTrainer
 
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.models import load_policy
+from offpolicy_moe.run.full_state import full_model_state
 from offpolicy_moe.tasks import make_task
 from offpolicy_moe.tasks.evaluation import evaluate_greedy
+from offpolicy_moe.trainer.sampled_eval import SampledEvaluator
 
 from .prompts import prompt_ids_match
 
 
-def evaluate(model, tok, task, max_new_tokens: int, batch_size: int) -> dict[str, float]:
+def evaluate(model, tok, task, max_new_tokens: int, batch_size: int, sampled: SampledEvaluator | None = None,
+             step: int = 0) -> dict[str, float]:
     """Greedy accuracy on the held-out split (with the task's own rewards: ``eval/reward``) and on as many training
-    prompts (the first ones), as our trainer."""
+    prompts (the first ones), as our trainer; with ``sampled``, the sampled metrics of the held-out split under the
+    model's current weights (loaded into the evaluator's engine as version ``step``), as our trainer."""
     kw = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
     out = evaluate_greedy(model, tok, task.eval_dataset, task=task, **kw)
     n = min(len(task.train_dataset), max(len(task.eval_dataset), 1))
     out.update(evaluate_greedy(model, tok, task.train_dataset.select(range(n)), prefix="eval/train_", **kw))
+    if sampled is not None:
+        out.update(sampled.evaluate(task, state_dict=full_model_state(model), step=step))
     return out
 
 
@@ -53,6 +61,7 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
     task = make_task(cfg.task)
     cfg.model.experts_implementation = experts_implementation
     model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+    sampled = SampledEvaluator.build(model, tok, cfg) if cfg.eval.samples > 0 else None
     ro, tc = cfg.rollout, cfg.trainer
     rows = [r for i in range(tc.steps) for r in task.sample_prompts(i, ro.prompts_per_step)]
     # TRL tokenizes a text prompt with ``processing_class(text=prompts)`` (special tokens added: the tokenizer's
@@ -73,13 +82,13 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
         log.write(json.dumps(row) + "\n")
         log.flush()
 
-    def timed_eval() -> dict:
+    def timed_eval(step: int) -> dict:
         t = time.perf_counter()
-        ev = evaluate(model, tok, task, ro.max_new_tokens, tc.eval_batch_size)
+        ev = evaluate(model, tok, task, ro.max_new_tokens, tc.eval_batch_size, sampled, step)
         ev["perf/time_eval_s"] = time.perf_counter() - t
         return ev
 
-    write({"step": 0, **timed_eval()})
+    write({"step": 0, **timed_eval(0)})
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -89,7 +98,7 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
             step = state.global_step
             m = {"step": step}
             if (tc.eval_every > 0 and step % tc.eval_every == 0) or step == tc.steps:
-                m.update(timed_eval())
+                m.update(timed_eval(step))
             now = time.perf_counter()
             m["perf/time_step_s"] = now - clock["last"]
             m["perf/elapsed_s"] = now - clock["t0"]
@@ -112,6 +121,8 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
         trainer.train()
     finally:
         log.close()
+        if sampled is not None:
+            sampled.close()
     first = sorted(set(seen[0])) if seen else []
     want = sorted({r["prompt"] for r in task.sample_prompts(0, ro.prompts_per_step)})
     return {"first_step_prompts_match_ours": first == want, "prompt_ids_match_ours": prompt_ids_match(tok, first), "sequences_per_step": len(seen[0]) if seen else 0,
