@@ -7,11 +7,14 @@ caller before it gets here, never scored.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
 from collections import Counter
 from typing import Optional, Sequence
+
+import numpy as np
 
 __all__ = ["pass_at_k", "avg_at_n", "majority_correct", "maj_at_k", "report_ks", "check_ks"]
 
@@ -75,23 +78,65 @@ def majority_correct(answers: Sequence[Optional[str]], correct: Sequence[bool]) 
     return right[winner]
 
 
+@functools.lru_cache(maxsize=128)
+def _subsets(n: int, k: int, seed: int) -> np.ndarray:
+    """The ``k``-subsets maj@k averages over (:func:`maj_at_k`), ``[S, k]`` sample indices, each row ascending: every
+    subset when there are at most :data:`SUBSETS`, else :data:`SUBSETS` drawn with ``seed``; the same for every
+    problem with the same ``n``, ``k`` and ``seed`` (computed once)."""
+    if math.comb(n, k) <= SUBSETS:
+        rows = list(itertools.combinations(range(n), k))
+    else:
+        rng = random.Random(seed)
+        rows = [sorted(rng.sample(range(n), k)) for _ in range(SUBSETS)]
+    out = np.asarray(rows, dtype=np.int64).reshape(len(rows), k)
+    out.setflags(write=False)
+    return out
+
+
+def _answer_ids(answers: Sequence[Optional[str]], correct: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's answer as an index into the distinct answers (first seen first; ``-1``: no answer) and each
+    distinct answer's correctness; ValueError when one answer is scored both right and wrong."""
+    index: dict[str, int] = {}
+    right: list[bool] = []
+    ids = []
+    for a, ok in zip(answers, correct):
+        if a is None:
+            ids.append(-1)
+            continue
+        if a not in index:
+            index[a] = len(right)
+            right.append(bool(ok))
+        elif right[index[a]] != bool(ok):
+            raise ValueError(f"the answer {a!r} is scored both right and wrong: the checker's answers are not "
+                             "comparable, so maj@k is undefined")
+        ids.append(index[a])
+    return np.asarray(ids, dtype=np.int64), np.asarray(right, dtype=bool)
+
+
 def maj_at_k(answers: Sequence[Optional[str]], correct: Sequence[bool], k: int, *, seed: int = 0) -> float:
     """maj@k of one problem: the expected :func:`majority_correct` of ``k`` samples drawn without replacement from its
     ``n``, the subsets keeping the samples' order; exact over every subset when there are at most :data:`SUBSETS`,
-    else the mean over that many subsets drawn with ``seed``.  ``maj@n`` is the vote of all ``n`` samples."""
+    else the mean over that many subsets drawn with ``seed``.  ``maj@n`` is the vote of all ``n`` samples.
+
+    Every subset is voted at once (arrays ``[S, k]``): the votes of each sample's answer in its subset, the first
+    sample whose answer has the most votes (a tie goes to the answer given first), that answer's correctness; the
+    same wins as :func:`majority_correct` subset by subset."""
     n = len(answers)
     if len(correct) != n:
         raise ValueError(f"maj@k got {n} answers but {len(correct)} correctness flags")
     _check(n, k)
-    total = math.comb(n, k)
-    if total <= SUBSETS:
-        subsets = itertools.combinations(range(n), k)
-    else:
-        rng = random.Random(seed)
-        subsets = (sorted(rng.sample(range(n), k)) for _ in range(SUBSETS))
-        total = SUBSETS
-    wins = sum(majority_correct([answers[i] for i in s], [correct[i] for i in s]) for s in subsets)
-    return wins / total
+    ids, right = _answer_ids(answers, correct)
+    subsets = _subsets(n, k, seed)
+    if not right.size:
+        return 0.0
+    picked = ids[subsets]                                                  # [S, k] answer ids, -1: no answer
+    votes = (picked[:, :, None] == np.arange(right.size)).sum(1)          # [S, A]
+    top = votes.max(1)                                                     # [S]
+    mine = np.where(picked >= 0, np.take_along_axis(votes, np.maximum(picked, 0), 1), -1)
+    first = (mine == top[:, None]).argmax(1)                              # the first sample of a top answer
+    winner = picked[np.arange(len(picked)), first]
+    wins = (top > 0) & right[np.maximum(winner, 0)]
+    return int(wins.sum()) / len(subsets)
 
 
 def report_ks(n: int) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy_moe.tasks.sampled_metrics import (SUBSETS, avg_at_n, maj_at_k, majority_correct, pass_at_k,
+from offpolicy_moe.tasks.sampled_metrics import (SUBSETS, _subsets, avg_at_n, maj_at_k, majority_correct, pass_at_k,
                                                  report_ks)
 
 
@@ -131,3 +131,17 @@ def test_check_ks_defaults_to_report_ks_and_refuses_k_above_n_in_one_line():
         with pytest.raises(ValueError, match=match) as err:
             check_ks(n, ks)
         assert "\n" not in str(err.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(answers=st.lists(st.sampled_from([None, "1", "2", "3", "4"]), min_size=12, max_size=20),
+       data=st.data())
+def test_vectorised_maj_at_k_equals_the_vote_subset_by_subset(answers, data):
+    """Where the subsets are a seeded sample (C(n, k) > SUBSETS) as where they are all enumerated: the same value as
+    :func:`majority_correct` over each of the subsets, one by one."""
+    k = data.draw(st.integers(1, len(answers)))
+    right = {"1": True, "2": False, "3": False, "4": data.draw(st.booleans())}
+    correct = [a is not None and right[a] for a in answers]
+    subsets = _subsets(len(answers), k, 0)
+    want = sum(majority_correct([answers[i] for i in s], [correct[i] for i in s]) for s in subsets) / len(subsets)
+    assert maj_at_k(answers, correct, k) == want
