@@ -198,3 +198,15 @@ def test_the_trl_arm_samples_its_current_weights_as_our_trainer_does():
     assert trl["eval/accuracy"] == ours["eval/accuracy"]
     # the perturbed weights sample differently from the ones the engine was built with
     assert any(before[k] != trl[k] for k in keys) or before["eval/no_answer"] != trl["eval/no_answer"]
+
+
+def test_trl_options_are_grpo_config_fields_read_as_yaml():
+    """``--trl-option KEY=VALUE``: GRPOConfig fields with YAML values; a word without ``=`` or a field GRPOConfig
+    does not have is one line."""
+    assert bench_tta.trl_options([]) == {}
+    assert bench_tta.trl_options(["torch_compile=true", "use_transformers_continuous_batching=false"]) == {
+        "torch_compile": True, "use_transformers_continuous_batching": False}
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        bench_tta.trl_options(["torch_compile"])
+    with pytest.raises(ValueError, match="GRPOConfig has no field 'nope'"):
+        bench_tta.trl_options(["nope=1"])

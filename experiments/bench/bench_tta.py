@@ -120,6 +120,7 @@ padded prompt width where recorded, else the task's shortest prompt.  Beside it:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -132,6 +133,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import yaml
 
 import bench_bounds
 from _machine import cpu_model
@@ -259,7 +261,8 @@ def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
     if arm.system == "trl":
         cmd = [sys.executable, str(HERE / "bench_tta.py"), "--trl-child", str(run_dir),
                "--trl-gradient-checkpointing", str(args.trl_gradient_checkpointing),
-               "--trl-experts-implementation", args.trl_experts_implementation, "--", *common, "preset=[grpo]"]
+               "--trl-experts-implementation", args.trl_experts_implementation,
+               *[w for o in args.trl_option for w in ("--trl-option", o)], "--", *common, "preset=[grpo]"]
     else:
         cmd = [sys.executable, "-m", "offpolicy_moe", "train", "--quiet", "--run-dir", str(run_dir), *common,
                *arm.overrides(), *args.set]
@@ -765,6 +768,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     problem = range_problem(args) or metric_problem(args)
     if problem:
         p.error(problem)
+    try:
+        trl_options(args.trl_option)      # a misspelt TRL option stops here, before any run
+    except ValueError as exc:
+        p.error(str(exc))
     if args.reanalyse is None:
         if args.headline is None:
             p.error("--headline ARM is required: name the pre-registered arm before the run (one of ours in --arms)")
@@ -994,6 +1001,25 @@ def main(argv=None) -> None:
     report(collect(args), args.target, args.out)
 
 
+def trl_options(words: list[str]) -> dict:
+    """``KEY=VALUE`` words of ``--trl-option`` as GRPOConfig fields (values read as YAML); ValueError in one line for a
+    word without ``=`` or a key GRPOConfig does not have."""
+    if not words:
+        return {}
+    from trl import GRPOConfig      # the child's library: imported only where TRL runs or is asked about
+
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    out = {}
+    for word in words:
+        key, eq, value = word.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--trl-option {word!r}: expected KEY=VALUE")
+        if key not in known:
+            raise ValueError(f"--trl-option {word!r}: GRPOConfig has no field {key!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def trl_child(argv: list[str]) -> None:
     """``bench_tta.py --trl-child RUN_DIR [--trl-...] -- OVERRIDES``: one TRL run (experiments/bench/tta/trl_arm.py)."""
     from tta import trl_arm
@@ -1003,8 +1029,10 @@ def trl_child(argv: list[str]) -> None:
     p.add_argument("--trl-child")
     p.add_argument("--trl-gradient-checkpointing", type=int, default=1)
     p.add_argument("--trl-experts-implementation", default="grouped_mm")
+    p.add_argument("--trl-option", action="append", default=[])
     a = p.parse_args(argv[:sep])
-    fair = trl_arm.run(argv[sep + 1:], a.trl_child, bool(a.trl_gradient_checkpointing), a.trl_experts_implementation)
+    fair = trl_arm.run(argv[sep + 1:], a.trl_child, bool(a.trl_gradient_checkpointing), a.trl_experts_implementation,
+                       trl_options(a.trl_option))
     (Path(a.trl_child) / "fairness.json").write_text(json.dumps(fair))
 
 

@@ -65,13 +65,16 @@ def _common_setup(args):
 
 def add_trl_args(p: argparse.ArgumentParser) -> None:
     """``--trl-gradient-checkpointing``: 1 (TRL's default) or 0 (no recompute, as ours); ``--trl-experts-implementation``
-    (transformers' default ``grouped_mm``, or ours)."""
+    (transformers' default ``grouped_mm``, or ours); ``--trl-option KEY=VALUE``: any other GRPOConfig field."""
     p.add_argument("--trl-gradient-checkpointing", type=int, default=1, choices=(0, 1),
                    help="TRL GRPOConfig.gradient_checkpointing: 1 = TRL's default (recomputes the forward in the "
                         "backward), 0 = off, the same compute/memory trade as ours")
     p.add_argument("--trl-experts-implementation", default="grouped_mm", choices=("grouped_mm", "auto", "eager"),
                    help="how TRL's model runs its routed experts: grouped_mm = transformers' default (what a TRL "
                         "user gets), auto = ours (model.experts_implementation=auto), to see the trainers alone")
+    p.add_argument("--trl-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a GRPOConfig field for TRL's speed (repeatable; the value read as YAML), e.g. "
+                        "use_transformers_continuous_batching=true or torch_compile=true")
 
 
 def _timed(stamps: list[float]) -> list[float]:

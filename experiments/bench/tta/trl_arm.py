@@ -53,8 +53,10 @@ def evaluate(model, tok, task, max_new_tokens: int, batch_size: int, sampled: Sa
     return out
 
 
-def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, experts_implementation: str) -> dict:
-    """Train with TRL; write metric rows to ``run_dir/metrics.jsonl``; return fairness probes."""
+def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, experts_implementation: str,
+        options: dict | None = None) -> dict:
+    """Train with TRL; write metric rows to ``run_dir/metrics.jsonl``; return fairness probes.  ``options``: more
+    GRPOConfig fields (``--trl-option``), e.g. its continuous batching or ``torch_compile``."""
     cfg = load_config(None, overrides)
     torch.set_num_threads(cfg.trainer.threads or 1)
     torch.manual_seed(cfg.seed)
@@ -113,7 +115,7 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
         learning_rate=cfg.optim.lr, lr_scheduler_type="constant", beta=0.0, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", max_steps=tc.steps, seed=cfg.seed, bf16=False, disable_dropout=True,
         shuffle_dataset=False, dataloader_num_workers=0, log_completions=False, max_grad_norm=cfg.optim.grad_clip,
-        gradient_checkpointing=gradient_checkpointing, weight_decay=cfg.optim.weight_decay,
+        gradient_checkpointing=gradient_checkpointing, weight_decay=cfg.optim.weight_decay, **(options or {}),
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gcfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Clock()])
@@ -127,4 +129,5 @@ def run(overrides: list[str], run_dir: str, gradient_checkpointing: bool, expert
     want = sorted({r["prompt"] for r in task.sample_prompts(0, ro.prompts_per_step)})
     return {"first_step_prompts_match_ours": first == want, "prompt_ids_match_ours": prompt_ids_match(tok, first), "sequences_per_step": len(seen[0]) if seen else 0,
             "reward_calls": len(seen), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
-            "experts_implementation": model.config._experts_implementation, "pid": os.getpid()}
+            "experts_implementation": model.config._experts_implementation, "options": dict(options or {}),
+            "pid": os.getpid()}
