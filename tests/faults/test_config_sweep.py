@@ -231,6 +231,10 @@ UNREAD_CASES = {
     "task.max_terms": (8, LONGTAIL_ON),
     "task.length_tail": (0.5, LONGTAIL_ON),
     "task.estimate_share": (0.5, LONGTAIL_ON + ["trainer.sft_warmup_steps=3"]),   # read by the SFT warm start alone
+    "eval.temperature": (0.5, ["eval.samples=4"]),
+    "eval.top_p": (0.5, ["eval.samples=4"]),
+    "eval.top_k": (2, ["eval.samples=4"]),
+    "eval.seed": (7, ["eval.samples=4"]),
 }
 
 
