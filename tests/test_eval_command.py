@@ -153,3 +153,28 @@ def test_the_run_config_keys_can_be_written_back(run_dir):
     text = (run_dir / "config.yaml").read_text()
     assert "eval:" in text and f"samples: {SAMPLES}" in text
     assert to_yaml(tiny_config(run_dir, *RUN)).count("samples:") == 1
+
+
+@pytest.mark.parametrize("metric", ["eval/accuracy", f"eval/avg@{SAMPLES}", f"eval/pass@{SAMPLES}"])
+def test_best_picks_the_checkpoint_whose_step_logged_the_highest_metric(run_dir, tmp_path, capsys, metric):
+    logged = _logged(run_dir)
+    top = max(logged[s][metric] for s in (0, 1, 2))
+    want = max(s for s in (0, 1, 2) if logged[s][metric] == top)          # a tie goes to the later step
+    out = tmp_path / "best.json"
+    rc, _, err = _cli(capsys, run_dir, "--best", metric, "--out", out)
+    assert rc == 0, err
+    record = json.loads(out.read_text())
+    assert record["evaluated"]["step"] == want
+    assert record["metrics"] == logged[want]
+
+
+def test_best_mistakes_are_one_line(run_dir, tmp_path, capsys, no_weights):
+    for args, match in ((["--best", "eval/nothing"], "no checkpoint's step logged eval/nothing"),
+                        (["--best", "eval/accuracy", "--step", "1"], "--step and --best both choose")):
+        rc, _, err = _cli(capsys, run_dir, *args)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and match in err, err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    rc, _, err = _cli(capsys, model, "--best", "eval/accuracy")
+    assert rc == 2 and "--best applies to a run folder" in err, err

@@ -1,8 +1,9 @@
-"""``offpolicy-moe eval PATH [key=value ...] [--step N] [--config FILE] [--task NAME] [--samples N] [--k K ...]
+"""``offpolicy-moe eval PATH [key=value ...] [--step N | --best METRIC] [--config FILE] [--task NAME] [--samples N] [--k K ...]
 [--temperature T] [--top-p P] [--top-k K] [--seed S] [--out FILE.json]``: the greedy accuracy and the sampled metrics
 (avg@n, pass@k, maj@k; docs/evaluation.md) of a trained policy on a task.
 
-``PATH`` is a run folder (``config.yaml``: its newest intact checkpoint, or ``--step N``) or a Hugging Face model
+``PATH`` is a run folder (``config.yaml``: its newest intact checkpoint, ``--step N``, or ``--best METRIC``: the
+checkpoint whose step logged the highest METRIC) or a Hugging Face model
 folder (``config.json``: ``offpolicy-moe export``'s, a run's ``export/``, any local transformers model).  The task is
 the run's own (for a model folder: the default task, or the ``task`` section of ``--config``); ``--task NAME`` and
 ``task.*=...`` overrides choose another, as ``train`` takes them (docs/tasks.md).  The sampling settings are the
@@ -33,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of the task, rollout and eval keys, "
                                                            "e.g. task.name=jsonl:my.jsonl eval.top_p=0.95")
     p.add_argument("--step", type=int, default=None, help="run folder: the checkpoint step (default: the newest)")
+    p.add_argument("--best", default=None, metavar="METRIC",
+                   help="run folder: the checkpoint whose step logged the highest METRIC (e.g. eval/accuracy or "
+                        "eval/avg@16; a tie goes to the later step)")
     p.add_argument("--config", default=None, help="model folder: a YAML whose task, rollout and eval keys apply "
                                                   "(e.g. the run's config.yaml)")
     p.add_argument("--task", default=None, help="the task (as task.name: arithmetic, dataset:<source>, "
@@ -65,6 +69,8 @@ def _config(args: argparse.Namespace, path: Path, overrides: list[str]) -> tuple
     from offpolicy_moe.config.load import load_config     # OmegaConf: imported when the command runs, as train does
 
     if (path / "config.yaml").is_file():
+        if args.step is not None and args.best is not None:
+            raise UsageError("--step and --best both choose the checkpoint: give one")
         if args.config is not None:
             raise UsageError(f"--config applies to a model folder; the run folder {str(path)!r} is evaluated with "
                              "its own config.yaml (change its keys with key=value)")
@@ -74,8 +80,9 @@ def _config(args: argparse.Namespace, path: Path, overrides: list[str]) -> tuple
                              "exported folder to load another")
         return "run", load_config(path / "config.yaml", overrides), load_config(path / "config.yaml")
     if (path / "config.json").is_file():
-        if args.step is not None:
-            raise UsageError(f"--step applies to a run folder; {str(path)!r} is a model folder (config.json)")
+        if args.step is not None or args.best is not None:
+            option = "--step" if args.step is not None else "--best"
+            raise UsageError(f"{option} applies to a run folder; {str(path)!r} is a model folder (config.json)")
         cfg = load_config(args.config, overrides)
         cfg.model.path = str(path)
         return "model", cfg, None
@@ -104,7 +111,15 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Optional[list[int]]]:
     except ValueError as exc:
         raise UsageError(f"{exc} (--samples {cfg.eval.samples}, --k {', '.join(map(str, args.k or []))})") from None
     validate(cfg)
-    return {"kind": kind, "path": path, "cfg": cfg, "saved": saved, "step": args.step}, ks
+    step = args.step
+    if args.best is not None:
+        from offpolicy_moe.run.export import best_checkpoint_step
+
+        try:
+            step = best_checkpoint_step(path, args.best)
+        except FileNotFoundError as exc:
+            raise UsageError(str(exc)) from None
+    return {"kind": kind, "path": path, "cfg": cfg, "saved": saved, "step": step}, ks
 
 
 def _num(x: Optional[float], digits: int = 4) -> str:

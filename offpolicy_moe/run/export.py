@@ -9,6 +9,7 @@ arXiv:2606.00395); its metadata repeats this, and transformers ignores the file.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -106,6 +107,21 @@ def pick_checkpoint(run_dir: Path, step: Optional[int], what: str = "export") ->
                               f"{', '.join(have) or 'none'})")
     verify_checkpoint(path)
     return path
+
+
+def best_checkpoint_step(run_dir: Path, metric: str) -> int:
+    """The step of ``run_dir``'s checkpoint whose step logged the highest ``metric`` (``metrics.jsonl``; a tie goes
+    to the later step); ``FileNotFoundError`` in one line when no checkpoint's step logged it."""
+    root, log = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    kept = {int(p.name.split("_", 1)[1]) for p in root.glob("step_*") if p.name.split("_", 1)[1].isdigit()} \
+        if root.is_dir() else set()
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    scored = {int(r["step"]): float(r[metric]) for r in rows
+              if r.get(metric) is not None and r.get("step") is not None and int(r["step"]) in kept}
+    if not scored:
+        raise FileNotFoundError(f"run folder {str(run_dir)!r}: no checkpoint's step logged {metric} (checkpoints: "
+                                f"{', '.join(f'step_{s}' for s in sorted(kept)) or 'none'})")
+    return max(scored, key=lambda s: (scored[s], s))
 
 
 def run_tokenizer(cfg: Any, task: Any = None) -> Any:

@@ -140,7 +140,7 @@ def load_target(target: EvalTarget) -> LoadedPolicy:
 def _settings(cfg: Any, ks: Sequence[int], device: torch.device) -> dict:
     """The settings the numbers depend on, as the JSON record states them."""
     ro = eval_rollout(cfg)
-    return {"samples": int(cfg.eval.samples), "ks": list(ks), "seed": int(cfg.eval.seed),
+    return {"samples": int(cfg.eval.samples), "ks": list(ks), "seed": int(cfg.eval.seed), "engine": ro.engine,
             "temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k, "dtype": ro.dtype,
             "sampler": ro.sampler, "max_new_tokens": int(ro.max_new_tokens), "batch_size": int(ro.batch_size),
             "device": str(device), "threads": torch.get_num_threads()}
@@ -163,12 +163,14 @@ def evaluate_target(target: EvalTarget, *, ks: Optional[Sequence[int]] = None,
     step = int(loaded.evaluated["step"] or 0)
     metrics = evaluate_policy(model, loaded.tok, loaded.task, cfg, step, train_split=False)
     t_greedy = time.perf_counter()
+    sampler = None
     try:
         sampler = SampledEvaluator.build(model, loaded.tok, cfg, device=device, ks=ks)
         t_engine = time.perf_counter()
         metrics.update(sampler.evaluate(loaded.task, step=step))
-        sampler.close()
     finally:
+        if sampler is not None:
+            sampler.close()                 # a vLLM engine's process
         loaded.task.rewards.close()         # the math reward's math-verify process, if any
     t_end = time.perf_counter()
     evaluated = {**loaded.evaluated, "task": cfg.task.name, "held_out_problems": len(loaded.task.eval_dataset)}

@@ -1,6 +1,6 @@
 """Sampled evaluation, as RL-for-reasoning papers report it (docs/evaluation.md): ``eval.samples`` = ``n`` responses
-per held-out problem, drawn by the built-in rollout engine's batched sampler (the code path of the rollouts, so an
-evaluation costs what its tokens cost), scored with the task's answer check
+per held-out problem, drawn by the run's rollout engine's batched generation (``rollout.engine``: the built-in
+engine or vLLM; the code path of the rollouts, so an evaluation costs what its tokens cost), scored with the task's answer check
 (:func:`~offpolicy_moe.tasks.answer_check.answer_check`) into ``eval/avg@n``, ``eval/pass@k`` (the unbiased estimator
 of Chen et al., 2021, https://arxiv.org/abs/2107.03374), ``eval/maj@k``, ``eval/unscorable_refs``,
 ``eval/no_answer`` and ``eval/scored_problems`` (:mod:`offpolicy_moe.tasks.sampled_scores`), with its own seconds in
@@ -10,8 +10,9 @@ The sampler is seeded by ``eval.seed`` alone, under a forked random state: the s
 the same samples, so ``offpolicy-moe eval`` on a checkpoint reproduces the numbers the run logged at its step, and
 the training's own random streams are left as they were.  The engine samples the policy itself: the rollout's
 precision (``rollout.dtype``), sampler and ``max_new_tokens``, the ``eval`` sampling settings (else the rollout's),
-no router noise or perturbation; ``trainer.eval_batch_size`` sequences per generate call.  It is the built-in engine
-whatever ``rollout.engine`` says (vLLM is not used for the evaluation).
+no router noise or perturbation; ``trainer.eval_batch_size`` sequences per generate call (the built-in engine; vLLM
+schedules its own batches).  Under vLLM each sample is its own request with its own seed, drawn from ``eval.seed``,
+so there too the same seed and weights give the same samples.
 """
 from __future__ import annotations
 
@@ -40,12 +41,12 @@ class UnscorableReferenceWarning(UserWarning):
 
 
 def eval_rollout(cfg: Any) -> Any:
-    """The ``rollout`` section the evaluation's engine is built from: the built-in engine (``hf``) with the rollout's
-    precision, sampler and ``max_new_tokens``; ``eval.temperature`` / ``eval.top_p`` / ``eval.top_k`` where set, else
+    """The ``rollout`` section the evaluation's engine is built from: the run's engine (``rollout.engine``: the
+    built-in one or vLLM) with the rollout's precision, sampler and ``max_new_tokens``; ``eval.temperature`` / ``eval.top_p`` / ``eval.top_k`` where set, else
     the rollout's; no router noise or perturbation; ``trainer.eval_batch_size`` sequences per generate call."""
     ro, ev = cfg.rollout, cfg.eval
     return dataclasses.replace(
-        ro, engine="hf", router_noise=0.0, router_perturb=0.0, batch_size=int(cfg.trainer.eval_batch_size),
+        ro, router_noise=0.0, router_perturb=0.0, batch_size=int(cfg.trainer.eval_batch_size),
         temperature=ro.temperature if ev.temperature is None else float(ev.temperature),
         top_p=ro.top_p if ev.top_p is None else float(ev.top_p),
         top_k=ro.top_k if ev.top_k is None else int(ev.top_k))

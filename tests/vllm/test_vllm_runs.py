@@ -135,3 +135,25 @@ def test_a_config_vllm_cannot_serve_is_refused_before_any_worker_starts(tmp_path
     lines = error_lines(out.stderr)
     assert len(lines) == 1 and names in lines[0], out.stderr[-2000:]
     assert not _rows(run)
+
+
+def test_sampled_evaluation_on_vllm_and_the_eval_command_give_the_same_numbers(tmp_path):
+    """``eval.samples`` under ``rollout.engine=vllm``: the run's evaluation samples with a vLLM engine of its own,
+    and ``offpolicy-moe eval`` on the last checkpoint, building the same engine from the run's config, gives every
+    ``eval/*`` number the run logged at that step."""
+    run = tmp_path / "run"
+    out = _train(run, "trainer.steps=2", "eval.samples=4", "trainer.checkpoint_every=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    logged = [r for r in _rows(run) if "eval/avg@4" in r]
+    assert [r["step"] for r in logged] == [0, 2]
+    record = tmp_path / "eval.json"
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    done = subprocess.run([sys.executable, "-m", "offpolicy_moe", "eval", str(run), "--samples", "4", "--out",
+                           str(record)], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(record.read_text())
+    assert result["settings"]["engine"] == "vllm"
+    metrics = result["metrics"]
+    shared = [k for k in metrics if k.startswith("eval/") and k in logged[-1]]
+    assert {"eval/avg@4", "eval/pass@4", "eval/maj@4", "eval/accuracy"} <= set(shared)
+    assert {k: metrics[k] for k in shared} == {k: logged[-1][k] for k in shared}
