@@ -70,7 +70,7 @@ def value_strategy(key: str, rule: Rule) -> st.SearchStrategy:
 
 def _is_int(key: str) -> bool:
     return isinstance(_default(key), int) or key in ("buffer.max_delay", "trainer.micro_batch_tokens",
-                                                      "algo.loss.norm_length")
+                                                      "algo.loss.norm_length", "eval.top_k")
 
 
 def _default(key: str) -> Any:
