@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[2]))     # the repository root: ``tests.*``
 
 from offpolicy_moe.losses import correction_weights, get_policy_loss, global_counts, m2po_mask  # noqa: E402
 from offpolicy_moe.routing import RouteTrace, RoutingController  # noqa: E402
