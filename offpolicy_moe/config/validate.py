@@ -23,7 +23,7 @@ cross-field rules (E = error, W = warning):
 | trainer/buffer | ``updates_per_step`` × ``grad_accum`` ≤ sequences per step (E), divisible (W); ``buffer.staleness`` < ``trainer.steps`` (E: the requested staleness would never be reached); ``buffer.max_delay`` set with a mode other than ``bounded`` (E: only ``bounded`` reads it), above ``buffer.staleness`` (W: the later batches are dropped, never trained staler than k); ``trainer.follow_threads`` without local workers (``buffer.mode`` async or stream, ``rollout.backend=local``) (E) |
 | unread keys | a key set away from its default while the key that switches it on is off (:data:`UNREAD_UNLESS`: correction bounds without a correction, the KL kind without a KL, PR2 settings without PR2, ``task.max_terms`` / ``task.length_tail`` / ``task.estimate_share`` with a task other than longtail, the ``eval`` sampling keys with ``eval.samples=0``) (W) |
 | optim | ``betas`` two values in [0, 1) (E) |
-| model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size; known preset unless ``model.path``; no ``/path/to/`` placeholder; ``experts_implementation=deepgemm`` with both dtypes bfloat16 (E) |
+| model | MoE preset: 2 ≤ ``num_experts``, ``top_k`` ≤ ``num_experts``; preset ``hidden_size`` a multiple of the head size, an even head size (rotary pairs); known preset unless ``model.path``; no ``/path/to/`` placeholder; ``experts_implementation=deepgemm`` with both dtypes bfloat16 (E) |
 | task | arithmetic: ``operators`` ⊆ ``+-*``, ``min_digits`` ≤ ``max_digits``; reverse, chain: the same digit bounds; longtail: one-digit operands; else ``jsonl:<path>`` or ``dataset:<source>`` (E) |
 | logging | ``loggers`` ⊆ console, jsonl, wandb (E) |
 
@@ -363,6 +363,9 @@ def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None
         if m.hidden_size >= 1 and m.head_dim is not None and m.head_dim >= 1 and m.hidden_size % m.head_dim:
             found.error(f"model.hidden_size: the presets need a multiple of model.head_dim={m.head_dim}, "
                         f"got {m.hidden_size}")
+        if m.head_dim is not None and m.head_dim >= 1 and m.head_dim % 2:
+            found.error(f"model.head_dim: the presets' rotary position embedding rotates pairs of dimensions, so the "
+                        f"head size must be even, got {m.head_dim}")
     for key, value in (("model.path", m.path), ("model.tokenizer_path", m.tokenizer_path),
                        ("task.name", cfg.task.name)):
         if isinstance(value, str) and "/path/to/" in value:

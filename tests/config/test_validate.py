@@ -64,6 +64,7 @@ def test_defaults_and_all_algorithm_combinations_valid():
         (["algo.kl.coef=-1"], [], True, ["algo.kl.coef"]),
         (["algo.kl.kind=k9"], [], True, ["algo.kl.kind"]),
         (["model.top_k=9"], [], True, ["model.top_k"]),
+        (["model.head_dim=1"], [], True, ["model.head_dim", "even"]),       # rotary pairs: a crash inside the run before
         (["task.operators=/"], [], True, ["task.operators"]),
         (["task.name=gsm8k"], [], True, ["task.name"]),
         (["model.preset=tiny-llama"], [], True, ["model.preset"]),
