@@ -363,7 +363,7 @@ def check_model(cfg: Any, found: Findings, model_is_moe: Optional[bool]) -> None
         if m.hidden_size >= 1 and m.head_dim is not None and m.head_dim >= 1 and m.hidden_size % m.head_dim:
             found.error(f"model.hidden_size: the presets need a multiple of model.head_dim={m.head_dim}, "
                         f"got {m.hidden_size}")
-        if m.head_dim is not None and m.head_dim >= 1 and m.head_dim % 2:
+        elif m.head_dim is not None and m.head_dim >= 1 and m.head_dim % 2:     # one problem at a time here
             found.error(f"model.head_dim: the presets' rotary position embedding rotates pairs of dimensions, so the "
                         f"head size must be even, got {m.head_dim}")
     for key, value in (("model.path", m.path), ("model.tokenizer_path", m.tokenizer_path),
