@@ -1,6 +1,6 @@
 """The update and the old-log-prob pass against the machine's bound at the run's own shapes.
 
-A run of the ``longtail`` job's trainer (``fixed`` at staleness 1, so every step runs the old-log-prob pass and the
+A run of the ``longtail`` job's trainer (``bench_tta.py``'s job, ``fixed`` at staleness 1, so every step runs the old-log-prob pass and the
 update; one thread by default, as an asynchronous arm's trainer; ``--model-path``: a warm start, e.g. the one
 ``bench_tta.py --warm-cache`` keeps) trains ``--steps`` steps with ``trainer.length_buckets`` on and off, ``--rounds`` runs of each, alternating (the same
 weights and seed: the same batches up to float rounding).  Then the bare model (a plain forward, or forward +
@@ -29,28 +29,22 @@ import torch
 
 from _machine import cpu_model
 from bench_bounds import active_parameters, peak_flops, update_ms
+from bench_tta import JOBS, job_overrides
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.logprobs.length_buckets import row_widths
 from offpolicy_moe.trainer.callbacks import FunctionCallback
 from offpolicy_moe.trainer.trainer import Trainer
 
-#: the longtail job of bench_tta.py (its JOBS entry and job_overrides), at staleness 1 in one process
-LONGTAIL = ["task.name=longtail", "task.estimate_share=0.5", "rollout.prompts_per_step=16", "rollout.group_size=8",
-            "rollout.max_new_tokens=225", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.dtype=float32",
-            "optim.lr=3e-5", "optim.grad_clip=1.0", "optim.scheduler=constant", "trainer.updates_per_step=1",
-            "trainer.eval_every=0", "trainer.checkpoint_every=0", "task.eval_size=8", "trainer.export_final=false",
-            "logging.loggers=[jsonl]", "logging.progress=false", "algo.routing.replay=none",
-            "algo.routing.metrics=false", "trainer.mismatch_metrics=false", "preset=[grpo]", "buffer.mode=fixed",
-            "buffer.staleness=1"]
-
 
 def make_trainer(args: argparse.Namespace, buckets: bool, rows: list) -> Trainer:
     """A trainer of the job (``trainer.length_buckets=buckets``) appending ``(metrics, widths)`` per step to
     ``rows``."""
-    over = LONGTAIL + [f"seed={args.seed}", f"trainer.steps={args.steps + 1}", f"trainer.threads={args.threads}",
-                       f"trainer.length_buckets={str(buckets).lower()}", f"run_dir={tempfile.mkdtemp()}"]
-    if args.model_path:
-        over += [f"model.path={args.model_path}", "trainer.sft_warmup_steps=0"]
+    job = JOBS["longtail"]
+    shape = argparse.Namespace(job="longtail", prompts=16, group=8, max_new_tokens=job["max_new_tokens"],
+                               lr=job["lr"], steps=args.steps + 1, eval_every=0, eval_size=8)
+    over = job_overrides(shape, args.seed, args.model_path, args.threads) + [
+        "preset=[grpo]", "buffer.mode=fixed", "buffer.staleness=1", f"trainer.length_buckets={str(buckets).lower()}",
+        f"run_dir={tempfile.mkdtemp()}"]
     seen: dict = {}
 
     def on_batch(tr, batch) -> None:

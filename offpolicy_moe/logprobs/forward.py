@@ -160,10 +160,10 @@ class RoutedForward:
     def logp_pieces(self, model: torch.nn.Module, batch: RolloutBatch, routes: Any = None,
                     record: bool | str = False):
         """:meth:`logp` of the whole ``batch``, run on the update's micro-batches (``micro_batching.pieces``) and
-        concatenated in row order: no forward holds more than ``trainer.micro_batch_tokens`` padded positions (the
+        concatenated back in the batch's row order: no forward holds more than ``trainer.micro_batch_tokens`` padded positions (the
         logits of a real vocabulary over a whole batch would not fit), and on-policy each piece's log-probs are
         those of the update forward on the same rows bit for bit.  For passes without gradient (old-logp,
-        reference, proximal, the R3 counterfactual).  Rows come back in the batch's order whatever the pieces'."""
+        reference, proximal, the R3 counterfactual).  Length buckets hold rows out of order; they come back in order."""
         pieces = self.micro_batching.batch_pieces(batch.attention_mask)
         if len(pieces) <= 1:
             return self.logp(model, batch, routes, record)
