@@ -19,7 +19,7 @@ _EXPORTS = {
     "chat": ("ChatTemplateRecord", "apply_chat_template", "render_prompt"),
     "custom_rewards": ("RewardError", "RewardImportError", "RewardScores", "RewardSet", "resolve_reward"),
     "dataset_task": ("DatasetTask",),
-    "evaluation": ("evaluate_greedy", "greedy_completions"),
+    "evaluation": ("evaluate_greedy", "greedy_completions", "greedy_metrics"),
     "jsonl": ("JsonlTask", "read_jsonl_records"),
     "local_data": ("load_rows",),
     "longtail": ("LongTailTask",),

@@ -49,6 +49,17 @@ def evaluate_greedy(model, tok, dataset, *, max_new_tokens: int = 6, batch_size:
     if not prompts:
         raise ValueError("evaluate_greedy got an empty dataset")
     completions = greedy_completions(model, tok, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    return greedy_metrics(completions, answers, prompts=prompts, prefix=prefix, task=task)
+
+
+def greedy_metrics(completions: Sequence[str], answers: Sequence[str], *, prompts: Sequence[str] = (),
+                   prefix: str = "eval/", task: Any = None) -> dict[str, float]:
+    """The metrics of :func:`evaluate_greedy` from completions already decoded: ``accuracy`` (mean exact match),
+    ``partial`` (mean per-digit partial credit) and, with ``task``, ``reward`` (mean of ``R_i = sum_k w_k r_k(i)``)
+    and ``reward/<name>``, each under ``prefix``."""
+    if len(completions) != len(answers) or not answers:
+        raise ValueError(f"greedy_metrics needs one completion per answer and at least one; got {len(completions)} "
+                         f"completions for {len(answers)} answers")
     exact = compute_rewards(completions, answers, "exact")
     partial = compute_rewards(completions, answers, "partial")
     out = {f"{prefix}accuracy": sum(exact) / len(exact), f"{prefix}partial": sum(partial) / len(partial)}

@@ -127,20 +127,15 @@ class LongTailTask(ChainSumTask):
         return (lambda rng: draw_longtail(rng, terms, probs)), space
 
     @property
-    def demonstrations(self):
-        """The warm start's demonstrations (columns ``prompt``, ``answer``): the training split, with the answers of
-        the rows :func:`estimate_rows` picks replaced by the teacher's estimate (:func:`estimate_answer`, ``"=20"``).
-        The split itself, the RL prompts and the reward are unchanged."""
-        if self.estimate_share == 0.0:
-            return self.train_dataset
-        if "demonstrations" not in self._datasets:
-            from datasets import Dataset
-
-            rows = estimate_rows(len(self.train_prompts), self.estimate_share, self.seed)
-            answers = [estimate_answer(a) if estimated else a for a, estimated in zip(self.train_answers, rows)]
-            self._datasets["demonstrations"] = Dataset.from_dict({"prompt": list(self.train_prompts),
-                                                                  "answer": answers})
-        return self._datasets["demonstrations"]
+    def demonstrations(self) -> dict[str, list[str]]:
+        """The warm start's demonstrations (columns ``prompt``, ``answer`` as lists): the training split, with the
+        answers of the rows :func:`estimate_rows` picks replaced by the teacher's estimate (:func:`estimate_answer`,
+        ``"=20"``).  The split itself, the RL prompts and the reward are unchanged."""
+        demos = self.rows("train")
+        if self.estimate_share > 0.0:
+            picked = estimate_rows(len(self.train_prompts), self.estimate_share, self.seed)
+            demos["answer"] = [estimate_answer(a) if estimated else a for a, estimated in zip(demos["answer"], picked)]
+        return demos
 
     def __repr__(self) -> str:
         return (f"LongTailTask(terms={self.min_terms}..{self.max_terms}, length_tail={self.length_tail}, "

@@ -173,7 +173,7 @@ def evaluate_target(target: EvalTarget, *, ks: Optional[Sequence[int]] = None,
             sampler.close()                 # a vLLM engine's process
         loaded.task.rewards.close()         # the math reward's math-verify process, if any
     t_end = time.perf_counter()
-    evaluated = {**loaded.evaluated, "task": cfg.task.name, "held_out_problems": len(loaded.task.eval_dataset)}
+    evaluated = {**loaded.evaluated, "task": cfg.task.name, "held_out_problems": len(loaded.task.eval_prompts)}
     seconds = {"load": t_load - t0, "greedy": t_greedy - t_load, "engine": t_engine - t_greedy,
                "sampled": float(metrics.pop(TIME_KEY)), "total": t_end - t0}
     return EvalResult(evaluated, _settings(cfg, ks, device), metrics, seconds)

@@ -100,7 +100,8 @@ class SampledEvaluator:
         t0 = time.perf_counter()
         if state_dict is not None:
             self.engine.sync(state_dict, int(step or 0))
-        prompts, answers = list(task.eval_dataset["prompt"]), list(task.eval_dataset["answer"])
+        held_out = task.rows("eval")
+        prompts, answers = held_out["prompt"], held_out["answer"]
         if not prompts:
             raise ValueError("sampled evaluation got an empty held-out split")
         check = answer_check(task)

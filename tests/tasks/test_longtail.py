@@ -121,7 +121,7 @@ def test_config_selects_the_task_and_refuses_bad_values_on_one_line():
 def test_estimated_demonstrations_replace_a_seeded_share_of_the_warm_starts_answers():
     plain = LongTailTask(train_size=2000, eval_size=16)
     task = LongTailTask(train_size=2000, eval_size=16, estimate_share=0.6)
-    assert plain.demonstrations is plain.train_dataset
+    assert plain.demonstrations == plain.rows("train")
     # the split, the RL prompts and the references are the plain task's: only the warm start's answers change
     assert (task.train_prompts, task.train_answers, task.eval_prompts, task.eval_answers) == (
         plain.train_prompts, plain.train_answers, plain.eval_prompts, plain.eval_answers)

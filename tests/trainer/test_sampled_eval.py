@@ -27,7 +27,11 @@ class HeldOut:
     """A task stand-in: a held-out split of given rows, no rewards (exact-match check)."""
 
     def __init__(self, prompts, answers):
-        self.eval_dataset = {"prompt": list(prompts), "answer": list(answers)}
+        self.eval_prompts, self.eval_answers = list(prompts), list(answers)
+
+    def rows(self, split):
+        assert split == "eval"
+        return {"prompt": list(self.eval_prompts), "answer": list(self.eval_answers)}
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ G samples each at temperature 1 / top-p 1, ``max_completion_length = rollout.max
 ``optim.grad_clip``, one update per batch.  The rest as bench_vs_trl.py (fp32 model and generation with a KV cache;
 ``--trl-gradient-checkpointing`` and ``--trl-experts-implementation`` pass through).
 
-Evaluation: what our trainer's ``evaluate`` runs (``evaluate_greedy`` on the held-out split and on as many training
-prompts; with ``eval.samples`` > 0 also our trainer's sampled evaluation of the held-out split,
+Evaluation: what our trainer's ``evaluate`` runs (``greedy_evaluation``: greedy decoding on the held-out split and on as many
+training prompts; with ``eval.samples`` > 0 also our trainer's sampled evaluation of the held-out split,
 ``offpolicy_moe.trainer.sampled_eval.SampledEvaluator``: the same engine, seed and scoring, so ``eval/avg@n``,
 ``eval/pass@k`` and ``eval/maj@k`` mean the same in both arms), before training (step 0) and in ``on_step_end``
 every ``trainer.eval_every`` steps and at the last.  Each row gets ``perf/elapsed_s`` = wall seconds since
@@ -33,7 +33,7 @@ from offpolicy_moe.config.load import load_config
 from offpolicy_moe.models import load_policy
 from offpolicy_moe.run.full_state import full_model_state
 from offpolicy_moe.tasks import make_task
-from offpolicy_moe.tasks.evaluation import evaluate_greedy
+from offpolicy_moe.trainer.evaluation import greedy_evaluation
 from offpolicy_moe.trainer.sampled_eval import SampledEvaluator
 
 from .prompts import prompt_ids_match
@@ -44,10 +44,7 @@ def evaluate(model, tok, task, max_new_tokens: int, batch_size: int, sampled: Sa
     """Greedy accuracy on the held-out split (with the task's own rewards: ``eval/reward``) and on as many training
     prompts (the first ones), as our trainer; with ``sampled``, the sampled metrics of the held-out split under the
     model's current weights (loaded into the evaluator's engine as version ``step``), as our trainer."""
-    kw = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
-    out = evaluate_greedy(model, tok, task.eval_dataset, task=task, **kw)
-    n = min(len(task.train_dataset), max(len(task.eval_dataset), 1))
-    out.update(evaluate_greedy(model, tok, task.train_dataset.select(range(n)), prefix="eval/train_", **kw))
+    out = greedy_evaluation(model, tok, task, max_new_tokens=max_new_tokens, batch_size=batch_size)
     if sampled is not None:
         out.update(sampled.evaluate(task, state_dict=full_model_state(model), step=step))
     return out
