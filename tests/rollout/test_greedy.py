@@ -87,7 +87,8 @@ def test_the_trainers_evaluation_equals_the_generate_based_one():
 
 def test_task_rows_are_the_splits_columns():
     task = make_task(TaskConfig(train_size=12, eval_size=5, seed=2))
-    assert task.rows("eval") == {"prompt": list(task.eval_dataset["prompt"]), "answer": list(task.eval_dataset["answer"])}
+    held_out = task.eval_dataset
+    assert task.rows("eval") == {"prompt": list(held_out["prompt"]), "answer": list(held_out["answer"])}
     assert task.rows("train", 3) == {"prompt": task.train_prompts[:3], "answer": task.train_answers[:3]}
     with pytest.raises(ValueError, match="split must be"):
         task.rows("test")

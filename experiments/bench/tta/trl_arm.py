@@ -9,8 +9,8 @@ G samples each at temperature 1 / top-p 1, ``max_completion_length = rollout.max
 ``optim.grad_clip``, one update per batch.  The rest as bench_vs_trl.py (fp32 model and generation with a KV cache;
 ``--trl-gradient-checkpointing`` and ``--trl-experts-implementation`` pass through).
 
-Evaluation: what our trainer's ``evaluate`` runs (``greedy_evaluation``: greedy decoding on the held-out split and on as many
-training prompts; with ``eval.samples`` > 0 also our trainer's sampled evaluation of the held-out split,
+Evaluation: what our trainer's ``evaluate`` runs (``greedy_evaluation``: greedy decoding on the held-out split
+and on as many training prompts; with ``eval.samples`` > 0 also our trainer's sampled evaluation of the held-out split,
 ``offpolicy_moe.trainer.sampled_eval.SampledEvaluator``: the same engine, seed and scoring, so ``eval/avg@n``,
 ``eval/pass@k`` and ``eval/maj@k`` mean the same in both arms), before training (step 0) and in ``on_step_end``
 every ``trainer.eval_every`` steps and at the last.  Each row gets ``perf/elapsed_s`` = wall seconds since
