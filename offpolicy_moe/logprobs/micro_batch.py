@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from offpolicy_moe.logprobs.length_buckets import bucket_cut, pieces_cost, row_widths
+from offpolicy_moe.logprobs.length_buckets import bucket_cut, cut_cost_floor, pieces_cost, row_widths
 from offpolicy_moe.models.forward_plan import MARGIN, ForwardCostModel
 
 __all__ = ["MicroBatching", "max_over_processes", "micro_batch_count", "update_cut"]
@@ -65,10 +65,12 @@ def _bucketed(mini: torch.Tensor, contiguous: list[torch.Tensor], widths: torch.
     if w.dim() != 1 or w.numel() <= int(mini.max()):
         raise ValueError(f"update_cut: {w.numel()} row widths for rows up to {int(mini.max())}")
     local = w.index_select(0, mini)
+    base = pieces_cost(w, contiguous, cost)
+    if cut_cost_floor(local, grad_accum, cost) > MARGIN * base:     # no cut can pay: skip the search
+        return contiguous
     buckets = bucket_cut(local, grad_accum, max_tokens, cost)
     if buckets is None:
         return contiguous
-    base = pieces_cost(w, contiguous, cost)
     if pieces_cost(local, buckets, cost) > MARGIN * base:
         return contiguous
     return [mini.index_select(0, b) for b in buckets]

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offpolicy_moe.logprobs.forward import trimmed_width
-from offpolicy_moe.logprobs.length_buckets import MAX_PIECES, bucket_cut, pieces_cost, row_widths
+from offpolicy_moe.logprobs import length_buckets, micro_batch
+from offpolicy_moe.logprobs.length_buckets import MAX_PIECES, bucket_cut, cut_cost_floor, pieces_cost, row_widths
 from offpolicy_moe.logprobs.micro_batch import MicroBatching, update_cut
 from offpolicy_moe.models.forward_plan import ForwardCostModel
 from offpolicy_moe.trainer.trainer import Trainer
@@ -55,6 +56,40 @@ def test_bucket_cut_is_the_cheapest_cut_and_a_partition(widths, min_pieces, cap)
         assert torch.equal(p, torch.sort(p).values)                                   # rows in batch order
         assert cap is None or p.numel() == 1 or p.numel() * int(w[p].max()) <= cap
     assert pieces_cost(w, cut, COST) == pytest.approx(best, rel=1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(widths=st.lists(st.integers(1, 60), min_size=1, max_size=9), min_pieces=st.integers(1, 3),
+       cap=st.one_of(st.none(), st.integers(20, 300)))
+def test_the_cost_floor_is_below_every_cut_and_skipping_the_search_changes_no_cut(widths, min_pieces, cap):
+    w = torch.tensor(widths)
+    cut = bucket_cut(w, min_pieces, cap, COST)
+    if cut is not None:
+        assert cut_cost_floor(w, min_pieces, COST) <= pieces_cost(w, cut, COST) * (1 + 1e-12)
+    rows = torch.arange(len(widths))
+    with_floor = update_cut(len(widths), max(widths), 1, min_pieces, cap, None, w, COST)
+    original = micro_batch.cut_cost_floor
+    try:                # the floor never rules a cut out: the same cut as always searching
+        micro_batch.cut_cost_floor = lambda *a: float("-inf")
+        searched = update_cut(len(widths), max(widths), 1, min_pieces, cap, None, w, COST)
+    finally:
+        micro_batch.cut_cost_floor = original
+    assert [[p.tolist() for p in m] for m in with_floor] == [[p.tolist() for p in m] for m in searched]
+    assert torch.equal(torch.sort(torch.cat(with_floor[0])).values, rows)
+
+
+def test_a_nearly_even_batch_is_not_searched(monkeypatch):
+    """The default job's batches (widths 10-13 over 128 rows): no cut can reach the margin, so the search (a few ms
+    a pass) is not run at all."""
+    def no_search(*args):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(micro_batch, "bucket_cut", no_search)
+    w = torch.tensor([10, 11, 12, 13] * 32)
+    (pieces,) = update_cut(128, 13, 1, 1, None, None, w, ForwardCostModel(entry_weight=0.01))   # 4 layers: 0.009
+    assert [p.tolist() for p in pieces] == [list(range(128))]
+    monkeypatch.setattr(micro_batch, "bucket_cut", length_buckets.bucket_cut)
+    assert len(update_cut(32, 200, 1, 1, None, None, torch.tensor([10] * 28 + [200, 180, 150, 120]), COST)[0]) >= 2
 
 
 def test_even_lengths_keep_the_contiguous_cut_and_a_long_tail_is_bucketed():
