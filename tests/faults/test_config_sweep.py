@@ -20,7 +20,9 @@ choice, then many random examples.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from typing import Any, Optional
 
 import pytest
@@ -69,8 +71,16 @@ def value_strategy(key: str, rule: Rule) -> st.SearchStrategy:
 
 
 def _is_int(key: str) -> bool:
-    return isinstance(_default(key), int) or key in ("buffer.max_delay", "trainer.micro_batch_tokens",
-                                                      "algo.loss.norm_length", "eval.top_k")
+    """An integer key: its schema annotation is ``int`` or ``Optional[int]`` (a null default says nothing), or its
+    default is an integer (the loss options, which have no annotation here)."""
+    *parents, leaf = key.split(".")
+    obj: Any = TrainConfig()
+    for part in parents:
+        obj = getattr(obj, part)
+    annotation = typing.get_type_hints(type(obj)).get(leaf) if dataclasses.is_dataclass(obj) else None
+    if annotation is not None:
+        return annotation is int or (int in typing.get_args(annotation) and float not in typing.get_args(annotation))
+    return isinstance(_default(key), int)
 
 
 def _default(key: str) -> Any:
@@ -94,7 +104,8 @@ def _number_strategy(key: str, rule: Rule) -> st.SearchStrategy:
                          allow_nan=False, allow_subnormal=False)
     magnitudes = st.integers(-30, 30).map(lambda e: 10.0 ** e)
     return st.one_of(magnitudes, st.floats(low, low + 10.0, exclude_min=rule.gt is not None, allow_nan=False,
-                                           allow_subnormal=False)).filter(lambda v: v > low or rule.gt is None)
+                                           allow_subnormal=False)).filter(lambda v: v > low if rule.gt is not None
+                                                                          else v >= low)
 
 
 def boundary_values(key: str, rule: Rule) -> list:
@@ -175,6 +186,22 @@ def test_every_boundary_value_runs_one_step(key, tmp_path):
 def test_every_accepted_value_runs_one_step_exhaustive(pair, tmp_path_factory):
     key, value = pair
     assert outcome(key, value, tmp_path_factory.mktemp("sweep") / "run") is None, f"{key}={value!r}"
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(pair=PAIRS)
+def test_every_drawn_value_is_inside_its_rule_and_integer_keys_draw_integers(pair):
+    """The sweep draws only accepted values (a magnitude below a ``ge`` bound was drawn: vllm_max_model_len=1.0),
+    and a key annotated ``Optional[int]`` with a null default draws integers."""
+    key, value = pair
+    assert RULES[key].problem(value) is None, (key, value)
+    if _is_int(key) and value is not None and RULES[key].choices is None:
+        assert isinstance(value, int), (key, value)
+
+
+def test_integer_keys_are_read_from_the_schema():
+    assert _is_int("rollout.vllm_max_model_len") and _is_int("eval.top_k") and _is_int("buffer.max_delay")
+    assert not _is_int("optim.lr") and not _is_int("rollout.top_p")
 
 
 def test_nan_is_never_drawn():
