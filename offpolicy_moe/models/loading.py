@@ -2,11 +2,14 @@
 fetched from the network), and check that model and tokenizer fit (:func:`check_compatibility`)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
+
+from transformers.utils import logging as hf_logging
 
 from ..tasks.tokenizer import embedded_tokenizer, encode_texts
 from .dtypes import resolve_dtype
@@ -159,8 +162,21 @@ def _supports_experts_impl(config) -> bool:
     return moe_shape(config)[0] is not None
 
 
-def load_checkpoint(path: str, *, dtype="float32", experts_implementation: Optional[str] = AUTO):
-    """``AutoModelForCausalLM`` from a local directory with ``local_files_only=True``."""
+@contextlib.contextmanager
+def hf_progress_bars(on: bool) -> Iterator[None]:
+    """transformers' progress bars (its weight-loading bar among them) on or off for the block, restored after."""
+    was_on = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if on else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
+
+
+def load_checkpoint(path: str, *, dtype="float32", experts_implementation: Optional[str] = AUTO,
+                    progress: bool = True):
+    """``AutoModelForCausalLM`` from a local directory with ``local_files_only=True``; ``progress=False`` hides
+    transformers' weight-loading bar (a run with ``logging.progress=false`` or ``--quiet``)."""
     from transformers import AutoModelForCausalLM
 
     config = load_model_config(path)
@@ -168,18 +184,20 @@ def load_checkpoint(path: str, *, dtype="float32", experts_implementation: Optio
     if experts_implementation and _supports_experts_impl(config):
         kwargs["experts_implementation"] = resolve_experts_implementation(experts_implementation)
     try:
-        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **kwargs)
+        with hf_progress_bars(progress):
+            return AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **kwargs)
     except pickle.UnpicklingError as exc:   # transformers reads .bin weights with weights_only=True
         bins = ", ".join(sorted(p.name for p in Path(path).glob("*.bin"))) or "its weights"
         raise CheckpointNotFoundError(f"model.path={path!r}: {bins} refused by the safe loader (only tensors are "
                                       f"allowed): {str(exc).splitlines()[0][:200]}") from None
 
 
-def build_model(cfg, tok, *, seed: Optional[int] = None):
-    """Model for ``cfg`` (a ``ModelConfig``): the local checkpoint at ``cfg.path`` or a preset sized
-    for ``tok`` (vocabulary and pad/bos/eos ids)."""
+def build_model(cfg, tok, *, seed: Optional[int] = None, progress: bool = True):
+    """Model for ``cfg`` (a ``ModelConfig``): the local checkpoint at ``cfg.path`` (``progress``: transformers'
+    loading bar) or a preset sized for ``tok`` (vocabulary and pad/bos/eos ids)."""
     if getattr(cfg, "path", None):
-        return load_checkpoint(cfg.path, dtype=cfg.dtype, experts_implementation=cfg.experts_implementation)
+        return load_checkpoint(cfg.path, dtype=cfg.dtype, experts_implementation=cfg.experts_implementation,
+                               progress=progress)
     preset = getattr(cfg, "preset", "tiny-qwen3-moe")
     if preset == "path":
         raise ValueError("model.preset='path' needs model.path (a local Hugging Face checkpoint directory)")
@@ -193,8 +211,9 @@ def build_model(cfg, tok, *, seed: Optional[int] = None):
 
 
 def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_experts: Optional[int] = None,
-                expected_top_k: Optional[int] = None, require_moe: bool = False, task=None):
-    """``(model, tokenizer)`` for a ``ModelConfig``, checked with :func:`check_compatibility`.
+                expected_top_k: Optional[int] = None, require_moe: bool = False, task=None, progress: bool = True):
+    """``(model, tokenizer)`` for a ``ModelConfig``, checked with :func:`check_compatibility`; ``progress=False``
+    hides transformers' weight-loading bar.
 
     Tokenizer: the argument, else ``cfg.tokenizer_path``, else ``cfg.path``, else (preset) the built-in char tokenizer
     (with byte fallback when ``task``'s text needs it).  A preset's experts and top-k are checked against ``cfg``; a
@@ -205,7 +224,7 @@ def load_policy(cfg, tokenizer=None, *, seed: Optional[int] = 0, expected_num_ex
     if tokenizer is None:
         source = tokenizer_source(cfg)
         tokenizer = load_tokenizer(*source) if source else embedded_tokenizer(task.alphabet if task else ())
-    model = build_model(cfg, tokenizer, seed=seed)
+    model = build_model(cfg, tokenizer, seed=seed, progress=progress)
     if getattr(cfg, "path", None):
         n_exp, k = expected_num_experts, expected_top_k
     else:

@@ -80,7 +80,7 @@ class RolloutActor:
         self.spec, self.registry = spec, registry
         cfg = spec.cfg
         self.task = make_task(cfg.task)
-        model, tok = load_policy(cfg.model, seed=cfg.seed, task=self.task)
+        model, tok = load_policy(cfg.model, seed=cfg.seed, task=self.task, progress=cfg.logging.progress)
         self.engine = build_engine(cfg, model, tok)
         self.engine.forget_version()              # nothing loaded yet: the first order pulls the newest weights
         self._last_end: Optional[float] = None

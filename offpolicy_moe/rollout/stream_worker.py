@@ -133,7 +133,7 @@ def _start_stream(spec: WorkerSpec, board: WeightBoard, results: Any) -> _Stream
     torch.set_num_threads(max(int(spec.threads), 1))
     cfg = spec.cfg
     task = make_task(cfg.task)
-    model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+    model, tok = load_policy(cfg.model, seed=cfg.seed, task=task, progress=cfg.logging.progress)
     apply_chat_template(task, tok, cfg.task.chat_template)
     engine, sampler, route_shape = stream_sampler(cfg, model, tok)
     engine.forget_version()

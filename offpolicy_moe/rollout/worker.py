@@ -118,7 +118,7 @@ def worker_main(spec: WorkerSpec, board: WeightBoard, orders: Any, results: Any)
         torch.set_num_threads(max(int(spec.threads), 1))
         cfg = spec.cfg
         task = make_task(cfg.task)
-        model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+        model, tok = load_policy(cfg.model, seed=cfg.seed, task=task, progress=cfg.logging.progress)
         apply_chat_template(task, tok, cfg.task.chat_template)      # the prompts the trainer's engine would see
         engine = build_engine(cfg, model, tok)
         engine.forget_version()                   # nothing loaded yet: the first order loads the board

@@ -8,7 +8,6 @@ arXiv:2606.00395); its metadata repeats this, and transformers ignores the file.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -19,11 +18,11 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig
-from transformers.utils import logging as hf_logging
 
 from offpolicy_moe.config.load import load_config
 from offpolicy_moe.run.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, verify_checkpoint
 from offpolicy_moe.models import load_policy, load_tokenizer, tokenizer_source
+from offpolicy_moe.models.loading import hf_progress_bars
 from offpolicy_moe.tasks import embedded_tokenizer, make_task
 
 __all__ = ["export_run", "export_final", "write_hf_folder", "pick_checkpoint", "run_tokenizer", "load_run_policy",
@@ -40,18 +39,6 @@ def _predictor_metadata(state: dict[str, torch.Tensor]) -> dict[str, str]:
             "num_layers": str(len(state)), "num_experts": str(w.shape[0]), "hidden_size": str(w.shape[1])}
 
 
-@contextlib.contextmanager
-def _quiet_progress():
-    """transformers' shard progress bar off for the duration (restored after)."""
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-
-
 def write_hf_folder(out_dir: str | os.PathLike, model: Any, tokenizer: Any,
                     predictors: Optional[dict[str, torch.Tensor]] = None, *, overwrite: bool = False,
                     state_dict: Optional[dict[str, torch.Tensor]] = None) -> Path:
@@ -66,7 +53,7 @@ def write_hf_folder(out_dir: str | os.PathLike, model: Any, tokenizer: Any,
     try:
         gen = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id, do_sample=False)
-        with _quiet_progress():
+        with hf_progress_bars(False):
             model.save_pretrained(tmp, state_dict=state_dict)
         gen.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

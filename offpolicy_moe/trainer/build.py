@@ -195,7 +195,7 @@ def build_run(cfg: Any, *, resume: bool = False, checked: Optional[CheckedConfig
     world, rank = accelerator.num_processes, accelerator.process_index
     seed_everything(cfg.seed)
     task = checked.task if checked.task is not None else make_task(cfg.task)
-    model, tok = load_policy(cfg.model, seed=cfg.seed, task=task)
+    model, tok = load_policy(cfg.model, seed=cfg.seed, task=task, progress=cfg.logging.progress)
     chat = apply_chat_template(task, tok, cfg.task.chat_template)
     moe = bool(is_moe(model))
     if not moe and rt.replay != "none":

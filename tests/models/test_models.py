@@ -116,3 +116,23 @@ def test_task_alphabet_check():
     model, tok = load_policy(ModelConfig(**SMALL))
     with pytest.raises(ValueError, match="cannot encode"):
         check_compatibility(model, tok, task=Letters())
+
+
+def test_loading_a_checkpoint_shows_transformers_bar_only_when_progress_is_on(tmp_path, capfd):
+    """``--quiet`` and ``logging.progress=false`` runs printed transformers' "Loading weights" bar anyway."""
+    from transformers.utils import logging as hf_logging
+
+    model, tok = load_policy(ModelConfig(**SMALL), seed=1)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    capfd.readouterr()
+    was_on = hf_logging.is_progress_bar_enabled()
+    load_policy(ModelConfig(path=str(tmp_path)), progress=False)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled() == was_on          # the switch is restored after the load
+    hf_logging.enable_progress_bar()
+    try:
+        load_policy(ModelConfig(path=str(tmp_path)), progress=True)
+        assert "Loading weights" in capfd.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
