@@ -16,6 +16,7 @@ from offpolicy_moe.models import load_policy
 from offpolicy_moe.rollout.greedy import greedy_completions, runs_own_loop
 from offpolicy_moe.tasks import evaluate_greedy, make_task
 from offpolicy_moe.tasks.evaluation import greedy_completions as generate_greedy
+from offpolicy_moe.tasks.evaluation import greedy_metrics
 from offpolicy_moe.trainer.evaluation import greedy_evaluation
 from tests.tiny import TINY
 
@@ -70,6 +71,20 @@ def test_bad_sizes_are_refused_before_any_forward():
     for kw in ({"max_new_tokens": 0}, {"batch_size": 0}):
         with pytest.raises(ValueError, match="must be >= 1"):
             greedy_completions(model, tok, ["1+1="], **kw)
+
+
+def test_metrics_of_mismatched_or_empty_completions_are_refused_in_one_line():
+    for completions, answers in ((["1"], ["1", "2"]), ([], [])):
+        with pytest.raises(ValueError, match="one completion per answer") as exc:
+            greedy_metrics(completions, answers)
+        assert "\n" not in str(exc.value)
+
+
+def test_an_empty_held_out_split_is_refused_before_decoding():
+    model, tok, task = _policy_with_early_eos(torch.float32)
+    task.eval_prompts, task.eval_answers = [], []
+    with pytest.raises(ValueError, match="no held-out problems"):
+        greedy_evaluation(model, tok, task, max_new_tokens=4, batch_size=4)
 
 
 def test_the_trainers_evaluation_equals_the_generate_based_one():

@@ -40,9 +40,13 @@ def _brute_force(widths: torch.Tensor, min_pieces: int, max_tokens) -> float:
     return best
 
 
+#: a mini-batch's row widths, the fewest pieces and the cap on padded positions (None: no cap)
+CUT_CASES = dict(widths=st.lists(st.integers(1, 60), min_size=1, max_size=9), min_pieces=st.integers(1, 3),
+                 cap=st.one_of(st.none(), st.integers(20, 300)))
+
+
 @settings(max_examples=150, deadline=None)
-@given(widths=st.lists(st.integers(1, 60), min_size=1, max_size=9), min_pieces=st.integers(1, 3),
-       cap=st.one_of(st.none(), st.integers(20, 300)))
+@given(**CUT_CASES)
 def test_bucket_cut_is_the_cheapest_cut_and_a_partition(widths, min_pieces, cap):
     w = torch.tensor(widths)
     cut = bucket_cut(w, min_pieces, cap, COST)
@@ -59,8 +63,7 @@ def test_bucket_cut_is_the_cheapest_cut_and_a_partition(widths, min_pieces, cap)
 
 
 @settings(max_examples=150, deadline=None)
-@given(widths=st.lists(st.integers(1, 60), min_size=1, max_size=9), min_pieces=st.integers(1, 3),
-       cap=st.one_of(st.none(), st.integers(20, 300)))
+@given(**CUT_CASES)
 def test_the_cost_floor_is_below_every_cut_and_skipping_the_search_changes_no_cut(widths, min_pieces, cap):
     w = torch.tensor(widths)
     cut = bucket_cut(w, min_pieces, cap, COST)
