@@ -17,7 +17,7 @@ def test_the_bounds_are_printed_for_every_cell(capsys):
                        "--warmup", "0", "--matmul", "32"])
     out = capsys.readouterr().out
     cells = re.findall(r"\| (\d+) \| ([\d.]+) \(([\d,]+)\) \| ([\d.]+) \(([\d,]+)\) \|", out)
-    assert [c[0] for c in cells] == ["1", "3"]
+    assert [c[0] for c in cells] == ["1", "3", "1", "3"]       # the lean grid, then transformers' forward
     assert all(float(x) > 0 for c in cells for x in (c[1], c[3]))
     assert re.search(r"forward \+ backward [\d.]+ ms, forward alone [\d.]+ ms", out)
     assert re.search(r"peak: [\d,.]+ GFLOP/s .* MFU [\d.]+%", out)
@@ -38,6 +38,23 @@ def test_a_decode_forward_reads_the_whole_cache_and_leaves_it_as_wide(monkeypatc
     monkeypatch.setattr(torch.nn.Module, "__call__", spy)
     bench_bounds.decode_ms(model.eval(), rows=2, columns=5, repeats=3, warmup=1)
     assert seen == [5] * 4
+
+
+def test_the_lean_cell_runs_the_lean_forward_on_a_cache_as_wide_every_time(monkeypatch):
+    from offpolicy_moe.rollout.decode_step import DecodeForward
+
+    model, _ = bench_bounds.load_policy(bench_bounds.ModelConfig(num_layers=1, hidden_size=32, num_experts=4), seed=0)
+    seen = []
+    real = DecodeForward._forward
+
+    def spy(self, input_ids, attention_mask, position_ids, cache):
+        seen.append((cache.get_seq_length(), attention_mask.shape[1]))
+        return real(self, input_ids, attention_mask, position_ids, cache)
+
+    monkeypatch.setattr(DecodeForward, "_forward", spy)
+    bench_bounds.decode_ms(model.eval(), rows=2, columns=5, repeats=3, warmup=1, lean=True)
+    assert seen == [(5, 6)] * 4
+    assert model.config._attn_implementation == "sdpa"        # the caller's model is left as it was
 
 
 def test_bad_shapes_are_refused(capsys):

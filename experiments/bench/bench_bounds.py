@@ -1,9 +1,11 @@
 """The machine's bounds for a run's two phases, measured on the bare model: what generation and the update could cost
 with no engine, trainer or Python bookkeeping around the forward.
 
-* **decode grid**: one decode forward of the bare transformers model (a KV cache pre-filled to ``C`` columns, one
-  new token in each of ``R`` rows; the cache cut back to ``C`` after each forward), milliseconds, for every
-  ``--rows`` x ``--columns``; and the tokens per second it allows (``R / t``);
+* **decode grid**: one decode forward (a KV cache pre-filled to ``C`` columns, one new token in each of ``R`` rows;
+  the cache cut back to ``C`` after each forward), milliseconds, for every ``--rows`` x ``--columns``; and the tokens
+  per second it allows (``R / t``).  Two grids: the lean forward (``rollout/decode_step.py`` on the single-query
+  kernel and a pre-allocated cache: the fastest forward the project runs, the bound ``bench_tta`` charges), and
+  transformers' own forward on its cache and attention;
 * **bare update**: forward + backward of the model on ``B`` rows of ``T`` tokens (the sum of the tokens'
   log-probabilities as the loss), and the forward alone (the old-log-prob pass's bound), milliseconds;
 * **peak**: the CPU's (or device's) FLOP rate from a measured ``N x N`` matmul in the run's dtype, and the update's
@@ -21,6 +23,7 @@ printed with the tables.  The model is the embedded one (``--layers --hidden --e
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import time
@@ -34,6 +37,9 @@ from offpolicy_moe.models import load_policy
 from offpolicy_moe.models.dtypes import resolve_dtype
 from offpolicy_moe.models.layout import cache_kwarg
 from offpolicy_moe.models.moe_shape import moe_shape
+from offpolicy_moe.rollout.decode_attention import use_single_query_decode
+from offpolicy_moe.rollout.decode_step import DecodeForward
+from offpolicy_moe.rollout.kv_cache import preallocated_cache
 
 
 def timed(fn: Callable[[], object], repeats: int, warmup: int) -> float:
@@ -48,20 +54,38 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def decode_ms(model: torch.nn.Module, rows: int, columns: int, repeats: int, warmup: int) -> float:
-    """One bare decode forward: ``rows`` new tokens against a cache of ``columns`` positions (ms)."""
+def decode_ms(model: torch.nn.Module, rows: int, columns: int, repeats: int, warmup: int, *,
+              lean: bool = False) -> float:
+    """One bare decode forward: ``rows`` new tokens against a cache of ``columns`` positions (ms).  ``lean``: the
+    fastest decode forward the project runs for this model (a copy on the single-query kernel, a pre-allocated
+    cache, ``rollout/decode_step.py``'s forward where the family is mirrored); else transformers' forward on its
+    own cache and attention."""
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(4, vocab, (rows, columns), generator=gen)
-    with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
     nxt = torch.randint(4, vocab, (rows, 1), generator=gen)
     pos = torch.full((rows, 1), columns, dtype=torch.long)
     key = cache_kwarg(model)
+    if lean:
+        model = copy.deepcopy(model).eval()
+        use_single_query_decode(model)
+        cache, forward = preallocated_cache(model.config, columns + 1), DecodeForward(model)
+        mask = torch.ones(rows, columns + 1, dtype=torch.long)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{key: cache})
+
+        def call() -> None:
+            forward(nxt, mask, pos, cache)
+    else:
+        with torch.no_grad():
+            cache = model(input_ids=ids, use_cache=True).past_key_values
+
+        def call() -> None:
+            model(input_ids=nxt, position_ids=pos, use_cache=True, **{key: cache})
 
     def step() -> None:
         with torch.no_grad():
-            model(input_ids=nxt, position_ids=pos, use_cache=True, **{key: cache})
+            call()
         cache.crop(-1)                                  # back to ``columns`` positions
 
     return 1e3 * timed(step, repeats, warmup)
@@ -139,12 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{cpu_model()}; torch {torch.__version__}, {args.threads} thread(s), {args.dtype}; model "
           f"{args.layers} layers x {args.hidden} hidden, {args.experts} experts, {params:,} parameters ({active:,} active a token); "
           f"load average {os.getloadavg()}")
-    print("\ndecode grid: ms per bare decode forward (tokens/s it allows)\n")
-    print("| rows \\ KV columns | " + " | ".join(str(c) for c in args.columns) + " |")
-    print("| --- |" + " --- |" * len(args.columns))
-    for r in args.rows:
-        cells = [decode_ms(model, r, c, args.repeats, args.warmup) for c in args.columns]
-        print(f"| {r} | " + " | ".join(f"{ms:.2f} ({r / ms * 1e3:,.0f})" for ms in cells) + " |")
+    for lean, what in ((True, "the lean decode forward (the bound bench_tta uses)"),
+                       (False, "transformers' own decode forward")):
+        print(f"\ndecode grid, {what}: ms per bare decode forward (tokens/s it allows)\n")
+        print("| rows \\ KV columns | " + " | ".join(str(c) for c in args.columns) + " |")
+        print("| --- |" + " --- |" * len(args.columns))
+        for r in args.rows:
+            cells = [decode_ms(model, r, c, args.repeats, args.warmup, lean=lean) for c in args.columns]
+            print(f"| {r} | " + " | ".join(f"{ms:.2f} ({r / ms * 1e3:,.0f})" for ms in cells) + " |")
     model.train()
     both, fwd = update_ms(model, args.batch, args.tokens, args.repeats, args.warmup)
     peak = peak_flops(args.matmul, dtype, args.repeats, args.warmup)

@@ -316,7 +316,7 @@ def measure_grids(args, arms: list[Arm]) -> dict:
         for n in threads:
             torch.set_num_threads(n)
             t0, load0 = time.perf_counter(), os.getloadavg()
-            ms = [[bench_bounds.decode_ms(model, r, c, args.grid_repeats, GRID_WARMUP) for c in columns]
+            ms = [[bench_bounds.decode_ms(model, r, c, args.grid_repeats, GRID_WARMUP, lean=True) for c in columns]
                   for r in rows]
             grids[str(n)] = {**DecodeGrid(tuple(rows), tuple(columns), tuple(map(tuple, ms)), n).to_dict(),
                              "seconds": time.perf_counter() - t0, "load_before": load0, "load_after": os.getloadavg()}

@@ -31,6 +31,7 @@ ADMISSION_RULES = ("deadline", "first_finished")    # buffer.mode=stream: which 
 WORKER_DEATH = ("restart", "stop")
 SAMPLERS = ("native", "hf")
 DECODE_ATTENTION = ("single_query", "sdpa")
+DECODE_FORWARD = ("lean", "model")
 SCHEDULERS = ("constant", "cosine", "linear")
 ON_NAN = ("skip", "stop")
 DYNAMIC_SAMPLING = ("none", "drop")       # DAPO's dynamic sampling: drop groups whose rewards do not vary
@@ -129,6 +130,9 @@ class RolloutConfig:
     # native sampler on an "sdpa" model: single_query (decode steps as two batched matmuls, rollout/decode_attention.py)
     # | sdpa (transformers' kernel for every step)
     decode_attention: str = ranged("single_query", choices=DECODE_ATTENTION)
+    # native sampler, stream slots and greedy evaluation: lean (decode steps without transformers' per-call layers
+    # where the family is mirrored, bit-identical logits; rollout/decode_step.py) | model (model(...) every step)
+    decode_forward: str = ranged("lean", choices=DECODE_FORWARD)
     # buffer.mode=async (docs/async.md): rollout worker processes per trainer process
     workers: int = ranged(1, ge=1)
     worker_threads: int = ranged(1, ge=1)          # torch threads of each worker

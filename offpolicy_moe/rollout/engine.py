@@ -26,6 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from offpolicy_moe.rollout.batch import RolloutBatch
 from offpolicy_moe.run.nonfinite import NonFiniteError
+from offpolicy_moe.rollout.decode_step import DecodeForward
 from offpolicy_moe.rollout.decode_attention import use_single_query_decode
 from offpolicy_moe.rollout.kv_cache import preallocated_cache
 from offpolicy_moe.models.layout import CACHE_KWARGS, accepts_kwarg, cache_kwarg, forward_params
@@ -331,6 +332,8 @@ class HFRolloutEngine(RolloutEngine):
         self.single_query_decode = (self.sampler == "native" and decode_attention == "single_query"
                                     and use_single_query_decode(self.model))
         self.compact_finished = bool(compact_finished)
+        # the native sampler's decode steps: lean where the family's forward is mirrored (rollout/decode_step.py)
+        self.decode = DecodeForward(self.model, lean=getattr(rollout, "decode_forward", "lean") == "lean")
         self._sync_targets = self.model.state_dict(keep_vars=True)     # name -> the engine's own tensor
         self.router_perturb = float(router_perturb)
         self.perturb_seed = int(perturb_seed)
@@ -440,6 +443,7 @@ class HFRolloutEngine(RolloutEngine):
                 recorder.select_rows(torch.arange(B // g, device=ids.device).repeat_interleave(g))
         else:
             out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **keep)
+        logits = out.logits
         fwd_version, self._step_versions = self.version, []
         pad = torch.full((B,), tok.pad_token_id, dtype=ids.dtype, device=ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
@@ -450,7 +454,7 @@ class HFRolloutEngine(RolloutEngine):
         fed = torch.arange(B, device=ids.device)          # rows still fed to the model
         compact = self.compact_finished and self.router_noise == 0 and self.pr2_predictors is None
         for t in range(self.max_new_tokens):
-            last = out.logits[:, -1, :].float()
+            last = logits[:, -1, :].float()
             if fed.numel() < B:     # finished rows were dropped: their (unused) scores are uniform
                 last = last.new_zeros((B, last.shape[-1])).index_copy_(0, fed, last)
             scores = self._process_scores(last)
@@ -479,8 +483,7 @@ class HFRolloutEngine(RolloutEngine):
             if self.between_tokens is not None:
                 self.between_tokens(self)
             fwd_version = self.version
-            out = model(input_ids=nxt.index_select(0, fed).unsqueeze(1), attention_mask=mask, position_ids=last_pos,
-                        use_cache=True, **keep)
+            logits = self.decode(nxt.index_select(0, fed).unsqueeze(1), mask, last_pos, cache)
         seq = torch.cat([ids, torch.stack(tokens, 1)], dim=1)
         if recorder is not None:
             recorder.final_len = int(seq.shape[1])   # the last sampled token is never fed to the model

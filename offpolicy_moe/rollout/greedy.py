@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from offpolicy_moe.models.layout import accepts_kwarg, cache_kwarg
+from offpolicy_moe.rollout.decode_step import DecodeForward
 from offpolicy_moe.rollout.kv_cache import preallocated_cache
 from offpolicy_moe.tasks import decode_completions, encode_prompts
 from offpolicy_moe.tasks.evaluation import greedy_completions as generate_greedy_completions
@@ -46,10 +47,11 @@ def runs_own_loop(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def greedy_completions(model: torch.nn.Module, tok: Any, prompts: Sequence[str], *, max_new_tokens: int = 6,
-                       batch_size: int = 128) -> list[str]:
+                       batch_size: int = 128, lean: bool = True) -> list[str]:
     """Greedy (argmax) completion of each prompt, decoded and cut at ``eos``: ``generate``'s greedy tokens (tested
     equal), by the loop of the module docstring where :func:`runs_own_loop`, else by ``generate``.  Prompts are
-    encoded as ``bos + prompt`` and left-padded, ``batch_size`` at a time."""
+    encoded as ``bos + prompt`` and left-padded, ``batch_size`` at a time; ``lean``: decode steps through
+    :class:`~offpolicy_moe.rollout.decode_step.DecodeForward` (``rollout.decode_forward``)."""
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
     if not runs_own_loop(model):
@@ -59,13 +61,14 @@ def greedy_completions(model: torch.nn.Module, tok: Any, prompts: Sequence[str],
     out: list[str] = []
     try:
         for start in range(0, len(prompts), batch_size):
-            out.extend(_decode_batch(model, tok, list(prompts[start:start + batch_size]), max_new_tokens))
+            out.extend(_decode_batch(model, tok, list(prompts[start:start + batch_size]), max_new_tokens, lean))
     finally:
         model.train(was_training)
     return out
 
 
-def _decode_batch(model: torch.nn.Module, tok: Any, prompts: list[str], max_new_tokens: int) -> list[str]:
+def _decode_batch(model: torch.nn.Module, tok: Any, prompts: list[str], max_new_tokens: int,
+                  lean: bool = True) -> list[str]:
     """One left-padded batch through the greedy loop (module docstring); finished rows are padded."""
     device = next(model.parameters()).device
     ids, am = encode_prompts(tok, prompts)
@@ -77,6 +80,7 @@ def _decode_batch(model: torch.nn.Module, tok: Any, prompts: list[str], max_new_
         kw["logits_to_keep"] = 1
     pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
     logits = model(input_ids=ids, attention_mask=am, position_ids=pos, **kw).logits[:, -1, :]
+    decode = DecodeForward(model, lean=lean)
     mask_buf = torch.cat([am, am.new_ones((B, max_new_tokens))], dim=1)      # mask[:, :P+t+1] at step t
     last_pos, fed = pos[:, -1:], torch.arange(B, device=device)               # fed: the rows still decoded
     tokens = torch.full((B, max_new_tokens), tok.pad_token_id, dtype=ids.dtype, device=device)
@@ -94,6 +98,5 @@ def _decode_batch(model: torch.nn.Module, tok: Any, prompts: list[str], max_new_
             cache.batch_select_indices(keep)
             mask_buf, last_pos, fed, nxt = mask_buf[keep], last_pos[keep], fed[keep], nxt[keep]
         last_pos = last_pos + 1
-        logits = model(input_ids=nxt.unsqueeze(1), attention_mask=mask_buf[:, :P + t + 1], position_ids=last_pos,
-                       **kw).logits[:, -1, :]
+        logits = decode(nxt.unsqueeze(1), mask_buf[:, :P + t + 1], last_pos, cache)[:, -1, :]
     return decode_completions(tok, tokens)

@@ -129,7 +129,13 @@ class PreallocatedLayer(DynamicLayer):
         self._expose()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("PreallocatedLayer is a sampling cache: cropping is not supported")
+        """Drop the last ``-tokens_to_remove`` positions (a negative count, as ``DynamicLayer.crop`` takes it; a
+        positive one is refused in one line); the buffers keep their capacity and the next update writes over them."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to drop, got {tokens_to_remove}")
+        self._len = max(self._len + int(tokens_to_remove), 0)
+        if self._kbuf is not None:
+            self._expose()
 
     def reset(self) -> None:
         self._kbuf = self._vbuf = None

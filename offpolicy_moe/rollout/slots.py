@@ -222,17 +222,25 @@ class SlotSampler:
         return [self._finish(r) for r in done]
 
     def _forward(self, **kw) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One model forward: ``(last-position logits [b, V], routes [b, s, L_moe, K] or None)``."""
+        """One model forward: ``(last-position logits [b, V], routes [b, s, L_moe, K] or None)``; a decode step
+        (one token per row, no routes recorded) goes through the engine's :class:`DecodeForward`."""
         eng = self.engine
         if eng._keeps_logits:
             kw["logits_to_keep"] = 1
+
+        def forward() -> torch.Tensor:
+            if kw["input_ids"].shape[1] == 1:
+                return eng.decode(kw["input_ids"], kw["attention_mask"], kw["position_ids"],
+                                  kw[cache_kwarg(eng.model)])
+            return eng.model(use_cache=True, **kw).logits
+
         if eng.controller is not None and eng.record_routes:
             with eng.controller.record() as rec:
-                out = eng.model(use_cache=True, **kw)
+                logits = forward()
             routes = rec.trace().ids
         else:
-            out, routes = eng.model(use_cache=True, **kw), None
-        return out.logits[:, -1, :], routes
+            logits, routes = forward(), None
+        return logits[:, -1, :], routes
 
     def _admit(self) -> None:
         """Prefill queued samples into free slots (one left-padded forward) and write them into the shared cache."""

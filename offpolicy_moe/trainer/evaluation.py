@@ -24,11 +24,12 @@ def eval_due(trainer_cfg: Any, step: int) -> bool:
 
 
 def greedy_evaluation(model: torch.nn.Module, tok: Any, task: Any, *, max_new_tokens: int, batch_size: int,
-                      train_split: bool = True) -> dict[str, float]:
+                      train_split: bool = True, lean: bool = True) -> dict[str, float]:
     """Greedy accuracy and the task's rewards (:func:`~offpolicy_moe.tasks.evaluation.greedy_metrics`) on the
     held-out split (``eval/*``) and, with ``train_split``, on as many training prompts, the first ones of the split
     (``eval/train_*``), decoded by :func:`~offpolicy_moe.rollout.greedy.greedy_completions` (``generate``'s greedy
-    tokens, about twice as fast on the long-tailed task).  An empty held-out split raises ``ValueError``."""
+    tokens, about twice as fast on the long-tailed task; ``lean``: ``rollout.decode_forward=lean``).  An empty
+    held-out split raises ``ValueError``."""
     held_out = task.rows("eval")
     if not held_out["prompt"]:
         raise ValueError("the task has no held-out problems to evaluate")
@@ -38,7 +39,7 @@ def greedy_evaluation(model: torch.nn.Module, tok: Any, task: Any, *, max_new_to
     out: dict[str, float] = {}
     for prefix, rows, scorer in splits:
         completions = greedy_completions(model, tok, rows["prompt"], max_new_tokens=max_new_tokens,
-                                         batch_size=batch_size)
+                                         batch_size=batch_size, lean=lean)
         out.update(greedy_metrics(completions, rows["answer"], prompts=rows["prompt"], prefix=prefix, task=scorer))
     return out
 
@@ -53,7 +54,8 @@ def evaluate_policy(model: torch.nn.Module, tok: Any, task: Any, cfg: Any, step:
     ``perf/time_eval_sampled_s``; collective when the model is sharded)."""
     with watch_logits(model) as watch, probes.poisoned("evaluation", step, model):
         out = greedy_evaluation(model, tok, task, max_new_tokens=cfg.rollout.max_new_tokens,
-                                batch_size=cfg.trainer.eval_batch_size, train_split=train_split)
+                                batch_size=cfg.trainer.eval_batch_size, train_split=train_split,
+                                lean=cfg.rollout.decode_forward == "lean")
     if watch.bad:
         raise NonFiniteError("evaluation", "next-token logits of greedy decoding", step=step)
     if sampled is not None:

@@ -39,6 +39,25 @@ def test_preallocated_layer_equals_dynamic_layer():
         PreallocatedLayer(0)
 
 
+def test_crop_keeps_the_first_positions_as_the_dynamic_layer_does():
+    g = torch.Generator().manual_seed(1)
+    dyn, pre = DynamicLayer(), PreallocatedLayer(capacity=4)
+    for op, arg in [("update", 3), ("crop", -1), ("update", 2), ("crop", 0), ("update", 1), ("crop", -2),
+                    ("update", 3)]:
+        if op == "update":
+            k, v = torch.randn(2, 2, arg, 3, generator=g), torch.randn(2, 2, arg, 3, generator=g)
+            a, b = dyn.update(k, v), pre.update(k, v)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        else:
+            dyn.crop(arg)
+            pre.crop(arg)
+        assert torch.equal(dyn.keys, pre.keys) and torch.equal(dyn.values, pre.values)
+        assert dyn.get_seq_length() == pre.get_seq_length()
+    assert pre.get_seq_length() == 6
+    with pytest.raises(ValueError, match="negative count"):
+        pre.crop(2)
+
+
 def test_preallocated_cache_swaps_full_attention_layers_only():
     from offpolicy_moe.config.schema import ModelConfig
     from offpolicy_moe.models import load_policy
