@@ -139,8 +139,9 @@ class DecodeForward:
             mask = self._mask(config=self.model.config, inputs_embeds=h, attention_mask=attention_mask, cache=cache,
                               position_ids=position_ids)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager)
+        passed = {"position_ids": position_ids, "use_cache": True}    # what a decoder layer hands its attention on
         B = h.shape[0]
-        for i, layer in enumerate(decoder.layers):
+        for layer in decoder.layers:
             attn = layer.self_attn
             residual = h
             x = layer.input_layernorm(h)
@@ -149,9 +150,9 @@ class DecodeForward:
             k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q, k = self._rope(q, k, cos, sin)
-            k, v = cache.update(k, v, attn.layer_idx)
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=passed)
             a, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window,
-                             position_ids=position_ids, use_cache=True)
+                             **passed)
             h = residual + attn.o_proj(a.reshape(B, 1, -1).contiguous())
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
