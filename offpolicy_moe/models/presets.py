@@ -2,7 +2,8 @@
 tokenizer).
 
 * ``tiny-qwen3-moe``: ``Qwen3MoeForCausalLM``, every layer an MoE block (``norm_topk_prob=True`` as in Qwen3-MoE),
-  head_dim 16 (32 is the variant vLLM's CPU attention serves, docs/engines.md), kv heads = heads / 2, expert width =
+  head_dim 16 (32 is the variant vLLM's CPU attention serves, docs/engines.md), kv heads = heads / 2 (for an odd
+  count the largest divisor below half of it: :func:`kv_heads`), expert width =
   hidden size, untied embeddings, no router aux loss in the model (the trainer owns that coefficient).
 * ``tiny-dense``: ``Qwen3ForCausalLM`` with a dense MLP (4 × hidden), for tests that must refuse a dense model.
 """
@@ -19,6 +20,14 @@ HEAD_DIM = 16
 MAX_POSITIONS = 256
 
 
+def kv_heads(heads: int) -> int:
+    """Key/value heads of a preset with ``heads`` query heads: the largest divisor of ``heads`` that is at most
+    ``max(1, heads // 2)`` (``heads / 2`` for an even count; grouped-query attention needs a divisor: 5 heads get 1,
+    9 get 3)."""
+    half = max(1, heads // 2)
+    return next(d for d in range(half, 0, -1) if heads % d == 0)
+
+
 def _common(vocab_size: int, hidden_size: int, num_layers: int, special_ids: dict, head_dim: int = HEAD_DIM) -> dict:
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -29,7 +38,7 @@ def _common(vocab_size: int, hidden_size: int, num_layers: int, special_ids: dic
                          f"got {hidden_size}")
     heads = hidden_size // head_dim
     return dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
+                num_attention_heads=heads, num_key_value_heads=kv_heads(heads), head_dim=head_dim,
                 max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, attention_dropout=0.0,
                 rms_norm_eps=1e-6, use_cache=True, **special_ids)
 

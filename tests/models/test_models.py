@@ -34,6 +34,19 @@ def test_moe_preset_shapes():
     assert out.logits.shape == (1, 5, 20)
 
 
+@pytest.mark.parametrize("hidden, heads, kv", [(16, 1, 1), (32, 2, 1), (48, 3, 1), (64, 4, 2), (80, 5, 1),
+                                               (96, 6, 3), (144, 9, 3), (128, 8, 4)])
+def test_every_head_count_gets_kv_heads_that_divide_it(hidden, heads, kv):
+    """An odd head count (hidden 80: 5 heads) got 5 // 2 = 2 KV heads, which attention refuses at the first
+    forward; even counts keep heads / 2."""
+    model, _ = load_policy(ModelConfig(**{**SMALL, "hidden_size": hidden}), seed=0)
+    cfg = model.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (heads, kv)
+    ids = torch.tensor([[1, 4, 13, 5, 16]])
+    assert model(ids).logits.shape == (1, 5, 20)
+    assert torch.isfinite(model(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1]])).logits).all()
+
+
 def test_dense_preset_is_not_moe_and_refused_when_moe_required():
     model, tok = load_policy(ModelConfig(preset="tiny-dense", num_layers=1, hidden_size=32))
     assert type(model).__name__ == "Qwen3ForCausalLM" and not is_moe(model)
