@@ -327,6 +327,34 @@ def test_watch_stamps_rows_as_they_appear_and_counts_cpu(tmp_path):
     assert w.cpu_s[1] >= 0.25 and w.cpu_total_s >= w.cpu_s[1] - 0.05
 
 
+# spawns a grandchild that outlives it (argv[2]: where the grandchild writes its pid; it lingers 0.5 s after its
+# parent is gone), then writes two rows, each only once the watcher has read the one before (as _ROWS_CHILD)
+_LINGER_CHILD = _ROWS_CHILD.split("row({\"step\": 0})")[0] + """\
+import subprocess
+subprocess.Popen([sys.executable, "-c", "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+                  "parent = os.getppid()\\nwhile os.getppid() == parent: time.sleep(0.01)\\ntime.sleep(0.5)",
+                  sys.argv[2]])
+row({"step": 0})
+row({"step": 1, "eval/accuracy": 0.5})
+"""
+
+
+def test_watch_returns_once_the_descendants_are_gone(tmp_path):
+    """A command whose grandchild outlives it (as the asynchronous arms' fork server and worker do): the watcher
+    returns only once the grandchild has exited, and says how long it waited beyond the command (not in its wall
+    time), so that the next run never starts beside it."""
+    from tta.clock import _running, watch
+
+    metrics, pid_file = tmp_path / "metrics.jsonl", tmp_path / "grandchild.pid"
+    w = watch([sys.executable, "-c", _LINGER_CHILD, str(metrics), str(pid_file)], metrics, env={},
+              log=tmp_path / "log")
+    assert w.returncode == 0, (tmp_path / "log").read_text()[-2000:]
+    assert set(w.seen_s) == {0, 1}
+    grandchild = int(pid_file.read_text())
+    assert not _running(grandchild)
+    assert w.settle_s > 0.0 and w.wall_s >= w.seen_s[1]
+
+
 def _process_record(factors: dict[str, list[float]], startup: dict[str, float]) -> dict:
     """A runs.json record whose runs are ROWS scaled by ``factors`` (loop clock) and launched ``startup`` seconds
     before the loop (process clock: stamp = startup + loop time + step-0 evaluation)."""

@@ -285,7 +285,7 @@ def run_arm(args, arm: Arm, seed: int, warm: str, work: Path) -> dict:
     if arm.system == "trl" and (run_dir / "fairness.json").exists():
         fair = json.loads((run_dir / "fairness.json").read_text())
     return {"arm": arm.name, "seed": seed, "threads": threads, "curve": c.__dict__, "process_wall_s": w.wall_s,
-            "cpu_total_s": w.cpu_total_s, "startup_s": w.wall_s - c.end_s,
+            "cpu_total_s": w.cpu_total_s, "settle_s": w.settle_s, "startup_s": w.wall_s - c.end_s,
             "s_per_step": c.end_no_eval_s / max(args.steps - 1, 1), "load_before": load0,
             "load_after": os.getloadavg(), "fairness": fair, "diagnostics": diag,
             "flow": flow(rows, args.prompts * args.group).__dict__, "shapes": step_shapes(rows),

@@ -8,6 +8,10 @@ with ``subprocess.Popen``, reads ``metrics.jsonl`` as it grows (every ``poll_s``
 the clock) and stamps each new row with the seconds since launch.  A row is written right after its step (and that
 step's evaluation), so the stamp of an eval row is the time from launch to the end of that evaluation.
 
+After the command exits, :func:`watch` waits (up to :data:`SETTLE_S`) until every descendant it saw has exited too,
+so that the next run starts on a quiet machine: the asynchronous arms' fork server and worker tear down torch and
+transformers for a second or so after the trainer returns, and a run launched then shares the cores with them.
+
 CPU seconds: user + system time of the process and every descendant alive at the stamp (Linux ``/proc``: our
 asynchronous worker is a grandchild of the trainer, under multiprocessing's fork server), read when an eval row
 appears and every second; the total at the end is the larger of the last live reading and the reaped children's
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+SETTLE_S = 30.0     # the longest :func:`watch` waits for a command's descendants to exit after it
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -46,6 +51,36 @@ def _children(pid: int) -> list[int]:
     except OSError:
         pass
     return out
+
+
+def descendants(pid: int) -> set[int]:
+    """The live descendants of ``pid`` (children, grandchildren, ...), read from ``/proc``."""
+    out, todo = set(), _children(pid)
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo += _children(p)
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an exited process its new parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def settle(pids: set[int], bound_s: float = SETTLE_S, poll_s: float = 0.02) -> float:
+    """Wait until every process of ``pids`` has exited (zombies count as exited), at most ``bound_s`` seconds; the
+    seconds waited.  A watched command's descendants outlive it (the workers' fork server and the workers tear
+    down torch and transformers after the trainer returns, a second or so of CPU), and the next run must not start
+    beside them."""
+    t0 = time.perf_counter()
+    while any(_running(p) for p in pids) and time.perf_counter() - t0 < bound_s:
+        time.sleep(poll_s)
+    return time.perf_counter() - t0
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -71,6 +106,7 @@ class Watched:
     seen_s: dict[int, float] = field(default_factory=dict)
     cpu_s: dict[int, float] = field(default_factory=dict)
     returncode: int = 0
+    settle_s: float = 0.0       # seconds its descendants outlived it (:func:`settle`), not in ``wall_s``
 
 
 def watch(cmd: list[str], metrics: Path, *, env: dict, log: Path, poll_s: float = 0.02,
@@ -109,8 +145,9 @@ def watch(cmd: list[str], metrics: Path, *, env: dict, log: Path, poll_s: float 
                         last_cpu = max(last_cpu, tree_cpu_s(proc.pid))
                     out.cpu_s[step] = last_cpu     # a process already gone: its last live reading
 
-        last_read = 0.0
+        last_read, tree = 0.0, set()
         while proc.poll() is None:
+            tree |= descendants(proc.pid)
             drain()
             if time.perf_counter() - last_read > 1.0:          # the live tree, so a worker's CPU is not lost
                 last_cpu = max(last_cpu, tree_cpu_s(proc.pid))
@@ -122,6 +159,7 @@ def watch(cmd: list[str], metrics: Path, *, env: dict, log: Path, poll_s: float 
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     reaped = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     out.cpu_total_s = max(reaped, last_cpu)     # an unreaped grandchild (the worker) is only in the live readings
+    out.settle_s = settle(tree)
     return out
 
 
