@@ -17,10 +17,11 @@ only masks); any other implementation gets the mask transformers' decoder builds
 ``model(...)``'s (tested in float32 and bfloat16, over left padding, dropped rows and the stream's shared cache).
 
 It runs only where that identity is known: the model's causal-LM, decoder, layer and attention classes are those of
-:data:`LEAN_FAMILIES` with their own ``forward`` (a subclass that overrides one is not), attention is the
-no sliding window, no hooks on the modules it bypasses (hooks on the norms, the MoE block, its
-router and experts fire as usual; the causal LM's pre-hooks are run with the call's arguments, as ``__call__`` runs
-them), gradients off, eval mode, one token per row.  Anything else is ``model(...)`` unchanged.
+:data:`LEAN_FAMILIES` with their own ``forward`` (a subclass that overrides one is not), no sliding window, no hooks
+on the modules it bypasses (hooks on the norms, the MoE block, its router and experts fire as usual; the causal LM's
+pre-hooks are run with the call's arguments, as ``__call__`` runs them), gradients off, eval mode, one token per
+row.  The classes are checked again whenever a bypassed module is replaced (an adapter, a patch).  Anything else is
+``model(...)`` unchanged.
 """
 from __future__ import annotations
 
@@ -93,17 +94,33 @@ class DecodeForward:
     def __init__(self, model: torch.nn.Module, *, lean: bool = True):
         self.model = model
         self.cache_kwarg = cache_kwarg(model)
-        self.refusal = "rollout.decode_forward=model" if not lean else lean_refusal(model)
-        self.lean = self.refusal is None
+        self.wanted = bool(lean)
         self.lean_calls = self.model_calls = 0      # which path each call took (tests, benchmarks)
+        self._check()
+
+    def _structure(self) -> tuple:
+        """The modules the lean forward bypasses: the decoder, its layers and their attention (empty for a model
+        without them)."""
+        decoder = getattr(self.model, "model", None)
+        layers = tuple(getattr(decoder, "layers", ()))
+        return (decoder, *layers, *(getattr(l, "self_attn", None) for l in layers))
+
+    def _check(self) -> None:
+        """The static conditions (:func:`lean_refusal`), read again whenever a bypassed module was replaced."""
+        self.refusal = lean_refusal(self.model) if self.wanted else "rollout.decode_forward=model"
+        self.lean = self.refusal is None
+        self._bypassed = self._structure()
         if self.lean:
-            family = LEAN_FAMILIES[model.config.model_type]
+            family = LEAN_FAMILIES[self.model.config.model_type]
             mod = importlib.import_module(family.module)
             self._rope, self._mask, self._eager = (getattr(mod, family.rotary), getattr(mod, family.mask),
                                                    getattr(mod, family.eager))
-            self._bypassed = [model.model, *model.model.layers, *(l.self_attn for l in model.model.layers)]
 
     def _runs_lean(self, input_ids: torch.Tensor) -> bool:
+        if self.wanted:
+            now = self._structure()
+            if len(now) != len(self._bypassed) or any(a is not b for a, b in zip(now, self._bypassed)):
+                self._check()           # a layer or an attention module was swapped since (an adapter, a patch)
         if not self.lean or torch.is_grad_enabled() or self.model.training or input_ids.shape[1] != 1:
             return False
         if nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks or self.model._forward_hooks:

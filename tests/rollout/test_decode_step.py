@@ -184,6 +184,28 @@ def test_what_the_lean_path_does_not_know_goes_through_the_model():
     assert step.lean_calls == 1
 
 
+def test_a_layer_swapped_after_construction_is_checked_again():
+    torch.set_num_threads(1)
+    model, _, _ = _policy()
+    step = DecodeForward(model)
+    ids, am, pos = torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+    layer = model.model.layers[0]
+
+    class Patched(type(layer)):
+        def forward(self, *a, **kw):
+            return super().forward(*a, **kw)
+
+    patched = copy.copy(layer)
+    patched.__class__ = Patched
+    with torch.no_grad():
+        model.model.layers[0] = patched          # swapped after the DecodeForward was built
+        step(ids, am, pos, preallocated_cache(model.config, 4))
+        assert step.model_calls == 1 and "layers" in step.refusal
+        model.model.layers[0] = layer
+        step(ids, am, pos, preallocated_cache(model.config, 4))
+    assert step.lean_calls == 1 and step.refusal is None
+
+
 def test_the_config_key_is_refused_outside_its_choices():
     from offpolicy_moe.config.load import load_config
     from offpolicy_moe.config.validate import ConfigError, validate
