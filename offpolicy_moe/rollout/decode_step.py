@@ -20,8 +20,8 @@ It runs only where that identity is known: the model's causal-LM, decoder, layer
 :data:`LEAN_FAMILIES` with their own ``forward`` (a subclass that overrides one is not), no sliding window, no hooks
 on the modules it bypasses (hooks on the norms, the MoE block, its router and experts fire as usual; the causal LM's
 pre-hooks are run with the call's arguments, as ``__call__`` runs them), gradients off, eval mode, one token per
-row.  The classes are checked again whenever a bypassed module is replaced (an adapter, a patch).  Anything else is
-``model(...)`` unchanged.
+row, and a 2-D mask as wide as the cache after the step.  The classes are checked again whenever a bypassed module
+is replaced (an adapter, a patch).  Anything else is ``model(...)`` unchanged.
 """
 from __future__ import annotations
 
@@ -116,13 +116,16 @@ class DecodeForward:
             self._rope, self._mask, self._eager = (getattr(mod, family.rotary), getattr(mod, family.mask),
                                                    getattr(mod, family.eager))
 
-    def _runs_lean(self, input_ids: torch.Tensor) -> bool:
+    def _runs_lean(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], cache: Any) -> bool:
         if self.wanted:
             now = self._structure()
             if len(now) != len(self._bypassed) or any(a is not b for a, b in zip(now, self._bypassed)):
                 self._check()           # a layer or an attention module was swapped since (an adapter, a patch)
         if not self.lean or torch.is_grad_enabled() or self.model.training or input_ids.shape[1] != 1:
             return False
+        if attention_mask is not None and tuple(attention_mask.shape) != (input_ids.shape[0],
+                                                                           cache.get_seq_length() + 1):
+            return False        # a mask not of the cache's width: transformers' own handling of it, unchanged
         if nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks or self.model._forward_hooks:
             return False
         return not any(m._forward_pre_hooks or m._forward_hooks for m in self._bypassed)
@@ -131,7 +134,7 @@ class DecodeForward:
                  position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         kw = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               self.cache_kwarg: cache, "use_cache": True}
-        if not self._runs_lean(input_ids):
+        if not self._runs_lean(input_ids, attention_mask, cache):
             self.model_calls += 1
             return self.model(**kw).logits
         for hook_id, hook in self.model._forward_pre_hooks.items():     # as Module.__call__ runs them

@@ -333,7 +333,7 @@ class HFRolloutEngine(RolloutEngine):
                                     and use_single_query_decode(self.model))
         self.compact_finished = bool(compact_finished)
         # the native sampler's decode steps: lean where the family's forward is mirrored (rollout/decode_step.py)
-        self.decode = DecodeForward(self.model, lean=getattr(rollout, "decode_forward", "lean") == "lean")
+        self.decode = DecodeForward(self.model, lean=rollout.decode_forward == "lean")
         self._sync_targets = self.model.state_dict(keep_vars=True)     # name -> the engine's own tensor
         self.router_perturb = float(router_perturb)
         self.perturb_seed = int(perturb_seed)

@@ -179,6 +179,12 @@ def test_what_the_lean_path_does_not_know_goes_through_the_model():
         step(ids, am, pos, preallocated_cache(model.config, 4))
     model.eval()
     assert step.model_calls == 3 and step.lean_calls == 0
+    for width in (1, 3):        # a mask not as wide as the cache after the step (2 columns): transformers' handling
+        cache = preallocated_cache(model.config, 4)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[5]]), cache=cache, use_cache=True)
+            step(ids, torch.ones(1, width, dtype=torch.long), pos + 1, cache)
+    assert step.model_calls == 5 and step.lean_calls == 0
     with torch.no_grad():
         step(ids, am, pos, preallocated_cache(model.config, 4))
     assert step.lean_calls == 1
