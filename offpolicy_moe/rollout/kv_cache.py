@@ -8,6 +8,8 @@ length plus the response budget; a longer run grows the buffer by doubling.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -60,16 +62,30 @@ class PreallocatedLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times (the prefill shared by a group's samples)."""
         if self._len:
-            self._kbuf = self._kbuf.repeat_interleave(repeats, dim=0)
-            self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
+            b = self._kbuf.shape[0]
+            self._kbuf = self._rows_copy(self._kbuf, b * repeats,
+                                         lambda filled: filled.repeat_interleave(repeats, dim=0))
+            self._vbuf = self._rows_copy(self._vbuf, b * repeats,
+                                         lambda filled: filled.repeat_interleave(repeats, dim=0))
             self._expose()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices`` (finished rows leave the decode batch)."""
         if self._len:
-            self._kbuf = self._kbuf.index_select(0, indices)
-            self._vbuf = self._vbuf.index_select(0, indices)
+            self._kbuf = self._rows_copy(self._kbuf, indices.numel(), lambda filled: filled.index_select(0, indices))
+            self._vbuf = self._rows_copy(self._vbuf, indices.numel(), lambda filled: filled.index_select(0, indices))
             self._expose()
+
+    def _rows_copy(self, buf: torch.Tensor, rows: int, take: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A buffer of ``rows`` rows and ``buf``'s capacity whose filled columns are ``take(filled)``, ``filled`` =
+        ``buf[:, :, :length]``: only the filled columns are copied (the columns after them are written before they
+        are read, as in a fresh buffer), unless they are over half the capacity, when ``take`` of the whole buffer
+        (one copy) is cheaper than taking the filled part and writing it into a new buffer (two)."""
+        if 2 * self._len > buf.shape[-2]:
+            return take(buf)
+        out = buf.new_empty((rows, *buf.shape[1:]))
+        out[:, :, :self._len] = take(buf[:, :, :self._len])
+        return out
 
     # ---------------------------------------------------------------- per-row use (rollout/slots.py)
     @property

@@ -196,8 +196,8 @@ class SlotSampler:
 
     @property
     def active(self) -> int:
-        """Rows decoding now."""
-        return sum(r is not None for r in self._rows)
+        """Rows decoding now (each occupied row holds one entry of the buffer-row order)."""
+        return len(self._order)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[FinishedSample]:

@@ -4,6 +4,7 @@ identical to ``model.generate``'s on long responses with compaction."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -100,3 +101,32 @@ def test_long_native_samples_equal_generate_with_compaction():
         assert int(lens.min()) < 20 and int(lens.max()) > 20          # compaction happened, long rows remain
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.response_mask, b.response_mask)
         torch.testing.assert_close(a.behav_logp, b.behav_logp, rtol=0, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 24), ops=st.lists(st.tuples(st.sampled_from(["update", "repeat", "select"]),
+                                                         st.integers(1, 5)), min_size=1, max_size=10))
+def test_row_copies_equal_the_dynamic_layer_at_every_fill(capacity, ops):
+    """Row repetition and selection copy only the filled columns while they are at most half the capacity, and the
+    whole buffer past that (two branches): both give the concatenating layer's keys and values, and the buffers keep
+    their capacity."""
+    g = torch.Generator().manual_seed(capacity)
+    dyn, pre = DynamicLayer(), PreallocatedLayer(capacity=capacity)
+    B = 2
+    for op, arg in [("update", 1), *ops]:
+        if op == "update":
+            k, v = torch.randn(B, 2, arg, 3, generator=g), torch.randn(B, 2, arg, 3, generator=g)
+            dyn.update(k, v), pre.update(k, v)
+        elif op == "repeat":
+            if B * arg > 64:
+                continue
+            dyn.batch_repeat_interleave(arg), pre.batch_repeat_interleave(arg)
+            B *= arg
+        else:
+            idx = torch.randint(0, B, (arg,), generator=g)          # rows may repeat (an inverse permutation)
+            allocated = pre.allocated
+            dyn.batch_select_indices(idx), pre.batch_select_indices(idx)
+            B = arg
+            assert pre.allocated == allocated
+        assert torch.equal(dyn.keys, pre.keys) and torch.equal(dyn.values, pre.values)
+        assert pre.keys.shape[0] == B and pre._kbuf.shape[-2] >= pre.get_seq_length()
