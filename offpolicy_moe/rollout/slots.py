@@ -26,7 +26,8 @@ row offsets, the trims) are those of the full-slot decode, so attention runs the
 
 Each sample draws with its own generator seeded by its ``seed``, by the exponential race
 ``x = argmax_v(log_softmax(s)_v - log q_v)``, ``q_v ~ Exp(1)`` (exact sampling from ``softmax(s)``; ``q`` drawn in
-float64 so that no ``q_v`` rounds to 0), so a sample's tokens do not depend on the slot it got or its neighbours.
+float64 so that no ``q_v`` rounds to 0; a row draws its next tokens' ``q`` in one call, :data:`RACE_ELEMENTS`), so a
+sample's tokens do not depend on the slot it got or its neighbours.
 ``behav_logp[t] = log_softmax(s_t)[x_t]`` in float32 on the very scores ``x_t`` was drawn from.
 """
 from __future__ import annotations
@@ -42,10 +43,15 @@ from offpolicy_moe.models.layout import cache_kwarg
 from offpolicy_moe.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 from offpolicy_moe.run.nonfinite import NonFiniteError
 
-__all__ = ["FREE_ROWS", "StreamSample", "FinishedSample", "SlotSampler", "checked_sample", "check_slot_settings"]
+__all__ = ["FREE_ROWS", "RACE_ELEMENTS", "RACE_TOKENS", "StreamSample", "FinishedSample", "SlotSampler", "checked_sample", "check_slot_settings"]
 
 #: free slots fed beside the occupied rows in a decode forward (module docstring: the sgemm kernel classes)
 FREE_ROWS = 3
+#: the most float64 race draws a row holds ahead (its next ``n`` tokens' draws in one call, ``n V <=`` this, at most
+#: :data:`RACE_TOKENS`): one ``exponential_`` call of ``n V`` values gives the values of ``n`` calls of ``V`` in order
+#: (torch's CPU kernel draws serially; tests/streaming/test_slots.py), so the tokens are those of a draw per token
+RACE_ELEMENTS = 1 << 16
+RACE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class _Row:
     """The state of one occupied slot."""
 
     __slots__ = ("sample", "gen", "start", "prompt_len", "tokens", "logps", "versions", "score_version", "routes",
-                 "slot", "row")
+                 "slot", "row", "race", "raced")
 
     def __init__(self, sample: StreamSample, gen: torch.Generator, start: int, score_version: int, slot: int,
                  row: int):
@@ -97,6 +103,17 @@ class _Row:
         self.versions: list[int] = []
         self.score_version = score_version          # version of the forward whose logits this row draws from next
         self.routes: list[torch.Tensor] = []        # [p, L_moe, K] from the prefill, then [1, L_moe, K] per decode
+        self.race: Optional[torch.Tensor] = None    # [n, V] float64 Exp(1) draws of its next tokens (RACE_ELEMENTS)
+        self.raced = 0                              # the rows of ``race`` used
+
+    def next_race(self, vocab: int, ahead: int) -> torch.Tensor:
+        """``[V]`` Exp(1) draws for this row's next token from its own generator, ``ahead`` tokens' drawn at once."""
+        if self.race is None or self.raced == self.race.shape[0]:
+            self.race = torch.empty((ahead, vocab), dtype=torch.float64, device=self.gen.device).exponential_(
+                generator=self.gen)
+            self.raced = 0
+        self.raced += 1
+        return self.race[self.raced - 1]
 
 
 class _SlotLayer(PreallocatedLayer):
@@ -308,8 +325,8 @@ class SlotSampler:
         scores = eng._process_scores(self._logits.index_select(0, idx))
         logp = torch.log_softmax(scores.float(), dim=-1)
         V = logp.shape[-1]
-        race = torch.stack([torch.empty(V, dtype=torch.float64, device=logp.device).exponential_(
-            generator=self._rows[i].gen) for i in act])
+        ahead = max(1, min(RACE_TOKENS, eng.max_new_tokens, RACE_ELEMENTS // V))
+        race = torch.stack([self._rows[i].next_race(V, ahead) for i in act])
         x = torch.argmax(logp.double() - race.log(), dim=-1)
         lp = logp.gather(1, x.unsqueeze(1)).squeeze(1)
         bad = torch.isnan(logp).any(dim=-1)        # NaN or +inf scores, or no finite score: no distribution

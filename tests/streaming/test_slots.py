@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from offpolicy_moe.rollout import slots as slots_module
 from offpolicy_moe.rollout.slots import SlotSampler, StreamSample
 from tests.tiny import rollout_engine
 from tests.streaming.slot_policy import make_policy
@@ -136,6 +137,32 @@ def test_a_samples_tokens_depend_on_its_seed_only(policy):
     eng = rollout_engine(model, tok, dtype="float32", max_new_tokens=MAX_NEW)
     moved = _run(SlotSampler(eng, 4), other)
     assert any(not torch.equal(moved[k].response_ids, outs[4][k].response_ids) for k in moved)
+
+
+@pytest.mark.parametrize("vocab", [1, 20, 151_936])
+def test_one_race_call_gives_the_draws_of_one_call_per_token(vocab):
+    """What drawing a row's next tokens' race in one call rests on: torch's CPU ``exponential_`` draws serially, so
+    ``n`` tokens' values in one ``[n, V]`` call are those of ``n`` calls of ``[V]``, in order."""
+    n = 3
+    one, per = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    at_once = torch.empty((n, vocab), dtype=torch.float64).exponential_(generator=one)
+    each = torch.stack([torch.empty(vocab, dtype=torch.float64).exponential_(generator=per) for _ in range(n)])
+    assert torch.equal(at_once, each)
+
+
+def test_races_drawn_ahead_give_the_tokens_of_a_draw_per_token(policy, monkeypatch):
+    model, tok, task = policy
+    samples = _samples(tok, task, groups=3, per_group=3)
+    outs = {}
+    for ahead in (1, 5, slots_module.RACE_TOKENS):       # 5: a row's race runs out mid-sample and is drawn again
+        monkeypatch.setattr(slots_module, "RACE_TOKENS", ahead)
+        eng = rollout_engine(model, tok, dtype="float32", max_new_tokens=MAX_NEW)
+        outs[ahead] = _run(SlotSampler(eng, 4), samples)
+    for ahead, out in outs.items():
+        assert out.keys() == outs[1].keys()
+        for k in out:
+            assert torch.equal(out[k].response_ids, outs[1][k].response_ids), (ahead, k)
+            assert torch.equal(out[k].behav_logp, outs[1][k].behav_logp), (ahead, k)
 
 
 def test_weights_updated_in_flight_are_versioned_per_token(policy):
