@@ -25,15 +25,13 @@ import time
 
 import torch
 
+from _bench_model import bench_policy
 from _machine import cpu_model
-from offpolicy_moe.config.load import load_config
-from offpolicy_moe.models import load_policy
 from offpolicy_moe.rollout.decode_attention import use_single_query_decode
 from offpolicy_moe.rollout.decode_step import DecodeForward
 from offpolicy_moe.rollout.engine import HFRolloutEngine
 from offpolicy_moe.rollout.greedy import greedy_completions
 from offpolicy_moe.rollout.kv_cache import preallocated_cache
-from offpolicy_moe.tasks import make_task
 
 WAYS = ("lean", "model")
 
@@ -126,14 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                                                 args.max_new_tokens) < 1:
         p.error("--rows, --columns, --repeats, --prompts, --group, --rounds and --max-new-tokens must be >= 1")
     torch.set_num_threads(args.threads)
-    overrides = [*args.set, f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.dtype=float32",
-                 f"rollout.batch_size={args.prompts * args.group}"]
-    if args.model_path:
-        overrides.append(f"model.path={args.model_path}")
-    cfg = load_config(None, overrides)
-    task = make_task(cfg.task)
-    model, tok = load_policy(cfg.model, seed=args.seed, task=task, progress=False)
-    model.eval()
+    cfg, task, model, tok = bench_policy(args)
     print(f"{cpu_model()}; torch {torch.__version__}, {args.threads} thread(s); model {args.model_path or 'embedded'}; "
           f"load average {os.getloadavg()}")
     print("\none decode forward, ms (lean / model, ratio)\n")

@@ -28,14 +28,13 @@ from typing import Iterator
 
 import torch
 
+from _bench_model import bench_policy
 from _machine import cpu_model
-from offpolicy_moe.config.load import load_config
-from offpolicy_moe.models import load_policy
 from offpolicy_moe.rollout import slots as slots_module
 from offpolicy_moe.rollout.engine import HFRolloutEngine
 from offpolicy_moe.rollout.kv_cache import PreallocatedLayer
 from offpolicy_moe.rollout.stream_worker import sample_seed
-from offpolicy_moe.tasks import encode_prompts, make_task
+from offpolicy_moe.tasks import encode_prompts
 
 
 def _whole_repeat(layer: PreallocatedLayer, repeats: int) -> None:
@@ -159,14 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--prompts, --group, --max-new-tokens, --slots, --steps, --forwards, --rounds and --threads must "
                 "be >= 1")
     torch.set_num_threads(args.threads)
-    overrides = [*args.set, f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.dtype=float32",
-                 f"rollout.batch_size={args.prompts * args.group}"]
-    if args.model_path:
-        overrides.append(f"model.path={args.model_path}")
-    cfg = load_config(None, overrides)
-    task = make_task(cfg.task)
-    model, tok = load_policy(cfg.model, seed=args.seed, task=task, progress=False)
-    model.eval()
+    cfg, task, model, tok = bench_policy(args)
     eng = HFRolloutEngine(model, tok, cfg.rollout)
     print(f"{cpu_model()}; torch {torch.__version__}, {args.threads} thread(s); model {args.model_path or 'embedded'}; "
           f"load average {os.getloadavg()}")

@@ -19,7 +19,8 @@ __all__ = ["PreallocatedLayer", "preallocated_cache"]
 
 class PreallocatedLayer(DynamicLayer):
     """A ``DynamicLayer`` that stores keys/values in pre-allocated ``[B, H, capacity, D]`` buffers; ``keys`` and
-    ``values`` are views of the filled ``[:, :, :length]`` part (row selection and repetition copy the buffers)."""
+    ``values`` are views of the filled ``[:, :, :length]`` part (row selection and repetition copy the filled
+    columns into new buffers of the same capacity)."""
 
     def __init__(self, capacity: int):
         super().__init__()

@@ -43,7 +43,8 @@ from offpolicy_moe.models.layout import cache_kwarg
 from offpolicy_moe.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 from offpolicy_moe.run.nonfinite import NonFiniteError
 
-__all__ = ["FREE_ROWS", "RACE_ELEMENTS", "RACE_TOKENS", "StreamSample", "FinishedSample", "SlotSampler", "checked_sample", "check_slot_settings"]
+__all__ = ["FREE_ROWS", "RACE_ELEMENTS", "RACE_TOKENS", "StreamSample", "FinishedSample", "SlotSampler",
+           "checked_sample", "check_slot_settings"]
 
 #: free slots fed beside the occupied rows in a decode forward (module docstring: the sgemm kernel classes)
 FREE_ROWS = 3
